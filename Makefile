@@ -1,0 +1,29 @@
+# The two commands of the README: `make demo` (set up + train the tiny OLMo 3 on CPU) and
+# `make test` (set up + run the test suite). Both create .venv in the repository root.
+PY ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-slow bench
+
+$(STAMP): pyproject.toml requirements.lock
+	$(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	# requirements.lock pins every package the install pulls in, so a fresh machine gets the
+	# versions the tests were run with (torch==2.13.0 is the CPU build on local disk).
+	$(VENV)/bin/pip install --quiet -c requirements.lock -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/olmax demo
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q
+
+test-slow: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m slow
+
+bench: $(STAMP)
+	$(VENV)/bin/python benchmarks/run_all.py

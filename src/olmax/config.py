@@ -1,0 +1,422 @@
+"""Typed, frozen configuration tree with strict overrides.
+
+A recipe (``olmax.recipes``) returns a :class:`Config`. Users change it with
+``--set section.field=value``; every key and every value is checked against the
+dataclass fields before anything is built, and a mistake names the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message that names the field."""
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """YaRN scaling of RoPE, applied to full-attention layers only (as HF runs OLMo 3)."""
+
+    rope_type: Literal["yarn"] = "yarn"
+    factor: float = 8.0
+    original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    # None: derived as 0.1 * ln(factor) + 1 (HF's default); OLMo 3 long-context files set it.
+    attention_factor: float | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 100278
+    # Rows of the embedding and LM head; OLMo-core pads to a multiple of 128. Padded rows are
+    # never a target. None means no padding (== vocab_size).
+    padded_vocab_size: int | None = 100352
+    d_model: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 32
+    head_dim: int = 128
+    mlp_hidden: int = 11008
+    norm_eps: float = 1e-6
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = None
+    # Sliding-window attention: query i sees keys i-W+1..i. Layer i is full attention iff
+    # i % full_attention_every == full_attention_every - 1 (OLMo 3: every 4th layer).
+    sliding_window: int | None = 4096
+    full_attention_every: int = 4
+    max_position_embeddings: int = 65536
+    init_std: float = 0.02
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    # "auto": cuDNN flash attention on GPU, exact reference einsum elsewhere.
+    attention_impl: Literal["auto", "reference", "cudnn", "xla"] = "auto"
+    # Rematerialisation: none, full (save nothing inside a layer), or save only the outputs of
+    # the attention and MLP projections' inputs ("minimal").
+    remat: Literal["none", "full", "minimal"] = "none"
+
+    @property
+    def embedding_rows(self) -> int:
+        return self.padded_vocab_size or self.vocab_size
+
+    def is_full_attention(self, layer: int) -> bool:
+        if self.sliding_window is None:
+            return True
+        k = self.full_attention_every
+        return layer % k == k - 1
+
+    def layer_window(self, layer: int) -> int | None:
+        return None if self.is_full_attention(layer) else self.sliding_window
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    # Token files (raw little-endian arrays, no header) or OLMo-core mix files (``label,path`` lines).
+    paths: tuple[str, ...] = ()
+    # Optional prefix substituted for ``{root}`` in mix-file lines.
+    mix_root: str | None = None
+    sequence_length: int = 8192
+    seed: int = 34521
+    dtype: Literal["uint8", "uint16", "uint32", "uint64"] = "uint32"
+    eos_token_id: int = 100257
+    pad_token_id: int = 100277
+    bos_token_id: int | None = None
+    # Loader worker processes (0 = read in the main process).
+    workers: int = 4
+    prefetch: int = 2
+    # OLMo-core's periodic-sequence filter: an instance with a pattern of period
+    # min..max that repeats >= max_count times keeps its tokens but has every label ignored.
+    repetition_filter: bool = False
+    repetition_min_period: int = 1
+    repetition_max_period: int = 13
+    repetition_max_count: int = 32
+    # Where the cached global order is written (default: beside the run directory).
+    cache_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    # cosine: OLMo-core CosWithWarmup; half_cosine: HalfCosWithWarmup; linear: LinearWithWarmup;
+    # two_part_cosine: stage 1 as AI2 ran it (CosWithWarmup, then HalfCosWithWarmup from
+    # ``switch_step``); constant.
+    name: Literal["cosine", "half_cosine", "linear", "two_part_cosine", "constant"] = "cosine"
+    warmup: int = 2000
+    # Steps the (first) schedule is defined over; None means train.steps.
+    t_max: int | None = None
+    alpha_f: float = 0.1
+    # two_part_cosine only: the step where part 2 starts and part 2's horizon.
+    switch_step: int | None = None
+    t_max_2: int | None = None
+
+
+@dataclass(frozen=True)
+class SkipStepConfig:
+    enabled: bool = True
+    sigma_factor: float = 6.0
+    window: int = 128
+    min_history: int = 64
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    # OLMo 3 decays every parameter except the token embedding.
+    decay_embeddings: bool = False
+    max_grad_norm: float | None = 1.0
+    z_loss: float | None = 1e-5
+    # Adam moments are always fp32 (bf16 moments added +0.93 loss in the published run).
+    moments_dtype: Literal["float32", "bfloat16"] = "float32"
+    skip_step: SkipStepConfig = field(default_factory=SkipStepConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    # Device mesh axes; -1 means "all remaining devices". Product must equal the global count.
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    # Global batch in instances (sequences), fixed whatever the device count.
+    global_batch_size: int = 512
+    # Instances per device per micro-batch; None = whole per-device share at once.
+    micro_batch_size: int | None = None
+    seed: int = 0
+    log_interval: int = 1
+    # Start from converted HF weights: "hf:DIR".
+    init_from: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    interval: int = 1000
+    keep_last: int = 3
+    keep_every: int | None = None
+    async_save: bool = True
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    # Held-out token files (never part of the training index).
+    heldout_paths: tuple[str, ...] = ()
+    interval: int = 10000
+    batches: int = 8
+    batch_size: int = 8
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str = "custom"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Config:
+        return _build(cls, d, "")
+
+    def override(self, assignments: list[str] | tuple[str, ...]) -> Config:
+        """Apply ``key=value`` strings, strictly."""
+        cfg = self
+        for a in assignments:
+            if "=" not in a:
+                raise ConfigError(f"override {a!r} is not of the form key=value (e.g. train.steps=100)")
+            key, raw = a.split("=", 1)
+            cfg = set_value(cfg, key.strip(), raw.strip())
+        return cfg
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate(cfg: Config) -> Config:
+    """Cross-field checks that are cheap and catch mistakes before anything compiles."""
+    m = cfg.model
+    pos = {
+        "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.n_layers": m.n_layers,
+        "model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads, "model.head_dim": m.head_dim,
+        "model.mlp_hidden": m.mlp_hidden, "data.sequence_length": cfg.data.sequence_length,
+        "train.global_batch_size": cfg.train.global_batch_size, "train.steps": cfg.train.steps,
+        "checkpoint.interval": cfg.checkpoint.interval,
+    }
+    for k, v in pos.items():
+        if v <= 0:
+            raise ConfigError(f"{k} must be positive, got {v}")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.n_kv_heads})")
+    if m.head_dim % 2:
+        raise ConfigError(f"model.head_dim ({m.head_dim}) must be even for RoPE")
+    if m.padded_vocab_size is not None and m.padded_vocab_size < m.vocab_size:
+        raise ConfigError(
+            f"model.padded_vocab_size ({m.padded_vocab_size}) is smaller than model.vocab_size ({m.vocab_size})")
+    if m.sliding_window is not None and m.sliding_window <= 0:
+        raise ConfigError(f"model.sliding_window must be positive or null, got {m.sliding_window}")
+    if m.full_attention_every <= 0:
+        raise ConfigError(f"model.full_attention_every must be positive, got {m.full_attention_every}")
+    for name, tid in (("eos_token_id", cfg.data.eos_token_id), ("pad_token_id", cfg.data.pad_token_id),
+                      ("bos_token_id", cfg.data.bos_token_id)):
+        if tid is not None and not 0 <= tid < m.vocab_size:
+            raise ConfigError(f"data.{name} ({tid}) is outside the vocabulary (model.vocab_size={m.vocab_size})")
+    if cfg.optim.moments_dtype != "float32":
+        raise ConfigError(
+            "optim.moments_dtype must be float32: bf16 Adam moments added +0.93 loss within 1000 steps in "
+            "the published OLMo 3 reproduction (the moments silently followed bf16 weights)")
+    s = cfg.optim.schedule
+    if s.name == "two_part_cosine" and (s.switch_step is None or s.t_max_2 is None):
+        raise ConfigError("optim.schedule.two_part_cosine needs optim.schedule.switch_step and optim.schedule.t_max_2")
+    if s.warmup < 0:
+        raise ConfigError(f"optim.schedule.warmup must be >= 0, got {s.warmup}")
+    return cfg
+
+
+# --------------------------------------------------------------------------- machinery
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return [_to_plain(x) for x in obj]
+    return obj
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unknown_key(path: str, key: str, valid: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean {(path + close[0])!r}?" if close else f"; valid keys: {', '.join(valid)}"
+    return ConfigError(f"unknown config key {(path + key)!r}{hint}")
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    """Check/convert ``value`` (from YAML or a dict) to the field type ``tp``."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(a, value, where)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value in args:
+            return value
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v] if value else []
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return tuple(_coerce(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping for {tp.__name__}, got {value!r}")
+        return _build(tp, value, where + ".")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected bool, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{where}: expected int, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where}: expected float, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected str, got {value!r}")
+    raise ConfigError(f"{where}: unsupported field type {tp}")
+
+
+def _build(cls: type, d: dict[str, Any], path: str) -> Any:
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in d.items():
+        if k not in names:
+            raise _unknown_key(path, k, names)
+        kwargs[k] = _coerce(hints[k], v, path + k)
+    return cls(**kwargs)
+
+
+def _parse_scalar(raw: str) -> Any:
+    """Parse a command-line value with YAML rules (1e-4, true, null, [a, b])."""
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        return raw
+    if isinstance(value, str):
+        # YAML 1.1 reads "1e-4" (no dot) as a string; numbers are what users mean.
+        for conv in (int, float):
+            try:
+                return conv(value)
+            except ValueError:
+                pass
+    return value
+
+
+def set_value(cfg: Any, dotted: str, raw: Any) -> Any:
+    """Return a copy of ``cfg`` with the field at ``dotted`` set, checking key and type."""
+    parts = dotted.split(".")
+    return _set(cfg, parts, raw, "")
+
+
+def _set(obj: Any, parts: list[str], raw: Any, path: str) -> Any:
+    cls = type(obj)
+    names = [f.name for f in dataclasses.fields(cls)]
+    key = parts[0]
+    if key not in names:
+        raise _unknown_key(path, key, names)
+    tp = _hints(cls)[key]
+    where = path + key
+    if len(parts) == 1:
+        value = _parse_scalar(raw) if isinstance(raw, str) else raw
+        # A string field must stay a string even when YAML would read "123" as a number.
+        if isinstance(raw, str) and _accepts_str(tp) and not isinstance(value, (str, type(None))):
+            value = raw
+        if isinstance(raw, str) and _is_str_tuple(tp) and isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        return dataclasses.replace(obj, **{key: _coerce(tp, value, where)})
+    child = getattr(obj, key)
+    if child is None:
+        # Optional sub-section (e.g. model.rope_scaling): start from its defaults.
+        sub = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        if not sub:
+            raise ConfigError(f"{where} is not a section; cannot set {where}.{parts[1]}")
+        child = sub[0]()
+    if not dataclasses.is_dataclass(child):
+        raise ConfigError(f"{where} is a value, not a section; cannot set {where}.{'.'.join(parts[1:])}")
+    return dataclasses.replace(obj, **{key: _set(child, parts[1:], raw, where + ".")})
+
+
+def _accepts_str(tp: Any) -> bool:
+    if tp is str:
+        return True
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and str in typing.get_args(tp)
+
+
+def _is_str_tuple(tp: Any) -> bool:
+    return typing.get_origin(tp) is tuple and typing.get_args(tp)[:1] == (str,)
+
+
+def load_yaml(path: str) -> Config:
+    with open(path) as f:
+        d = yaml.safe_load(f)
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: expected a YAML mapping of config sections")
+    try:
+        return Config.from_dict(d)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None

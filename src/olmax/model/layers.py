@@ -1,0 +1,125 @@
+"""Building blocks of OLMo 3, as pure functions.
+
+Einsum legend: b batch, t query position, s key position, d d_model, f MLP hidden,
+h query heads, k kv heads, g query heads per kv head (h = k*g), e head dim, v vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from olmax.config import ModelConfig
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm as OLMo-core/HF: fp32 compute, weight multiplied in fp32, then cast back."""
+    dtype = x.dtype
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * y).astype(dtype)
+
+
+# --------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(cfg: ModelConfig, full_attention: bool) -> tuple[np.ndarray, float]:
+    """Inverse frequencies (fp32) and the cos/sin scale for one layer type.
+
+    YaRN applies to full-attention layers only, as transformers runs OLMo 3's long-context
+    checkpoints; sliding layers keep plain RoPE. Computed in numpy at trace time (constants)."""
+    dim, base = cfg.head_dim, cfg.rope_theta
+    exponents = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+    pos_freqs = np.power(np.float32(base), exponents, dtype=np.float32)
+    inv_freq = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    ys = cfg.rope_scaling
+    if ys is None or not full_attention:
+        return inv_freq, 1.0
+    factor = ys.factor
+    attn_factor = ys.attention_factor if ys.attention_factor is not None else (
+        0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(ys.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(ys.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(ys.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation = (np.float32(1) - ramp).astype(np.float32)
+    interpolation = (np.float32(1.0) / (np.float32(factor) * pos_freqs)).astype(np.float32)
+    inv = interpolation * (np.float32(1) - extrapolation) + inv_freq * extrapolation
+    return inv.astype(np.float32), float(attn_factor)
+
+
+def rope_cos_sin(cfg: ModelConfig, positions: jax.Array, full_attention: bool) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables [t, e] in fp32 (rotate-half layout: frequencies concatenated twice)."""
+    inv_freq, scale = rope_inv_freq(cfg, full_attention)
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb) * scale, jnp.sin(emb) * scale
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [b, t, n, e]; ``x*cos + rotate_half(x)*sin`` with ``rotate_half(x) = cat(-x2, x1)``."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rot = jnp.concatenate([-x2, x1], axis=-1)
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    out = x.astype(jnp.float32) * c + rot.astype(jnp.float32) * s
+    return out.astype(x.dtype)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def attention_mask(t: int, s: int, window: int | None) -> jax.Array:
+    """Causal (and sliding-window) mask [t, s]: query q sees key k iff ``q - W < k <= q``."""
+    q = jnp.arange(t)[:, None]
+    k = jnp.arange(s)[None, :]
+    allowed = k <= q
+    if window is not None:
+        allowed &= k > q - window
+    return allowed
+
+
+def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None) -> jax.Array:
+    """Exact attention that materialises [t, s] scores; for CPU, tests and short sequences.
+    q [b, t, h, e], k/v [b, s, k, e] -> [b, t, h, e]. Softmax in fp32."""
+    b, t, h, e = q.shape
+    kv = k.shape[2]
+    g = h // kv
+    qg = q.reshape(b, t, kv, g, e)
+    scores = jnp.einsum("btkge,bske->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (e ** -0.5)
+    mask = attention_mask(t, k.shape[1], window)
+    scores = jnp.where(mask[None, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bske->btkge", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, e).astype(q.dtype)
+
+
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, implementation: str) -> jax.Array:
+    """``jax.nn.dot_product_attention`` (cuDNN flash attention on GPU): no [t, s] matrix per head.
+    ``local_window_size=(W-1, 0)`` because query i sees W keys *including itself*; (W, 0) would
+    be one key too many."""
+    local = None if window is None else (window - 1, 0)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
+                                        implementation=implementation)
+
+
+def attention_impl(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    return "cudnn" if jax.default_backend() == "gpu" else "reference"
+
+
+def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+    """``down(silu(gate(x)) * up(x))``."""
+    g = jnp.einsum("btd,df->btf", x, gate)
+    u = jnp.einsum("btd,df->btf", x, up)
+    return jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, down)

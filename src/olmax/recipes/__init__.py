@@ -1,0 +1,32 @@
+"""Named recipes: each returns a typed, frozen :class:`olmax.config.Config`."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Callable
+
+from olmax.config import Config, ConfigError, validate
+from olmax.recipes.olmo3 import olmo3_7b_stage1, olmo3_7b_stage2, olmo3_7b_stage3, olmo3_32b
+from olmax.recipes.tiny import tiny
+
+RECIPES: dict[str, Callable[[], Config]] = {
+    "tiny": tiny,
+    "olmo3_7b_stage1": olmo3_7b_stage1,
+    "olmo3_7b_stage2": olmo3_7b_stage2,
+    "olmo3_7b_stage3": olmo3_7b_stage3,
+    "olmo3_32b": olmo3_32b,
+}
+
+
+def get_recipe(name: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Resolve a recipe by name (or a YAML file of a resolved config) and apply overrides."""
+    if name.endswith((".yaml", ".yml")):
+        from olmax.config import load_yaml
+        cfg = load_yaml(name)
+    elif name in RECIPES:
+        cfg = RECIPES[name]()
+    else:
+        close = difflib.get_close_matches(name, list(RECIPES), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"unknown recipe {name!r}{hint} (known: {', '.join(RECIPES)}, or a .yaml file)")
+    return validate(cfg.override(list(overrides)))
