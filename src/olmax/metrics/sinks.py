@@ -1,0 +1,284 @@
+"""Metric sinks: ``RUN_DIR/metrics.jsonl`` (always), TensorBoard events, and a progress bar.
+
+Every row carries ``step``, the 1-based count of optimizer updates, so that step N in the
+metrics is the update whose result checkpoint N holds. Only process 0 should own sinks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+import numpy as np
+
+# Short key -> logged name. OLMo-core's names, plus the tags the MaxText reproduction added so
+# every reference metric has a counterpart ("*_maxtext" carry the same value under its name).
+METRIC_NAMES: dict[str, str] = {
+    "ce_loss": "train/CE loss",
+    "z_loss": "train/Z loss",
+    "grad_norm": "optim/total grad norm",          # before clipping
+    "lr": "optim/LR (group 0)",
+    "step_skipped": "optim/step skipped",
+    "step_skipped_maxtext": "optim/step_skipped",
+    "total_tokens": "throughput/total tokens",
+    "total_tokens_maxtext": "perf/total_tokens",
+    "tps_device": "throughput/device/TPS",
+    "mfu": "throughput/MFU",
+}
+# Short keys whose value is also logged under a second (MaxText) name by ``named``.
+COUNTERPARTS: dict[str, str] = {"step_skipped": "step_skipped_maxtext", "total_tokens": "total_tokens_maxtext"}
+
+
+def named(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Map short keys (``ce_loss``) to logged names, adding the MaxText counterparts; keys that
+    are already full names (containing ``/``) pass through."""
+    out: dict[str, Any] = {}
+    for k, v in values.items():
+        if k in METRIC_NAMES:
+            out[METRIC_NAMES[k]] = v
+            if k in COUNTERPARTS:
+                out[METRIC_NAMES[COUNTERPARTS[k]]] = v
+        elif "/" in k:
+            out[k] = v
+        else:
+            raise KeyError(f"unknown metric key {k!r}; known: {', '.join(METRIC_NAMES)} (or a full 'group/name')")
+    return out
+
+
+def to_scalar(name: str, value: Any) -> int | float:
+    """Python, numpy or jax scalar -> int (integers, bools) or float."""
+    arr = np.asarray(value)  # fetches a jax array from the device
+    if arr.size != 1:
+        raise ValueError(f"metric {name!r} is not a scalar (shape {arr.shape})")
+    if arr.dtype.kind in "biu":
+        return int(arr.reshape(()))
+    if arr.dtype.kind == "f" or "float" in arr.dtype.name:
+        return float(arr.reshape(()))  # ml_dtypes floats (bf16) report kind "V"
+    raise TypeError(f"metric {name!r} has non-numeric type {type(value).__name__}")
+
+
+class Sink(Protocol):
+    def write(self, step: int, values: Mapping[str, int | float]) -> None: ...
+    def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- JSONL
+
+
+class JsonlSink:
+    """One JSON object per line, ``{"step": N, name: value, ...}``, flushed at every write.
+
+    Opening an existing file appends (resume). Call ``truncate_after(N)`` when resuming from
+    checkpoint N so rows a crashed run wrote past N go, and the file equals an uninterrupted
+    run's. Non-finite values are written as ``NaN``/``Infinity`` (Python's json; not strict JSON).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._drop_partial_tail()
+        self._f: TextIO | None = open(self.path, "a", encoding="utf-8")
+
+    def write(self, step: int, values: Mapping[str, int | float]) -> None:
+        assert self._f is not None, "write after close"
+        self._f.write(json.dumps({"step": step, **values}) + "\n")
+        self._f.flush()
+
+    def truncate_after(self, step: int) -> None:
+        """Keep only rows with ``step <= step``; the rewrite is atomic (tmp file + rename)."""
+        if self._f is not None:
+            self._f.close()
+        if self.path.exists():
+            lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+            kept = [ln for ln in lines if ln.endswith("\n") and not _row_after(ln, step)]
+            if kept != lines:
+                tmp = self.path.with_name(self.path.name + ".tmp")
+                with open(tmp, "w", encoding="utf-8") as f:
+                    f.writelines(kept)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.path)
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def _drop_partial_tail(self) -> None:
+        # A crash mid-write leaves an unterminated last line; appending to it would corrupt the
+        # next row too. Everything before the last newline is kept.
+        if not self.path.exists():
+            return
+        with open(self.path, "rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                f.truncate(data.rfind(b"\n") + 1)
+
+    def flush(self) -> None:
+        if self._f is not None:
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def _row_after(line: str, step: int) -> bool:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return False  # not ours to judge: keep it
+    return isinstance(row, dict) and isinstance(row.get("step"), (int, float)) and row["step"] > step
+
+
+# --------------------------------------------------------------------------- TensorBoard
+
+
+class TensorBoardSink:
+    """Scalars in TensorBoard event files, tags exactly as named (spaces and brackets kept).
+
+    ``truncate_after(N)`` (before the first write, on resume from checkpoint N) makes TensorBoard
+    hide the steps > N a crashed run wrote (tensorboardX's ``purge_step``).
+    """
+
+    def __init__(self, logdir: str | os.PathLike, purge_step: int | None = None):
+        self.logdir = Path(logdir)
+        self._purge_step = purge_step
+        self._writer: Any = None
+
+    def truncate_after(self, step: int) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        self._purge_step = step + 1
+
+    def _get(self) -> Any:
+        if self._writer is None:
+            from tensorboardX import SummaryWriter
+            # Event file names carry whole seconds only; a second writer in the same second would
+            # truncate the first file (opened "wb"). The ns suffix keeps names distinct and ordered.
+            self._writer = SummaryWriter(str(self.logdir), purge_step=self._purge_step,
+                                         filename_suffix=f".{time.time_ns()}.{os.getpid()}")
+        return self._writer
+
+    def write(self, step: int, values: Mapping[str, int | float]) -> None:
+        from tensorboardX.proto.summary_pb2 import Summary
+        # SummaryWriter.add_scalar rewrites tags ("train/CE loss" -> "train/CE_loss"); writing
+        # the Summary proto ourselves keeps the names identical to metrics.jsonl and OLMo-core.
+        summary = Summary(value=[Summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()])
+        self._get().file_writer.add_summary(summary, step)
+
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+# --------------------------------------------------------------------------- logger
+
+
+class MetricsLogger:
+    """Fan one row of metrics out to every sink. ``None`` values are skipped."""
+
+    def __init__(self, sinks: Sequence[Sink]):
+        self.sinks = list(sinks)
+
+    def log(self, step: int, values: Mapping[str, Any]) -> None:
+        row = {k: to_scalar(k, v) for k, v in values.items() if v is not None}
+        for s in self.sinks:
+            s.write(int(step), row)
+
+    def truncate_after(self, step: int) -> None:
+        """On resume from checkpoint ``step``: drop what a crashed run logged past it."""
+        for s in self.sinks:
+            if hasattr(s, "truncate_after"):
+                s.truncate_after(step)
+
+    def flush(self) -> None:
+        for s in self.sinks:
+            if hasattr(s, "flush"):
+                s.flush()
+
+    def close(self) -> None:
+        for s in self.sinks:
+            s.close()
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class ProgressBar:
+    """A tqdm bar with ETA, loss and tokens/s on a terminal. When ``file`` is not a TTY (logs),
+    tqdm stays silent and a plain line is printed every ``every`` steps (and at the last step).
+    ``force=True`` shows the bar anyway, ``force=False`` never shows it."""
+
+    def __init__(self, total_steps: int, initial_step: int = 0, *, every: int = 10,
+                 file: TextIO | None = None, force: bool | None = None):
+        self.total = total_steps
+        self.initial = initial_step
+        self.every = max(1, every)
+        self.file = file if file is not None else sys.stderr
+        self.step = initial_step
+        self._t0 = time.perf_counter()
+        is_tty = bool(getattr(self.file, "isatty", lambda: False)())
+        self.use_bar = is_tty if force is None else force
+        self._bar: Any = None
+        if self.use_bar:
+            from tqdm import tqdm
+            self._bar = tqdm(total=total_steps, initial=initial_step, file=self.file, unit="step",
+                             dynamic_ncols=True, smoothing=0.1)
+
+    def update(self, step: int, loss: float | None = None, tokens_per_sec: float | None = None) -> None:
+        """``step``: updates done so far (1-based)."""
+        self.step = step
+        post = []
+        if loss is not None:
+            post.append(f"loss {float(loss):.4f}")
+        if tokens_per_sec is not None:
+            post.append(f"{_si(float(tokens_per_sec))} tok/s")
+        if self._bar is not None:
+            self._bar.set_postfix_str(", ".join(post), refresh=False)
+            self._bar.update(step - self._bar.n)
+        elif step % self.every == 0 or step == self.total:
+            elapsed = time.perf_counter() - self._t0
+            done = step - self.initial
+            eta = (self.total - step) * elapsed / done if done > 0 else math.nan
+            pct = 100.0 * step / self.total if self.total else 100.0
+            line = f"step {step}/{self.total} ({pct:.1f}%)"
+            if post:
+                line += " " + " ".join(post)
+            line += f" elapsed {_hms(elapsed)} eta {_hms(eta)}"
+            print(line, file=self.file, flush=True)
+
+    def write(self, message: str) -> None:
+        """Print a line without breaking the bar."""
+        if self._bar is not None:
+            self._bar.write(message, file=self.file)
+        else:
+            print(message, file=self.file, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def _hms(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"

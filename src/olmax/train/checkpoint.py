@@ -1,0 +1,346 @@
+"""Checkpoints of the training state, on top of Orbax.
+
+Numbering contract (pinned by tests; the published reproduction got this wrong):
+
+    Checkpoint ``N`` holds the state after ``N`` optimizer updates, and a run resumed from it
+    trains global batch index ``N`` (0-based) next. Checkpoint 0 is the initial state.
+
+The MaxText reproduction wrote directory N after iteration N (0-based) had run, so the model
+resumed at update N+1 while the loader restarted at batch N: every later step used the previous
+step's batch, invisibly on the loss curve. With this contract the loop saves ``step`` = number of
+updates applied so far, and on resume sets both its update counter and its data position to N.
+
+Layout: ``RUN_DIR/checkpoints/<N>/{state,meta}``. ``state`` is the pytree of arrays (params,
+optimizer state, skip-step history, ...), ``meta`` a JSON item (data state, RNG, resolved config,
+dataset fingerprint, versions). Both are items of one Orbax checkpoint, so they are committed
+together: Orbax writes into ``<N>.orbax-checkpoint-tmp`` and renames it to ``<N>`` only when
+everything is on disk, so a checkpoint is complete or invisible.
+
+Nothing already written is destroyed: saving a step that already exists is skipped (``save``
+returns False and logs a warning); it never overwrites.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import yaml
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from olmax.config import CheckpointConfig, Config, ConfigError
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+# Keys of the meta item that this module reads (the loop writes them).
+META_STEP = "step"
+META_CONFIG = "config_yaml"             # resolved config, YAML text (Config.to_yaml())
+META_FINGERPRINT = "fingerprint"        # dataset fingerprint
+# Model fields that do not change what the parameters are: they may differ on resume (e.g. an
+# elastic resume onto other accelerators with another attention kernel or remat policy).
+NON_ARCH_MODEL_FIELDS = frozenset({"compute_dtype", "attention_impl", "remat", "init_std",
+                                   "max_position_embeddings"})
+
+_STATE, _META = "state", "meta"
+_MAX_LISTED = 12
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used for this run; the message names the field or parameter."""
+
+
+class Checkpointer:
+    """Saves and restores ``RUN_DIR/checkpoints/<N>`` with Orbax (see the module docstring)."""
+
+    def __init__(self, run_dir: str | os.PathLike, ckpt_cfg: CheckpointConfig, *, read_only: bool = False):
+        if ckpt_cfg.interval <= 0:
+            raise CheckpointError(f"checkpoint.interval must be positive, got {ckpt_cfg.interval}")
+        if ckpt_cfg.keep_last < 1:
+            # keep_last=0 would delete the checkpoint just written, leaving nothing to resume from.
+            raise CheckpointError(f"checkpoint.keep_last must be >= 1, got {ckpt_cfg.keep_last}")
+        if ckpt_cfg.keep_every is not None and ckpt_cfg.keep_every <= 0:
+            raise CheckpointError(f"checkpoint.keep_every must be positive or null, got {ckpt_cfg.keep_every}")
+        self.cfg = ckpt_cfg
+        self.directory = Path(run_dir).absolute() / CHECKPOINT_DIR
+        pp = ocp.checkpoint_managers
+        # Orbax's policies express "last K plus every M-th" exactly: a step survives if any keeps it.
+        policies = [pp.LatestN(ckpt_cfg.keep_last)]
+        if ckpt_cfg.keep_every is not None:
+            policies.append(pp.EveryNSteps(ckpt_cfg.keep_every))
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=ckpt_cfg.async_save,
+            preservation_policy=pp.AnyPreservationPolicy(policies),
+            # A leftover <N>.orbax-checkpoint-tmp is a save that died; it is never a checkpoint.
+            # Readers (tools) must not delete it: it may be a live run's save in progress.
+            cleanup_tmp_directories=not read_only,
+            read_only=read_only,
+            create=not read_only,
+        )
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={_STATE: ocp.StandardCheckpointHandler(), _META: ocp.JsonCheckpointHandler()})
+
+    # ------------------------------------------------------------------ queries
+
+    def should_save(self, step: int) -> bool:
+        """True on the regular interval (the loop adds SIGTERM/SIGINT and the final step itself)."""
+        return step % self.cfg.interval == 0
+
+    def all_steps(self) -> list[int]:
+        """Steps of complete checkpoints, ascending. Includes this process's saves still in
+        flight (they are committed or fail; ``restore`` waits for them)."""
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, step: int, state: Mapping[str, Any], meta: Mapping[str, Any], force: bool = False) -> bool:
+        """Save the state after ``step`` updates (resume trains batch ``step`` next).
+
+        Saves only when ``should_save(step)`` or ``force``. Returns False (and writes nothing)
+        when skipped, including when checkpoint ``step`` already exists: an existing checkpoint
+        is never overwritten. With ``async_save`` this returns once the arrays are copied to host
+        memory, so the caller may donate or overwrite ``state`` right away.
+        """
+        if step < 0:
+            raise ValueError(f"checkpoint step must be >= 0 (updates applied), got {step}")
+        if not force and not self.should_save(step):
+            return False
+        if step in self.all_steps():
+            log.warning("checkpoint %d already exists in %s; not overwriting it", step, self.directory)
+            return False
+        if META_STEP in meta and meta[META_STEP] != step:
+            raise ValueError(f"meta[{META_STEP!r}]={meta[META_STEP]!r} disagrees with the checkpoint step {step}")
+        meta = {META_STEP: step, **meta}
+        _check_json(meta, "meta")  # fail here, not in a background thread
+        self._manager.save(step, args=ocp.args.Composite(
+            **{_STATE: ocp.args.StandardSave(dict(state)), _META: ocp.args.JsonSave(meta)}), force=True)
+        return True
+
+    def wait(self) -> None:
+        """Block until asynchronous saves are committed (re-raises their errors)."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ restore
+
+    def restore(self, step: int, abstract_state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Restore checkpoint ``step`` into the shapes, dtypes and shardings of ``abstract_state``.
+
+        ``abstract_state`` is a pytree of ``jax.ShapeDtypeStruct`` whose ``.sharding`` may use a
+        different mesh or device count than at save time (elastic resume); a leaf without a
+        sharding is restored replicated on all devices. Any difference in tree structure, shape
+        or dtype is a ``CheckpointError`` naming the parameters (never a silent cast or pad).
+        """
+        self.wait()
+        steps = self.all_steps()
+        if step not in steps:
+            raise CheckpointError(f"no complete checkpoint {step} in {self.directory} (available: {steps or 'none'})")
+        stored = self._manager.item_metadata(step)[_STATE]
+        _check_against_metadata(step, stored.tree if stored is not None else None, abstract_state)
+        target = jax.tree.map(_with_sharding, dict(abstract_state))
+        out = self._manager.restore(step, args=ocp.args.Composite(
+            **{_STATE: ocp.args.StandardRestore(target), _META: ocp.args.JsonRestore()}))
+        return dict(out[_STATE]), dict(out[_META] or {})
+
+    @staticmethod
+    def read_meta(run_dir: str | os.PathLike, step: int | None = None) -> dict[str, Any]:
+        """The meta item of checkpoint ``step`` (default: the latest), without reading arrays."""
+        ckpt = Checkpointer(run_dir, CheckpointConfig(), read_only=True)
+        try:
+            steps = ckpt.all_steps()
+            if step is None:
+                if not steps:
+                    raise CheckpointError(f"no complete checkpoint in {ckpt.directory}")
+                step = steps[-1]
+            if step not in steps:
+                raise CheckpointError(f"no complete checkpoint {step} in {ckpt.directory} (available: {steps or 'none'})")
+            out = ckpt._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
+            return dict(out[_META] or {})
+        finally:
+            ckpt.close()
+
+    # ------------------------------------------------------------------ compatibility
+
+    @staticmethod
+    def check_compatible(meta: Mapping[str, Any], cfg: Config, *, fingerprint: str | None = None,
+                         ignore: frozenset[str] = NON_ARCH_MODEL_FIELDS) -> None:
+        """Raise ``CheckpointError`` unless the checkpoint's resolved model config equals ``cfg.model``
+        (fields in ``ignore`` excepted) and, when ``fingerprint`` is given, the dataset fingerprint
+        matches. Call it before building or compiling anything."""
+        step = meta.get(META_STEP, "?")
+        saved = _saved_model(meta)
+        if saved is None:
+            raise CheckpointError(f"checkpoint {step} has no resolved config (meta[{META_CONFIG!r}]); "
+                                  "cannot check that it belongs to this model")
+        current = cfg.to_dict()["model"]
+        diffs = [d for d in _diff(saved, current, "model") if d[0].split(".")[1] not in ignore]
+        if diffs:
+            lines = "; ".join(f"{k}: checkpoint {a!r}, config {b!r}" for k, a, b in diffs)
+            raise CheckpointError(
+                f"checkpoint {step} is of a different model: {lines}. Set these fields back "
+                "(--set key=value) or train in a new --run-dir")
+        if fingerprint is not None:
+            old = meta.get(META_FINGERPRINT, meta.get("dataset_fingerprint"))
+            if old != fingerprint:
+                raise CheckpointError(
+                    f"checkpoint {step} was trained on another dataset: fingerprint checkpoint {old!r}, "
+                    f"current data {fingerprint!r}. Restore the original data.paths (and sequence length, "
+                    "dtype, token ids), or start a new --run-dir")
+
+
+# ---------------------------------------------------------------------- helpers
+
+def _saved_model(meta: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The model section of the checkpoint's resolved config (YAML text or a dict)."""
+    for key in (META_CONFIG, "config"):
+        raw = meta.get(key)
+        cfg = yaml.safe_load(raw) if isinstance(raw, str) else raw
+        if isinstance(cfg, dict) and isinstance(cfg.get("model"), dict):
+            return cfg["model"]
+    model = meta.get("model")
+    return model if isinstance(model, dict) else None
+
+
+def _with_sharding(leaf: Any) -> Any:
+    if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None:
+        # Replicated over every device (global, so this is also right with several processes).
+        mesh = Mesh(np.asarray(jax.devices()), ("all",))
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, P()))
+    return leaf
+
+
+def _name(path: tuple[Any, ...]) -> str:
+    return ".".join(ocp.tree.str_keypath(path))  # the names Orbax gives stored arrays
+
+
+def _listed(names: list[str]) -> str:
+    more = f" (+{len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else ""
+    return ", ".join(names[:_MAX_LISTED]) + more
+
+
+def _check_against_metadata(step: int, stored_tree: Any, abstract: Any) -> None:
+    """Compare names, shapes and dtypes before Orbax does (its errors do not name the parameter)."""
+    stored = {getattr(m, "name", None): m for m in jax.tree.leaves(stored_tree)}
+    stored.pop(None, None)
+    wanted = {_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    problems = []
+    missing = sorted(set(wanted) - set(stored))
+    extra = sorted(set(stored) - set(wanted))
+    if missing:
+        problems.append(f"not in the checkpoint: {_listed(missing)}")
+    if extra:
+        problems.append(f"in the checkpoint but not in this run's state: {_listed(extra)}")
+    mismatched = []
+    for name in sorted(set(wanted) & set(stored)):
+        want, have = wanted[name], stored[name]
+        if not hasattr(want, "shape"):
+            continue  # Python scalars restore as whatever was saved
+        ws, hs = tuple(want.shape), tuple(getattr(have, "shape", ()) or ())
+        wd, hd = np.dtype(want.dtype), getattr(have, "dtype", None)
+        if ws != hs:
+            mismatched.append(f"{name} shape: checkpoint {hs}, requested {ws}")
+        elif hd is not None and np.dtype(hd) != wd:
+            mismatched.append(f"{name} dtype: checkpoint {np.dtype(hd).name}, requested {wd.name}")
+    if mismatched:
+        problems.append("; ".join(mismatched[:_MAX_LISTED]) + (
+            f" (+{len(mismatched) - _MAX_LISTED} more)" if len(mismatched) > _MAX_LISTED else ""))
+    if problems:
+        raise CheckpointError(f"checkpoint {step} does not match this run's state: " + " | ".join(problems)
+                              + ". Is it a checkpoint of another model or another olmax version?")
+
+
+def _diff(a: Any, b: Any, path: str) -> list[tuple[str, Any, Any]]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in list(a) + [k for k in b if k not in a]:
+            out += _diff(a.get(k, "<absent>"), b.get(k, "<absent>"), f"{path}.{k}")
+        return out
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        a, b = list(a), list(b)
+    return [] if a == b else [(path, a, b)]
+
+
+def _check_json(obj: Any, path: str) -> None:
+    """Name the first value json cannot store (e.g. bytes, numpy ints) instead of json's bare error."""
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{path}: key {k!r} is not a string (JSON object keys must be)")
+            _check_json(v, f"{path}[{k!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _check_json(v, f"{path}[{i}]")
+    elif not (obj is None or isinstance(obj, (str, bool, int, float))):
+        raise TypeError(f"{path} is a {type(obj).__name__}, which is not JSON-serialisable "
+                        "(convert numpy/jax scalars with int()/float(), arrays with .tolist())")
+    if path == "meta":
+        json.dumps(obj)
+
+
+# ---------------------------------------------------------------------- signals
+
+class StopSignal:
+    """SIGTERM/SIGINT set a flag so the loop can save a checkpoint and exit cleanly.
+
+    A SIGINT after a stop was requested raises ``KeyboardInterrupt`` (Ctrl-C twice = now).
+    The previous handlers come back on ``close()`` or on leaving the ``with`` block. Handlers
+    can only be installed from the main thread; elsewhere this is inert (``requested`` stays False).
+    """
+
+    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            for s in signals:
+                self._old[s] = signal.signal(s, self._handle)
+        else:
+            log.warning("StopSignal created outside the main thread: SIGTERM/SIGINT will not be caught")
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if self.signum is None:
+            self.signum = signum
+        # os.write, not print/logging: a signal handler may interrupt a write to the same stream.
+        os.write(2, f"\nolmax: received {signal.Signals(signum).name}; saving a checkpoint and stopping "
+                    "after this step (Ctrl-C again to abort now)\n".encode())
+
+    def close(self) -> None:
+        for s, old in self._old.items():
+            # None: the old handler was not set from Python; the default is the closest we can do.
+            signal.signal(s, old if old is not None else signal.SIG_DFL)
+        self._old = {}
+
+    def __enter__(self) -> StopSignal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
