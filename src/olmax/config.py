@@ -118,6 +118,9 @@ class ScheduleConfig:
     # two_part_cosine only: the step where part 2 starts and part 2's horizon.
     switch_step: int | None = None
     t_max_2: int | None = None
+    # two_part_cosine only: HalfCosWithWarmup's "warmup" in part 2; None = switch_step (continuous
+    # with part 1). Set it apart from switch_step to replay a resume from an earlier checkpoint.
+    part2_warmup: int | None = None
 
 
 @dataclass(frozen=True)
