@@ -13,6 +13,11 @@ from olmax.config import ConfigError
 # Modules that add subcommands, in help order.
 COMMAND_MODULES = [
     "olmax.commands",
+    "olmax.train.commands",
+    "olmax.data.commands",
+    "olmax.compat.commands",
+    "olmax.verify.commands",
+    "olmax.eval.commands",
 ]
 
 
@@ -28,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    from olmax.eval.commands import register_compare
+    register_compare(sub)
     return parser
 
 

@@ -165,8 +165,12 @@ class TrainConfig:
     micro_batch_size: int | None = None
     seed: int = 0
     log_interval: int = 1
-    # Start from converted HF weights: "hf:DIR".
+    # Warm start: "hf:DIR" (HF weights), "olmax:PATH" (olmax weights) or "state:PATH" (weights and
+    # Adam moments of a checkpoint, step reset: stage 2 from stage 1).
     init_from: str | None = None
+    # Append each process's global instance ids per step to RUN_DIR/instance_ids.p<r>.jsonl
+    # (audits of what every process actually read).
+    trace_instance_ids: bool = False
 
 
 @dataclass(frozen=True)
@@ -184,6 +188,9 @@ class EvalConfig:
     interval: int = 10000
     batches: int = 8
     batch_size: int = 8
+    # A reference run (run dir, metrics.jsonl, TSV or W&B CSV) for the in-loop memorisation alarm:
+    # training loss improving on the reference while held-out loss does not.
+    reference: str | None = None
 
 
 @dataclass(frozen=True)

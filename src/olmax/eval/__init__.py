@@ -1,0 +1,1 @@
+"""Evaluation: held-out loss on fixed batches (in-loop and offline)."""

@@ -1,0 +1,604 @@
+"""Compare runs with each other or with a reference curve: plots, milestone table, alarm, report.
+
+Inputs (``read_runs``):
+
+- an olmax run directory or its ``metrics.jsonl`` (training loss ``train/CE loss``; every
+  numeric ``eval/...`` key is a held-out metric; ``M [batch i]`` keys are M's per-batch values);
+- a TSV with a header holding a step column (``step``, ``_step``, ``Step``, ``global_step``) and a
+  loss column (``loss``, or a name containing ``CE loss`` or ``train/loss``), or headerless
+  ``step<TAB>loss`` lines;
+- an exported W&B CSV (``_step`` or ``Step`` column; loss column as above; W&B's ``__MIN`` /
+  ``__MAX`` columns ignored; several runs in one export, ``RUN - train/CE loss``, become several
+  runs labelled ``RUN``).
+
+Alignment: a run's gap at its logged step s is ``loss(s) - baseline(s)``, the baseline (the
+``--reference`` if given, else the first run) linearly interpolated at s inside its own step
+range (exact where both logged s; never extrapolated). Gaps are binned on shared equal-width
+step bins (``bins`` per comparison) and smoothed with a centred moving average over ``smooth``
+bins, as the published figure.
+
+Milestone table: one row per (step, metric) where any run logged an ``eval/...`` metric, values
+side by side, ``delta = run - baseline`` at the same step (exact step match; held-out batches are
+identical for both runs). Uncertainty ``se``:
+
+- ``paired per-batch``: both runs logged per-batch values (``HeldoutEvaluator(per_batch=True)``):
+  standard error of the mean of the per-batch differences (std ddof=1 / sqrt(n));
+- otherwise none (a single aggregate per run has no spread).
+
+A ``train/CE loss`` row at each milestone gives the mean training gap over the window
+``(step - bin_width, step]`` with the standard error of that mean (``se_method: window``).
+
+Outputs in ``out``: ``loss.png``, ``gap.png``, ``report.md``, ``report.html`` (PNGs embedded as
+data URIs) and ``summary.json``; the summary is also what ``olmax compare --json`` prints::
+
+    {"baseline": LABEL, "baseline_is_reference": bool,
+     "runs": [{"label", "source", "train_points", "first_step", "last_step", "eval_metrics"}],
+     "bin_width": int, "smooth": int, "heldout_metric": str | null,
+     "gaps": {LABEL: {"points", "mean", "se", "last_bin": {...} | null, "min_bin": {...} | null,
+                      "bins": [{"start", "end", "n", "mean", "se", "smoothed"}]}},
+     "milestones": [{"step", "metric", "values": {LABEL: float | null},
+                     "deltas": {LABEL: {"delta", "se", "se_method"}}}],
+     "alarms": {LABEL: AlarmResult.to_dict()},     # olmax.eval.alarm
+     "files": {"loss_png", "gap_png", "report_md", "report_html", "summary_json"}}
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from olmax.eval.alarm import ALARM, AlarmConfig, AlarmResult, check_memorisation
+
+TRAIN_KEY = "train/CE loss"
+HELDOUT_KEY = "eval/heldout/CE loss"
+STEP_COLUMNS = ("step", "_step", "Step", "global_step", "trainer/global_step")
+_PER_BATCH = re.compile(r"^(.*) \[batch (\d+)\]$")
+_WANDB_SUFFIX = ("__MIN", "__MAX", "__min", "__max")
+
+
+@dataclass
+class Run:
+    label: str
+    source: str
+    steps: np.ndarray                                     # int64, sorted, unique
+    loss: np.ndarray                                      # float64, training CE loss
+    evals: dict[str, dict[int, float]] = field(default_factory=dict)
+    per_batch: dict[str, dict[int, list[float]]] = field(default_factory=dict)
+
+    def train_points(self) -> list[tuple[int, float]]:
+        return [(int(s), float(v)) for s, v in zip(self.steps, self.loss)]
+
+    def eval_points(self, metric: str | None) -> list[tuple[int, float]]:
+        return sorted(self.evals.get(metric, {}).items()) if metric else []
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _num(x: Any) -> float | None:
+    if x is None or isinstance(x, bool):
+        return None
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _is_loss_name(name: str) -> bool:
+    n = name.split(" - ")[-1]
+    if n.endswith(_WANDB_SUFFIX) or "eval/" in n:
+        return False
+    return "CE loss" in n or "train/loss" in n or n.strip().lower() == "loss"
+
+
+def _loss_rank(name: str) -> int:
+    n = name.split(" - ")[-1]
+    return 0 if n == TRAIN_KEY else 1 if "CE loss" in n else 2 if "train/loss" in n else 3
+
+
+def _build(label: str, source: str, rows: list[tuple[int, float | None, dict[str, float]]]) -> Run:
+    """Rows of (step, loss or None, {eval metric: value}); a repeated step keeps its last row."""
+    train: dict[int, float] = {}
+    evals: dict[str, dict[int, float]] = {}
+    per: dict[str, dict[int, dict[int, float]]] = {}
+    for step, loss, ev in rows:
+        if loss is not None:
+            train[step] = loss
+        for k, v in ev.items():
+            m = _PER_BATCH.match(k)
+            if m:
+                per.setdefault(m.group(1), {}).setdefault(step, {})[int(m.group(2))] = v
+            else:
+                evals.setdefault(k, {})[step] = v
+    if not train and not evals:
+        raise ValueError(f"{source}: no training loss ({TRAIN_KEY}) and no eval/... metrics found")
+    steps = np.array(sorted(train), dtype=np.int64)
+    return Run(label, source, steps, np.array([train[s] for s in steps], dtype=np.float64), evals,
+               {m: {s: [d[i] for i in sorted(d)] for s, d in by.items()} for m, by in per.items()})
+
+
+def _read_jsonl(path: Path, label: str) -> Run:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                if not line.endswith("\n"):
+                    continue   # a crashed writer's partial last line
+                raise ValueError(f"{path}:{n}: not a JSON object") from None
+            step = _num(row.get("step")) if isinstance(row, dict) else None
+            if step is None:
+                continue
+            loss = _num(row.get(TRAIN_KEY))
+            ev = {k: v for k, v in ((k, _num(v)) for k, v in row.items() if k.startswith("eval/")) if v is not None}
+            rows.append((int(step), loss, ev))
+    return _build(label, str(path), rows)
+
+
+def _read_table(path: Path, label: str | None, default: str, delimiter: str) -> list[Run]:
+    with open(path, encoding="utf-8", newline="") as f:
+        lines = [r for r in csv.reader(f, delimiter=delimiter) if r and any(c.strip() for c in r)]
+    if not lines:
+        raise ValueError(f"{path}: empty file")
+    head = [c.strip() for c in lines[0]]
+    if all(_num(c) is not None for c in head):   # headerless "step<TAB>loss"
+        if len(head) < 2:
+            raise ValueError(f"{path}: expected step and loss columns")
+        rows = [(int(float(r[0])), _num(r[1]), {}) for r in lines if len(r) > 1 and _num(r[0]) is not None]
+        return [_build(label or default, str(path), rows)]
+    step_col = next((head.index(c) for c in STEP_COLUMNS if c in head), None)
+    if step_col is None:
+        raise ValueError(f"{path}: no step column (one of {', '.join(STEP_COLUMNS)}) in header {head}")
+    loss_cols = sorted((i for i, c in enumerate(head) if _is_loss_name(c)), key=lambda i: _loss_rank(head[i]))
+    eval_cols = [i for i, c in enumerate(head) if "eval/" in c and not c.endswith(_WANDB_SUFFIX)]
+    if not loss_cols and not eval_cols:
+        raise ValueError(f"{path}: no loss column (a name containing 'CE loss' or 'train/loss', or 'loss') "
+                         f"in header {head}")
+    # W&B puts several runs side by side as "RUN - metric"; one run per prefix.
+    prefixes: dict[str, list[int]] = {}
+    for i in loss_cols:
+        prefixes.setdefault(head[i].split(" - ")[0] if " - " in head[i] else "", []).append(i)
+    if not prefixes:
+        prefixes[""] = []
+    runs = []
+    for pre, cols in prefixes.items():
+        lc = cols[0] if cols else None
+        ecols = [i for i in eval_cols if (head[i].split(" - ")[0] if " - " in head[i] else "") == pre]
+        rows = []
+        for r in lines[1:]:
+            step = _num(r[step_col]) if step_col < len(r) else None
+            if step is None:
+                continue
+            loss = _num(r[lc]) if lc is not None and lc < len(r) else None
+            ev = {head[i][head[i].index("eval/"):]: _num(r[i]) for i in ecols if i < len(r)}
+            rows.append((int(step), loss, {k: v for k, v in ev.items() if v is not None}))
+        if len(prefixes) > 1:
+            name = f"{label}/{pre}" if label else pre
+        else:
+            name = label or pre or default
+        runs.append(_build(name, str(path), rows))
+    return runs
+
+
+def read_runs(path: str | Path, label: str | None = None) -> list[Run]:
+    """Every run in ``path`` (a run directory, ``metrics.jsonl``, a TSV or a W&B CSV)."""
+    p = Path(path)
+    if p.is_dir():
+        if not (p / "metrics.jsonl").is_file():
+            raise FileNotFoundError(f"{p}: no metrics.jsonl (expected an olmax run directory)")
+        return [_read_jsonl(p / "metrics.jsonl", label or p.name)]
+    if not p.is_file():
+        raise FileNotFoundError(f"{p} does not exist")
+    default = p.parent.name if p.name == "metrics.jsonl" else p.stem
+    with open(p, encoding="utf-8", errors="replace") as f:
+        first = f.readline().lstrip()
+    if p.suffix in (".jsonl", ".json") or first.startswith("{"):
+        return [_read_jsonl(p, label or default)]
+    if p.suffix == ".csv":
+        return _read_table(p, label, default, ",")
+    return _read_table(p, label, default, "\t" if "\t" in first else ",")
+
+
+def read_run(path: str | Path, label: str | None = None) -> Run:
+    runs = read_runs(path, label)
+    if len(runs) != 1:
+        raise ValueError(f"{path} holds {len(runs)} runs ({', '.join(r.label for r in runs)}); expected one")
+    return runs[0]
+
+
+# --------------------------------------------------------------------------- alignment and gaps
+
+
+def gap(run: Run, base: Run) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, run - baseline) at the run's steps inside the baseline's range (interpolated)."""
+    if len(run.steps) == 0 or len(base.steps) == 0:
+        return np.zeros(0, np.int64), np.zeros(0)
+    inside = (run.steps >= base.steps[0]) & (run.steps <= base.steps[-1])
+    s = run.steps[inside]
+    return s, run.loss[inside] - np.interp(s, base.steps, base.loss)
+
+
+def bin_edges(lo: int, hi: int, bins: int) -> tuple[np.ndarray, int]:
+    """Equal-width integer bins ``(start, end]`` covering ``lo..hi``."""
+    width = max(1, math.ceil((hi - lo + 1) / max(1, bins)))
+    return lo - 1 + width * np.arange(math.ceil((hi - lo + 1) / width) + 1), width
+
+
+def bin_gap(steps: np.ndarray, gaps: np.ndarray, edges: np.ndarray, smooth: int = 5) -> list[dict[str, Any]]:
+    """Mean, standard error and count per bin ``(start, end]``, plus a centred moving average."""
+    out = []
+    for a, b in zip(edges[:-1], edges[1:]):
+        g = gaps[(steps > a) & (steps <= b)]
+        se = float(g.std(ddof=1) / math.sqrt(len(g))) if len(g) >= 2 else None
+        out.append({"start": int(a) + 1, "end": int(b), "n": int(len(g)),
+                    "mean": float(g.mean()) if len(g) else None, "se": se})
+    means = np.array([np.nan if r["mean"] is None else r["mean"] for r in out])
+    h = max(0, smooth) // 2
+    for i, r in enumerate(out):
+        w = means[max(0, i - h): i + h + 1]
+        w = w[~np.isnan(w)]
+        r["smoothed"] = float(w.mean()) if len(w) and r["mean"] is not None else None
+    return out
+
+
+def window_gap(steps: np.ndarray, gaps: np.ndarray, end: int, width: int) -> tuple[float | None, float | None, int]:
+    """Mean gap over ``(end - width, end]``, its standard error and the count."""
+    g = gaps[(steps > end - width) & (steps <= end)]
+    if len(g) == 0:
+        return None, None, 0
+    return float(g.mean()), (float(g.std(ddof=1) / math.sqrt(len(g))) if len(g) >= 2 else None), int(len(g))
+
+
+def paired_delta(a: Sequence[float], b: Sequence[float]) -> tuple[float, float | None]:
+    """Mean of per-batch differences a_i - b_i and its standard error (identical batches)."""
+    d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
+    return float(d.mean()), (float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) >= 2 else None)
+
+
+def milestone_table(runs: Sequence[Run], base: Run, width: int) -> list[dict[str, Any]]:
+    """Rows of held-out metrics at eval steps, with deltas against ``base`` (module docstring)."""
+    everyone = [base, *[r for r in runs if r is not base]]
+    metrics = sorted({m for r in everyone for m in r.evals})
+    steps = sorted({s for r in everyone for m in r.evals.values() for s in m})
+    rows = []
+    for step in steps:
+        # Training gap at the milestone, so held-out deltas can be read against it.
+        tr = {"step": step, "metric": TRAIN_KEY, "values": {}, "deltas": {}}
+        for r in everyone:
+            m, _, n = window_gap(r.steps, r.loss, step, width) if len(r.steps) else (None, None, 0)
+            tr["values"][r.label] = m
+            if r is not base:
+                g, se, n = window_gap(*gap(r, base), step, width)
+                if g is not None:
+                    tr["deltas"][r.label] = {"delta": g, "se": se, "se_method": "window"}
+        if tr["deltas"]:
+            rows.append(tr)
+        for metric in metrics:
+            values = {r.label: r.evals.get(metric, {}).get(step) for r in everyone}
+            if all(v is None for v in values.values()):
+                continue
+            deltas = {}
+            b = values[base.label]
+            for r in everyone[1:]:
+                v = values[r.label]
+                if v is None or b is None:
+                    continue
+                se, method = None, None
+                pa, pb = r.per_batch.get(metric, {}).get(step), base.per_batch.get(metric, {}).get(step)
+                if pa and pb and len(pa) == len(pb):
+                    _, se = paired_delta(pa, pb)
+                    method = "paired per-batch"
+                deltas[r.label] = {"delta": v - b, "se": se, "se_method": method}
+            rows.append({"step": step, "metric": metric, "values": values, "deltas": deltas})
+    return rows
+
+
+def pick_heldout_metric(runs: Sequence[Run], base: Run, metric: str | None = None) -> str | None:
+    """``metric`` if given, else ``eval/heldout/CE loss``, else the first ``eval/.../CE loss`` the
+    baseline and a run both logged."""
+    if metric:
+        return metric
+    common = set(base.evals) & {m for r in runs if r is not base for m in r.evals}
+    if HELDOUT_KEY in common:
+        return HELDOUT_KEY
+    cands = sorted(m for m in common if m.endswith("CE loss"))
+    return cands[0] if cands else None
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _figure(rows: int = 1, height: float = 4.0):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(9, height * rows), dpi=100)
+    FigureCanvasAgg(fig)   # Agg canvas without pyplot: no global backend state, no display
+    return fig
+
+
+def _ylim(values: list[np.ndarray]) -> tuple[float, float] | None:
+    # Early steps (loss ~ ln V) would flatten everything after; show the range past the first 5%.
+    tails = [v[len(v) // 20:] for v in values if len(v)]
+    if not tails:
+        return None
+    allv = np.concatenate(tails)
+    lo, hi = float(allv.min()), float(np.quantile(allv, 0.99))
+    pad = 0.05 * max(hi - lo, 1e-6)
+    return lo - pad, hi + pad
+
+
+def plot_loss(runs: Sequence[Run], base: Run, base_is_ref: bool, heldout: str | None, path: Path) -> None:
+    everyone = [base, *[r for r in runs if r is not base]]
+    has_eval = heldout is not None and any(r.evals.get(heldout) for r in everyone)
+    fig = _figure(2 if has_eval else 1, 3.6)
+    ax = fig.add_subplot(2 if has_eval else 1, 1, 1)
+    for r in everyone:
+        if len(r.steps):
+            ref = r is base and base_is_ref
+            ax.plot(r.steps, r.loss, lw=1.6 if ref else 1.0, color="black" if ref else None,
+                    ls="--" if ref else "-", label=r.label + (" (reference)" if ref and r.label != "reference" else ""))
+    lim = _ylim([r.loss for r in everyone])
+    if lim:
+        ax.set_ylim(*lim)
+    ax.set_ylabel(TRAIN_KEY)
+    ax.set_title("training loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    if has_eval:
+        ax2 = fig.add_subplot(2, 1, 2, sharex=ax)
+        for r in everyone:
+            pts = r.eval_points(heldout)
+            if pts:
+                s, v = zip(*pts)
+                ref = r is base and base_is_ref
+                ax2.plot(s, v, marker="o", ms=4, color="black" if ref else None, ls="--" if ref else "-",
+                         label=r.label)
+        ax2.set_ylabel(heldout)
+        ax2.set_xlabel("step")
+        ax2.set_title("held-out loss (identical batches)")
+        ax2.grid(alpha=0.3)
+        ax2.legend(fontsize=8)
+    else:
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def plot_gap(gaps: dict[str, list[dict]], heldout_gaps: dict[str, list[tuple[int, float]]], base_label: str,
+             threshold: float, path: Path, alarms: dict[str, dict] | None = None) -> None:
+    fig = _figure(1, 4.2)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.axhline(0.0, color="black", lw=0.8)
+    ax.axhspan(-threshold, threshold, color="grey", alpha=0.15, label=f"+-{threshold:g} nats")
+    for i, (label, bins) in enumerate(gaps.items()):
+        color = f"C{i}"
+        xs = [(b["start"] + b["end"]) / 2 for b in bins if b["mean"] is not None]
+        if xs:
+            ax.errorbar(xs, [b["mean"] for b in bins if b["mean"] is not None],
+                        yerr=[b["se"] or 0.0 for b in bins if b["mean"] is not None],
+                        fmt="o", ms=3, color=color, alpha=0.45, label=f"{label}: train gap per bin (+-SE)")
+            ax.plot(xs, [b["smoothed"] for b in bins if b["mean"] is not None], color=color, lw=1.8,
+                    label=f"{label}: smoothed")
+        hg = heldout_gaps.get(label)
+        if hg:
+            s, v = zip(*hg)
+            ax.plot(s, v, marker="D", ms=6, ls=":", color=color, label=f"{label}: held-out gap")
+        first = (alarms or {}).get(label, {}).get("first_fired_step")
+        if first is not None:
+            ax.axvline(first, color="red", lw=1.2, ls="--", label=f"{label}: memorisation alarm")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"loss - {base_label} (nats)")
+    ax.set_title(f"gap vs {base_label} (negative = better than {base_label})")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _fmt(x: Any, digits: int = 4) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def _delta_cell(d: dict | None) -> str:
+    if not d:
+        return "-"
+    s = f"{d['delta']:+.4f}"
+    if d["se"] is not None:
+        s += f" +- {d['se']:.4f}"
+    return s
+
+
+def _tables(summary: dict) -> tuple[list[str], list[list[str]]]:
+    labels = [summary["baseline"]] + [r["label"] for r in summary["runs"] if r["label"] != summary["baseline"]]
+    others = labels[1:]
+    headers = ["step", "metric", *labels, *[f"delta {o}" for o in others]]
+    rows = []
+    for row in summary["milestones"]:
+        rows.append([str(row["step"]), row["metric"] + (" (window mean)" if row["metric"] == TRAIN_KEY else ""),
+                     *[_fmt(row["values"].get(lb)) for lb in labels],
+                     *[_delta_cell(row["deltas"].get(o)) for o in others]])
+    return headers, rows
+
+
+def _sections(summary: dict) -> list[tuple[str, list[tuple[str, Any]]]]:
+    """Report content as (title, [(kind, payload)]) shared by the Markdown and HTML writers."""
+    base = summary["baseline"]
+    runs = [r for r in summary["runs"] if r["label"] != base]
+    kind = " (the reference curve)" if summary["baseline_is_reference"] else " (the first run)"
+    intro = (f"Baseline: **{base}**" + kind +
+             f". Runs: {', '.join(r['label'] for r in runs) or 'none'}. Gap = run - baseline, baseline linearly "
+             f"interpolated at the run's steps; bins of {summary['bin_width']} steps, smoothed over "
+             f"{summary['smooth']} bins.")
+    alarm = []
+    for label, a in summary["alarms"].items():
+        alarm.append(("alert" if a["status"] == ALARM else "p", a["message"]))
+    if not alarm:
+        alarm.append(("p", "No run to check against a baseline."))
+    gap_rows = []
+    for label, g in summary["gaps"].items():
+        lb, mb = g["last_bin"], g["min_bin"]
+        gap_rows.append([label, str(g["points"]), _fmt(g["mean"]), _fmt(g["se"]),
+                         "-" if not lb else f"{lb['mean']:+.4f} ({lb['start']}..{lb['end']})",
+                         "-" if not mb else f"{mb['mean']:+.4f} ({mb['start']}..{mb['end']})"])
+    headers, rows = _tables(summary)
+    ms_note = ("delta +- se: held-out rows use the standard error of the paired per-batch differences when both "
+               "runs logged per-batch values (otherwise no se); train rows use the standard error of the mean "
+               f"gap over the {summary['bin_width']}-step window ending at the milestone.")
+    return [
+        ("Run comparison", [("p", intro)]),
+        ("Memorisation alarm", alarm),
+        ("Loss", [("img", "loss.png")]),
+        ("Gap", [("img", "gap.png"),
+                 ("table", (["run", "aligned points", "mean gap", "se", "last bin", "lowest bin"], gap_rows))]),
+        ("Held-out milestones", [("table", (headers, rows)) if rows else ("p", "No eval/... metrics logged."),
+                                 ("p", ms_note)]),
+    ]
+
+
+def write_markdown(summary: dict, path: Path) -> None:
+    out = []
+    for i, (title, items) in enumerate(_sections(summary)):
+        out.append(("# " if i == 0 else "## ") + title + "\n")
+        for kind, x in items:
+            if kind == "p":
+                out.append(x + "\n")
+            elif kind == "alert":
+                out.append(f"> **{x}**\n")
+            elif kind == "img":
+                out.append(f"![{x}]({x})\n")
+            elif kind == "table":
+                h, rows = x
+                out.append("| " + " | ".join(h) + " |\n|" + "---|" * len(h))
+                out += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
+                out.append("")
+    path.write_text("\n".join(out) + "\n", encoding="utf-8")
+
+
+def write_html(summary: dict, path: Path, out_dir: Path) -> None:
+    e = html.escape
+    out = ["<!doctype html><html><head><meta charset='utf-8'><title>olmax compare</title><style>"
+           "body{font-family:sans-serif;max-width:1000px;margin:2em auto}table{border-collapse:collapse}"
+           "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px}.alert{background:#fdd;border:2px solid "
+           "#c00;padding:1em;font-weight:bold}img{max-width:100%}</style></head><body>"]
+    for i, (title, items) in enumerate(_sections(summary)):
+        out.append(f"<h{1 if i == 0 else 2}>{e(title)}</h{1 if i == 0 else 2}>")
+        for kind, x in items:
+            if kind == "p":
+                out.append("<p>" + re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", e(x)) + "</p>")
+            elif kind == "alert":
+                out.append(f"<div class='alert'>{e(x)}</div>")
+            elif kind == "img":
+                # Embedded, so the HTML file is the whole report.
+                data = base64.b64encode((out_dir / x).read_bytes()).decode()
+                out.append(f"<img alt='{e(x)}' src='data:image/png;base64,{data}'>")
+            elif kind == "table":
+                h, rows = x
+                out.append("<table><tr>" + "".join(f"<th>{e(c)}</th>" for c in h) + "</tr>")
+                out += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in r) + "</tr>" for r in rows]
+                out.append("</table>")
+    out.append("</body></html>")
+    path.write_text("\n".join(out), encoding="utf-8")
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _unique(labels: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for lb in labels:
+        seen[lb] = seen.get(lb, 0) + 1
+        out.append(lb if seen[lb] == 1 else f"{lb}#{seen[lb]}")
+    return out
+
+
+def load_inputs(paths: Sequence[str], reference: str | None = None, labels: Sequence[str] | None = None,
+                reference_label: str = "reference") -> tuple[list[Run], Run | None]:
+    if not paths:
+        raise ValueError("give at least one run or metrics file to compare")
+    if labels and len(labels) != len(paths):
+        raise ValueError(f"--labels: {len(labels)} labels for {len(paths)} inputs")
+    runs: list[Run] = []
+    for i, p in enumerate(paths):
+        runs += read_runs(p, labels[i] if labels else None)
+    ref = read_run(reference, reference_label) if reference else None
+    names = _unique([r.label for r in runs] + ([ref.label] if ref else []))
+    for r, n in zip(runs + ([ref] if ref else []), names):
+        r.label = n
+    return runs, ref
+
+
+def compare(paths: Sequence[str], reference: str | None = None, *, labels: Sequence[str] | None = None,
+            out: str | Path = "compare-report", bins: int = 50, smooth: int = 5,
+            alarm: AlarmConfig = AlarmConfig(), heldout_metric: str | None = None,
+            reference_label: str = "reference") -> dict[str, Any]:
+    """Read, align, plot and report; returns the summary (keys in the module docstring)."""
+    runs, ref = load_inputs(paths, reference, labels, reference_label)
+    base = ref or runs[0]
+    if len(base.steps) == 0:
+        raise ValueError(f"{base.source}: the baseline has no training loss to compare against")
+    others = [r for r in runs if r is not base]
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    all_steps = np.concatenate([r.steps for r in [base, *others] if len(r.steps)])
+    edges, width = bin_edges(int(all_steps.min()), int(all_steps.max()), bins)
+    window = alarm.window or width
+    held = pick_heldout_metric(others, base, heldout_metric)
+
+    gaps, bins_by_run, held_gaps, alarms = {}, {}, {}, {}
+    for r in others:
+        s, g = gap(r, base)
+        b = bin_gap(s, g, edges, smooth)
+        filled = [x for x in b if x["mean"] is not None]
+        gaps[r.label] = {"points": int(len(g)), "mean": float(g.mean()) if len(g) else None,
+                         "se": float(g.std(ddof=1) / math.sqrt(len(g))) if len(g) >= 2 else None,
+                         "last_bin": filled[-1] if filled else None,
+                         "min_bin": min(filled, key=lambda x: x["mean"]) if filled else None, "bins": b}
+        bins_by_run[r.label] = b
+        if held:
+            bh = base.evals.get(held, {})
+            held_gaps[r.label] = [(st, v - bh[st]) for st, v in r.eval_points(held) if st in bh]
+        res: AlarmResult = check_memorisation(r.train_points(), base.train_points(), r.eval_points(held),
+                                              base.eval_points(held), alarm, label=r.label, reference=base.label,
+                                              window=window)
+        alarms[r.label] = res.to_dict()
+
+    files = {"loss_png": str(out_dir / "loss.png"), "gap_png": str(out_dir / "gap.png"),
+             "report_md": str(out_dir / "report.md"), "report_html": str(out_dir / "report.html"),
+             "summary_json": str(out_dir / "summary.json")}
+    summary = {
+        "baseline": base.label, "baseline_is_reference": ref is not None,
+        "runs": [{"label": r.label, "source": r.source, "train_points": int(len(r.steps)),
+                  "first_step": int(r.steps[0]) if len(r.steps) else None,
+                  "last_step": int(r.steps[-1]) if len(r.steps) else None,
+                  "eval_metrics": sorted(r.evals)} for r in [*runs, *([ref] if ref else [])]],
+        "bin_width": int(width), "smooth": int(smooth), "heldout_metric": held,
+        "gaps": gaps, "milestones": milestone_table(others, base, window), "alarms": alarms, "files": files,
+    }
+    plot_loss(others, base, ref is not None, held, out_dir / "loss.png")
+    plot_gap(bins_by_run, held_gaps, base.label, alarm.threshold, out_dir / "gap.png", alarms)
+    write_markdown(summary, out_dir / "report.md")
+    write_html(summary, out_dir / "report.html", out_dir)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    return summary

@@ -1,0 +1,237 @@
+"""Multi-domain perplexity, Paloma style: loss, perplexity and bits per byte per named domain.
+
+A domain is a list of token files plus the raw UTF-8 byte count of the text they came from
+(``olmax tokenize`` manifests record token counts, not text bytes, so the bytes are given):
+
+- ``NAME=PATH[,PATH...]:BYTES`` on the command line; a PATH may be a token file, a folder or
+  ``manifest.json`` written by ``olmax tokenize`` (expanded to its files), or a mix file.
+  ``:BYTES`` may be left out when every manifest named records ``text_bytes``.
+- a YAML/JSON file ``{NAME: {paths: [...], bytes: N}}`` (relative paths are taken from the
+  file's folder).
+
+Windows are fixed (``olmax.eval.heldout``): each file is cut on its own into windows of L
+tokens, the first ``batches * batch_size`` windows in file order are scored (all whole batches
+when ``batches`` is None). Two checkpoints therefore see identical batches.
+
+Scoring: every label of a window (positions 1..L-1) is scored with the model's distribution over
+the *real* vocabulary (logits sliced to ``model.vocab_size``, as an HF model or Paloma sees it;
+``olmax eval loss`` uses the training loss over the padded rows instead).
+
+Bits per byte: ``total nats / ln 2 / bytes_scored`` where
+``bytes_scored = bytes * tokens_scored / tokens_total``: a scored token stands for the domain's
+average bytes per token (``tokens_total`` counts every token in the files, EOS included).
+When every token of the domain is scored this is exactly Paloma's ``nats / ln 2 / bytes``.
+
+JSON keys (``olmax eval domains --json`` and ``DomainEvaluator.evaluate_detailed``)::
+
+    {"domains": {NAME: {"loss", "perplexity", "bits_per_byte", "tokens_scored", "tokens_total",
+                        "windows", "bytes", "bytes_scored", "files"}},
+     "macro": {"loss", "perplexity", "bits_per_byte"},      # unweighted means over domains
+     "micro": {"loss", "perplexity", "bits_per_byte"},      # pooled over all scored tokens
+     "seq_len", "batch_size", "batches"}
+
+In-loop metric names (``evaluate``): ``{prefix}/{NAME}/CE loss``, ``.../PPL``,
+``.../bits per byte``, and the same under ``{prefix}/macro/``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from functools import lru_cache, partial
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from olmax.config import Config, ConfigError, MeshConfig
+from olmax.eval.heldout import check_batch_divides, fixed_batches, heldout_windows, put_batch, safe_exp
+from olmax.model.olmo3 import forward
+
+RESERVED = ("macro", "micro")
+
+
+@dataclass(frozen=True)
+class Domain:
+    name: str
+    paths: tuple[str, ...]
+    bytes: int          # raw UTF-8 bytes of the text the token files hold
+
+
+def _check_name(name: str, where: str) -> str:
+    if not name or "/" in name or name in RESERVED:
+        raise ConfigError(f"{where}: domain name {name!r} must be non-empty, without '/', and not "
+                          f"{' or '.join(RESERVED)}")
+    return name
+
+
+def _manifest_text_bytes(path: str) -> int | None:
+    m = Path(path) / "manifest.json" if os.path.isdir(path) else Path(path)
+    if m.suffix != ".json" or not m.is_file():
+        return None
+    try:
+        tb = json.loads(m.read_text()).get("text_bytes")
+    except (OSError, ValueError):
+        return None
+    return int(tb) if isinstance(tb, (int, float)) else None
+
+
+def _domain(name: str, paths: Sequence[str], nbytes: Any, where: str) -> Domain:
+    _check_name(name, where)
+    if not paths:
+        raise ConfigError(f"{where}: domain {name!r} has no token files")
+    if nbytes is None:
+        found = [_manifest_text_bytes(p) for p in paths]
+        if any(b is None for b in found):
+            raise ConfigError(f"{where}: domain {name!r} needs the raw UTF-8 byte count of its text "
+                              f"(write {name}=PATHS:BYTES, or bytes: N in a YAML file)")
+        nbytes = sum(found)  # type: ignore[arg-type]
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+        raise ConfigError(f"{where}: domain {name!r}: bytes must be a positive integer, got {nbytes!r}")
+    return Domain(name, tuple(str(p) for p in paths), nbytes)
+
+
+def parse_domain(spec: str) -> list[Domain]:
+    """One ``--domain`` argument: ``NAME=PATHS[:BYTES]`` or a YAML/JSON file of domains."""
+    if "=" not in spec:
+        if spec.endswith((".yaml", ".yml", ".json")):
+            return load_domain_file(spec)
+        raise ConfigError(f"--domain {spec!r}: expected NAME=PATH[,PATH...]:BYTES or a .yaml file")
+    name, rest = spec.split("=", 1)
+    nbytes: Any = None
+    head, sep, tail = rest.rpartition(":")
+    if sep and tail.replace("_", "").isdigit():
+        rest, nbytes = head, int(tail)
+    return [_domain(name.strip(), [p for p in rest.split(",") if p], nbytes, f"--domain {spec!r}")]
+
+
+def load_domain_file(path: str | os.PathLike) -> list[Domain]:
+    """``{NAME: {paths: [...], bytes: N}}`` from YAML or JSON; relative paths from the file's folder."""
+    import yaml
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"domain file {p} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML ({e})") from None
+    if not isinstance(data, dict) or not data:
+        raise ConfigError(f"{p}: expected a mapping {{name: {{paths: [...], bytes: N}}}}")
+    out = []
+    for name, d in data.items():
+        if not isinstance(d, dict) or not isinstance(d.get("paths"), (list, str)):
+            raise ConfigError(f"{p}: domain {name!r} needs 'paths' (a list) and 'bytes'")
+        extra = set(d) - {"paths", "bytes"}
+        if extra:
+            raise ConfigError(f"{p}: domain {name!r} has unknown keys {sorted(extra)} (allowed: paths, bytes)")
+        paths = [d["paths"]] if isinstance(d["paths"], str) else d["paths"]
+        paths = [str(x) if os.path.isabs(str(x)) else str(p.parent / str(x)) for x in paths]
+        out.append(_domain(str(name), paths, d.get("bytes"), str(p)))
+    return out
+
+
+def load_domains(specs: Sequence[str]) -> list[Domain]:
+    out: list[Domain] = []
+    for s in specs:
+        out += parse_domain(s)
+    names = [d.name for d in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"domain names must be unique; repeated: {', '.join(dup)}")
+    if not out:
+        raise ConfigError("no domains given (--domain NAME=PATHS:BYTES)")
+    return out
+
+
+def domain_metrics(nats: float, tokens_scored: int, tokens_total: int, nbytes: int) -> dict[str, float]:
+    """Loss, perplexity and bits per byte from summed nats (the formula in the module docstring)."""
+    loss = nats / tokens_scored
+    bytes_scored = nbytes * tokens_scored / tokens_total
+    return {"loss": loss, "perplexity": safe_exp(loss), "bits_per_byte": nats / math.log(2) / bytes_scored,
+            "bytes_scored": bytes_scored}
+
+
+def _ce_sums(params: Any, ids: jax.Array, cfg: Any) -> tuple[jax.Array, jax.Array]:
+    """(sum of CE over the real vocabulary, labels) of one batch, fp32."""
+    logits = forward(params, ids, cfg)[:, :-1, : cfg.vocab_size]
+    targets = ids[:, 1:]
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    tl = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum(lse - tl), jnp.float32(targets.size)
+
+
+@lru_cache(maxsize=8)
+def _scorer(cfg: Any) -> Any:
+    # One compiled scorer per model config, shared by evaluators (the config is frozen, hashable).
+    return jax.jit(partial(_ce_sums, cfg=cfg))
+
+
+class DomainEvaluator:
+    """Scores each domain on its fixed batches. ``seq_len``, ``batch_size``, ``batches`` and
+    ``dtype`` default to ``cfg.data.sequence_length``, ``cfg.eval.batch_size``, ``cfg.eval.batches``
+    and ``cfg.data.dtype``; ``batches=0`` scores every whole batch."""
+
+    def __init__(self, cfg: Config, domains: Sequence[Domain], *, seq_len: int | None = None,
+                 batch_size: int | None = None, batches: int | None = None, dtype: str | None = None,
+                 mesh: jax.sharding.Mesh | None = None, prefix: str = "eval/domains"):
+        from olmax.data.dataset import resolve_paths
+        from olmax.sharding import batch_sharding, make_mesh
+        self.cfg, self.prefix = cfg, prefix
+        self.seq_len = seq_len or cfg.data.sequence_length
+        self.batch_size = batch_size or cfg.eval.batch_size
+        self.max_batches = cfg.eval.batches if batches is None else batches
+        self.dtype = dtype or cfg.data.dtype
+        if self.seq_len < 2:
+            raise ConfigError(f"sequence length must be >= 2 to score a label, got {self.seq_len}")
+        itemsize = np.dtype(self.dtype).itemsize
+        self.domains = []
+        for d in domains:
+            files = [f for f, _ in resolve_paths(list(d.paths), dtype=self.dtype)]
+            n = self.max_batches * self.batch_size if self.max_batches else None
+            windows = heldout_windows(files, self.dtype, self.seq_len, n)
+            b = fixed_batches(windows, self.batch_size, cfg.model.vocab_size, f"domain {d.name!r}")
+            tokens_total = sum(os.path.getsize(f) // itemsize for f in files)
+            self.domains.append((d, files, b, tokens_total))
+        mesh = mesh or make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1))
+        check_batch_divides(self.batch_size, mesh)
+        self.sharding = batch_sharding(mesh)
+        self._score = _scorer(cfg.model)
+
+    def evaluate_detailed(self, params: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        pooled_nats = pooled_tokens = pooled_bytes = 0.0
+        for d, files, batches, tokens_total in self.domains:
+            nats = scored = 0.0
+            for b in batches:
+                ce, n = self._score(params, put_batch(b, self.sharding))
+                nats += float(ce)
+                scored += float(n)
+            m = domain_metrics(nats, int(scored), tokens_total, d.bytes)
+            out[d.name] = {"loss": m["loss"], "perplexity": m["perplexity"], "bits_per_byte": m["bits_per_byte"],
+                           "tokens_scored": int(scored), "tokens_total": int(tokens_total),
+                           "windows": int(batches.shape[0] * batches.shape[1]), "bytes": d.bytes,
+                           "bytes_scored": m["bytes_scored"], "files": files}
+            pooled_nats += nats
+            pooled_tokens += scored
+            pooled_bytes += m["bytes_scored"]
+        keys = ("loss", "perplexity", "bits_per_byte")
+        macro = {k: float(np.mean([r[k] for r in out.values()])) for k in keys}
+        micro_loss = pooled_nats / pooled_tokens
+        micro = {"loss": micro_loss, "perplexity": safe_exp(micro_loss),
+                 "bits_per_byte": pooled_nats / math.log(2) / pooled_bytes}
+        return {"domains": out, "macro": macro, "micro": micro, "seq_len": self.seq_len,
+                "batch_size": self.batch_size, "batches": self.max_batches or None}
+
+    def evaluate(self, params: Any) -> dict[str, float]:
+        """Flat metric names for the metrics logger."""
+        r = self.evaluate_detailed(params)
+        out = {}
+        for name, m in [*r["domains"].items(), ("macro", r["macro"])]:
+            out[f"{self.prefix}/{name}/CE loss"] = m["loss"]
+            out[f"{self.prefix}/{name}/PPL"] = m["perplexity"]
+            out[f"{self.prefix}/{name}/bits per byte"] = m["bits_per_byte"]
+        return out

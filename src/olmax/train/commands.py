@@ -1,0 +1,64 @@
+"""``olmax train`` and ``olmax demo``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from olmax.cli import add_recipe_args
+
+
+def add_distributed_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("multi-process (or OLMAX_COORDINATOR / OLMAX_NUM_PROCESSES / OLMAX_PROCESS_ID, or Slurm)")
+    g.add_argument("--coordinator", default=None, help="host:port of process 0")
+    g.add_argument("--num-processes", type=int, default=None)
+    g.add_argument("--process-id", type=int, default=None)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a recipe; resumes from the newest checkpoint in --run-dir")
+    add_recipe_args(p)
+    p.add_argument("--run-dir", default=None, help="run directory (default: runs/RECIPE)")
+    p.add_argument("--init-from", default=None, metavar="hf:DIR|olmax:DIR",
+                   help="start from converted weights (same as --set train.init_from=...)")
+    p.add_argument("--allow-fingerprint-mismatch", action="store_true",
+                   help="resume even though the dataset fingerprint changed (the data order may differ)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--max-steps-this-run", type=int, default=None,
+                   help="stop (after a checkpoint) once this many updates ran in this process")
+    add_distributed_args(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("demo", help="the README's main job: a tiny OLMo 3 trained on CPU on the Python stdlib")
+    p.add_argument("--run-dir", default="runs/demo")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--corpus-mb", type=float, default=12.0, help="megabytes of stdlib source to use")
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from olmax.train.distributed import initialise
+    initialise(args.coordinator, args.num_processes, args.process_id)
+    from olmax.recipes import get_recipe
+    from olmax.train.loop import train
+    overrides = list(args.overrides)
+    if args.init_from:
+        overrides.append(f"train.init_from={args.init_from}")
+    cfg = get_recipe(args.recipe, overrides)
+    run_dir = args.run_dir or str(Path("runs") / cfg.name)
+    res = train(cfg, run_dir, allow_fingerprint_mismatch=args.allow_fingerprint_mismatch,
+                progress=not args.no_progress, max_steps_this_run=args.max_steps_this_run)
+    last = res.losses.get(res.end_step)
+    msg = f"trained steps {res.start_step}..{res.end_step} in {res.run_dir}"
+    if last is not None:
+        msg += f"; last CE loss {last:.4f}"
+    if res.stopped_early:
+        msg += " (stopped early; run the same command to resume)"
+    print(msg, file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from olmax.demo import run_demo
+    return run_demo(args.run_dir, args.overrides, corpus_mb=args.corpus_mb)

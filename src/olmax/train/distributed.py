@@ -1,0 +1,52 @@
+"""Multi-process initialisation (``jax.distributed``) from flags or the environment.
+
+Order of precedence: explicit arguments, then ``OLMAX_COORDINATOR`` / ``OLMAX_NUM_PROCESSES`` /
+``OLMAX_PROCESS_ID``, then Slurm (``SLURM_NTASKS``, ``SLURM_PROCID``, with the coordinator from
+``OLMAX_COORDINATOR`` or the first host of ``SLURM_STEP_NODELIST`` resolved by JAX's own
+cluster detection). With none of these, the run is single-process.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from olmax.config import ConfigError
+
+_initialised = False
+
+
+def initialise(coordinator: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, local_device_count: int | None = None) -> tuple[int, int]:
+    """Initialise once; returns (process_index, process_count)."""
+    global _initialised
+    env = os.environ
+    coordinator = coordinator or env.get("OLMAX_COORDINATOR")
+    if num_processes is None and "OLMAX_NUM_PROCESSES" in env:
+        num_processes = int(env["OLMAX_NUM_PROCESSES"])
+    if process_id is None and "OLMAX_PROCESS_ID" in env:
+        process_id = int(env["OLMAX_PROCESS_ID"])
+    slurm = "SLURM_NTASKS" in env and int(env.get("SLURM_NTASKS", "1")) > 1
+    if _initialised:
+        return jax.process_index(), jax.process_count()
+    if coordinator or (num_processes and num_processes > 1):
+        if not (coordinator and num_processes and process_id is not None):
+            raise ConfigError("multi-process runs need the coordinator address, the process count and this "
+                              "process's id (--coordinator/--num-processes/--process-id or OLMAX_COORDINATOR/"
+                              "OLMAX_NUM_PROCESSES/OLMAX_PROCESS_ID)")
+        if not 0 <= process_id < num_processes:
+            raise ConfigError(f"process id {process_id} is outside 0..{num_processes - 1}")
+        # CPU collectives across processes go through gloo (harmless on accelerators). Do not
+        # query the backend here: that would initialise JAX before jax.distributed.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        kwargs = {}
+        if local_device_count is not None:
+            kwargs["local_device_ids"] = list(range(local_device_count))
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                   process_id=process_id, **kwargs)
+        _initialised = True
+    elif slurm:
+        jax.distributed.initialize()  # JAX's Slurm cluster detection fills in the rest
+        _initialised = True
+    return jax.process_index(), jax.process_count()

@@ -1,0 +1,322 @@
+"""The training loop, top to bottom in one function.
+
+Contract with checkpoints: checkpoint ``N`` holds the state after N updates (global step N)
+and the data state ``batches_processed = N``; resuming from it trains global batch index N
+(0-based) next. The published reproduction resumed the model at N+1 with the loader at N; a
+test pins this numbering.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from olmax.config import Config, ConfigError
+from olmax.metrics.flops import device_peak_flops, flops_per_token, mfu
+from olmax.model.params import init_params, logical_axes
+from olmax.optim import OptState, apply_update, init_opt_state
+from olmax.sharding import batch_sharding, make_mesh, param_shardings, plan_batch
+from olmax.train.step import make_train_step
+
+
+@dataclasses.dataclass
+class TrainResult:
+    run_dir: str
+    start_step: int
+    end_step: int
+    losses: dict[int, float]          # step (1-based) -> CE loss
+    stopped_early: bool
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+    out = {"python": platform.python_version()}
+    for pkg in ("olmax", "jax", "jaxlib", "optax", "orbax-checkpoint", "grain", "numpy"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def git_commit() -> str | None:
+    try:
+        here = Path(__file__).resolve().parent
+        r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        return r.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def opt_state_shardings(opt_abstract: OptState, pshard: Any, mesh: jax.sharding.Mesh) -> OptState:
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.tree.map(lambda _: rep, opt_abstract)._replace(mu=pshard, nu=pshard)
+
+
+def load_initial_state(cfg: Config, init_from: str, pshard: Any, oshard: Any) -> tuple[Any, Any]:
+    """Warm start: ``hf:DIR`` (HF Olmo3 weights, fresh optimizer), ``olmax:PATH`` (weights of an
+    olmax weights dir or checkpoint, fresh optimizer), or ``state:PATH`` (a checkpoint's weights
+    *and Adam moments* with the step reset, as OLMo 3 stage 2 starts from stage 1: the trainer
+    step and lr schedule restart while Adam's bias-correction step carries on, as OLMo-core
+    does when it loads optimizer state; the skip-step history starts empty with the new data)."""
+    from olmax.train.load import load_params, restore_train_state
+    kind, _, path = init_from.partition(":")
+    if kind not in ("hf", "olmax", "state") or not path:
+        raise ConfigError(f"train.init_from={init_from!r}: expected 'hf:DIR', 'olmax:PATH' or 'state:PATH'")
+    opt_state = None
+    if kind == "state":
+        params, opt, src_cfg, _ = restore_train_state(path)
+        opt_state = opt._replace(step=jnp.zeros_like(opt.step), history_count=jnp.zeros_like(opt.history_count),
+                                 loss_history=jnp.zeros_like(opt.loss_history),
+                                 norm_history=jnp.zeros_like(opt.norm_history))
+        if opt.loss_history.shape != (cfg.optim.skip_step.window,):
+            raise ConfigError(f"{path}: skip-step window {opt.loss_history.shape[0]} differs from "
+                              f"optim.skip_step.window={cfg.optim.skip_step.window}")
+    else:
+        params, src_cfg = load_params(f"hf:{path}" if kind == "hf" else path)
+    _check_same_model(src_cfg.model, cfg.model, f"the weights in {path}")
+    params = jax.tree.map(lambda a: jnp.asarray(a, cfg.model.param_dtype), params)
+    params = jax.device_put(params, pshard)
+    if opt_state is None:
+        opt_state = jax.jit(partial(init_opt_state, optim_cfg=cfg.optim), out_shardings=oshard)(params)
+    else:
+        opt_state = jax.device_put(opt_state, oshard)
+    return params, opt_state
+
+
+ARCH_FIELDS = ("vocab_size", "padded_vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+               "mlp_hidden", "norm_eps", "rope_theta", "rope_scaling", "sliding_window", "full_attention_every")
+
+
+def _check_same_model(src, dst, what: str) -> None:
+    diffs = [f"model.{f}: {what} has {getattr(src, f)!r}, the config has {getattr(dst, f)!r}"
+             for f in ARCH_FIELDS if getattr(src, f) != getattr(dst, f)]
+    if diffs:
+        raise ConfigError(f"{what} is a different model: " + "; ".join(diffs))
+
+
+class TrainData:
+    """The loader as the loop sees it: global batch k as sharded ``jax.Array``s, in step order."""
+
+    def __init__(self, cfg: Config, start_step: int, data_state: dict | None, allow_fingerprint_mismatch: bool,
+                 mesh: jax.sharding.Mesh, cache_dir: Path | None = None, trace_dir: Path | None = None):
+        from olmax.data.loader import DataLoader, DataState
+        resume = DataState.from_dict(data_state) if data_state is not None else None
+        self.loader = DataLoader(cfg, process_index=jax.process_index(), process_count=jax.process_count(),
+                                 start_step=start_step, resume=resume,
+                                 allow_fingerprint_mismatch=allow_fingerprint_mismatch,
+                                 cache_dir=cfg.data.cache_dir or cache_dir)
+        self.fingerprint = self.loader.dataset.fingerprint
+        self.mesh = mesh
+        self._it = iter(self.loader)
+        self.trace = None
+        if cfg.train.trace_instance_ids and trace_dir is not None:
+            self.trace = open(Path(trace_dir) / f"instance_ids.p{jax.process_index()}.jsonl", "a")
+
+    def global_batch(self, step: int) -> dict[str, jax.Array]:
+        from olmax.data.loader import global_batch_to_device
+        local = next(self._it)
+        if int(local["step"]) != step:
+            raise RuntimeError(f"data loader is at step {int(local['step'])} but the trainer is at {step}")
+        if self.trace is not None:
+            self.trace.write(json.dumps({"step": step, "instance_ids": local["instance_ids"].tolist()}) + "\n")
+            self.trace.flush()
+        return global_batch_to_device({"input_ids": local["input_ids"], "label_mask": local["label_mask"]}, self.mesh)
+
+    def state(self, done: int):
+        st = self.loader.state()
+        if st.batches_processed != done:
+            raise RuntimeError(f"data state says {st.batches_processed} batches processed, the trainer {done}")
+        return st
+
+    def close(self) -> None:
+        self.loader.close()
+        if self.trace is not None:
+            self.trace.close()
+
+
+def _any_process(flag: bool) -> bool:
+    """A signal may reach one host only; every process must agree to save (orbax's save is a
+    collective and would hang otherwise)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
+
+
+def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch: bool = False,
+          max_steps_this_run: int | None = None, progress: bool = True) -> TrainResult:
+    """Train ``cfg`` in ``run_dir``, resuming from its newest complete checkpoint if any.
+
+    ``max_steps_this_run`` stops early (after a checkpoint) — used by the resume A/B."""
+    from olmax.metrics.sinks import JsonlSink, MetricsLogger, ProgressBar, TensorBoardSink, METRIC_NAMES
+    from olmax.train.checkpoint import Checkpointer, StopSignal
+    from olmax.eval.heldout import HeldoutEvaluator
+
+    run = Path(run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    is_main = jax.process_index() == 0
+    mesh = make_mesh(cfg.mesh)
+    plan = plan_batch(cfg.train.global_batch_size, dict(mesh.shape), cfg.train.micro_batch_size)
+    total = cfg.train.steps
+    L = cfg.data.sequence_length
+
+    # -- state: resume, or initialise (from scratch or converted weights) -------------------------
+    pshard = param_shardings(logical_axes(cfg.model), mesh)
+    ckpt = Checkpointer(run, cfg.checkpoint)
+    start = ckpt.latest_step()
+    init_key = jax.random.key(cfg.train.seed)
+    params_abs = jax.eval_shape(partial(init_params, cfg.model), init_key)
+    opt_abs = jax.eval_shape(partial(init_opt_state, optim_cfg=cfg.optim), params_abs)
+    oshard = opt_state_shardings(opt_abs, pshard, mesh)
+    data_state = None
+    if start is not None:
+        meta = ckpt.read_meta(run, start)
+        ckpt.check_compatible(meta, cfg)
+        abstract = {
+            "params": jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params_abs, pshard),
+            "opt_state": jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt_abs, oshard),
+        }
+        state, meta = ckpt.restore(start, abstract)
+        params, opt_state = state["params"], state["opt_state"]
+        data_state = meta["data_state"]
+        if int(meta["step"]) != start or int(opt_state.step) != start:
+            raise ConfigError(f"checkpoint {start} in {run} is inconsistent: meta step {meta['step']}, "
+                              f"optimizer step {int(opt_state.step)}")
+        if is_main:
+            print(f"resuming from checkpoint {start} in {run} (next: global batch {start})", file=sys.stderr)
+    else:
+        start = 0
+        if cfg.train.init_from:
+            params, opt_state = load_initial_state(cfg, cfg.train.init_from, pshard, oshard)
+        else:
+            params = jax.jit(partial(init_params, cfg.model), out_shardings=pshard)(init_key)
+            opt_state = jax.jit(partial(init_opt_state, optim_cfg=cfg.optim), out_shardings=oshard)(params)
+        if is_main:
+            (run / "config.yaml").write_text(cfg.to_yaml())
+            (run / "run_info.json").write_text(json.dumps({
+                "git_commit": git_commit(), "versions": versions(), "mesh": dict(mesh.shape),
+                "devices": jax.device_count(), "processes": jax.process_count(),
+                "device_kind": jax.devices()[0].device_kind, "batch_plan": dataclasses.asdict(plan)}, indent=2))
+
+    # -- data: a pure function of the step; resume checks the fingerprint -------------------------
+    loader = TrainData(cfg, start, data_state, allow_fingerprint_mismatch, mesh, cache_dir=run / "order_cache",
+                       trace_dir=run)
+
+    # -- the step -------------------------------------------------------------------------------
+    bshard = batch_sharding(mesh)
+    update = partial(apply_update, optim_cfg=cfg.optim, total_steps=total)
+    micro = (lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim)))
+    step_fn = jax.jit(make_train_step(cfg, plan.accum_steps, update, micro_constraint=micro),
+                      in_shardings=(pshard, oshard, {"input_ids": bshard, "label_mask": bshard}),
+                      out_shardings=(pshard, oshard, None), donate_argnums=(0, 1))
+
+    evaluator = HeldoutEvaluator(cfg, mesh, per_batch=True) if cfg.eval.heldout_paths else None
+    alarm = None
+    if cfg.eval.reference:
+        from olmax.eval.alarm import MemorisationAlarm
+        alarm = MemorisationAlarm(cfg.eval.reference, label=cfg.name, reference=cfg.eval.reference)
+    sinks = []
+    if is_main:
+        sinks = [JsonlSink(run / "metrics.jsonl"), TensorBoardSink(run / "tensorboard")]
+    logger = MetricsLogger(sinks)
+    # Lines past the resumed checkpoint come from a crashed run: drop them so the metrics equal
+    # those of an uninterrupted run.
+    logger.truncate_after(start)
+    bar = ProgressBar(total, start) if (is_main and progress) else None
+    fl_tok = flops_per_token(cfg.model, L)["total"]
+    peak = device_peak_flops(jax.devices()[0].device_kind)
+    tokens_per_step = cfg.train.global_batch_size * L
+
+    losses: dict[int, float] = {}
+    pending: tuple[int, dict, float] | None = None
+    stopped = False
+    last_time = time.perf_counter()
+
+    def emit(step: int, metrics: dict, dt: float) -> None:
+        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        losses[step] = m["ce_loss"]
+        tps_dev = tokens_per_step / dt / jax.device_count() if dt > 0 else 0.0
+        row = {
+            METRIC_NAMES["ce_loss"]: m["ce_loss"], METRIC_NAMES["z_loss"]: m["z_loss"],
+            METRIC_NAMES["grad_norm"]: m["grad_norm"], METRIC_NAMES["lr"]: m["lr"],
+            METRIC_NAMES["step_skipped"]: m["step_skipped"], METRIC_NAMES["step_skipped_maxtext"]: m["step_skipped"],
+            METRIC_NAMES["total_tokens"]: step * tokens_per_step, METRIC_NAMES["total_tokens_maxtext"]: step * tokens_per_step,
+            METRIC_NAMES["tps_device"]: tps_dev, METRIC_NAMES["mfu"]: mfu(fl_tok, tps_dev, peak),
+        }
+        if step % cfg.train.log_interval == 0 or step == total:
+            logger.log(step, row)
+        if alarm is not None:
+            alarm.update(step, m["ce_loss"])
+        if bar:
+            bar.update(step, loss=m["ce_loss"], tokens_per_sec=tps_dev * jax.device_count())
+
+    step = start
+    with StopSignal() as stop:
+        for step in range(start, total):
+            batch = loader.global_batch(step)
+            params, opt_state, metrics = step_fn(params, opt_state, batch)
+            now = time.perf_counter()
+            # Metrics of the previous step are fetched now, while this step runs on the device.
+            if pending is not None:
+                emit(*pending)
+            pending = (step + 1, metrics, now - last_time)
+            last_time = now
+            done = step + 1
+            ran = done - start
+            stop_now = _any_process(stop.requested) or (max_steps_this_run is not None and ran >= max_steps_this_run)
+            if evaluator is not None and (done % cfg.eval.interval == 0 or done == total):
+                emit(*pending)
+                pending = None
+                ev = evaluator.evaluate(params)
+                logger.log(done, ev)
+                if bar:
+                    bar.write(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items() if "[" not in k))
+                if alarm is not None:
+                    msg = alarm.update(done, None, ev["eval/heldout/CE loss"])
+                    if msg:
+                        print(msg, file=sys.stderr, flush=True)
+                        logger.log(done, {"eval/memorisation alarm": float("MEMORISATION" in msg.upper())})
+            if ckpt.should_save(done) or done == total or stop_now:
+                meta = {
+                    "step": done,
+                    "data_state": loader.state(done).to_dict(),
+                    "config_yaml": cfg.to_yaml(),
+                    "model": dataclasses.asdict(cfg.model),
+                    "fingerprint": loader.fingerprint,
+                    "versions": versions(),
+                    "git_commit": git_commit(),
+                    "seed": cfg.train.seed,
+                }
+                ckpt.save(done, {"params": params, "opt_state": opt_state}, meta, force=stop_now or done == total)
+            if stop_now:
+                stopped = done < total
+                step = done
+                break
+        else:
+            step = total
+    if pending is not None:
+        emit(*pending)
+    ckpt.wait()
+    ckpt.close()
+    logger.close()
+    if bar:
+        bar.close()
+    loader.close()
+    return TrainResult(str(run), start, step, losses, stopped)

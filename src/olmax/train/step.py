@@ -1,0 +1,98 @@
+"""Loss and the jitted train step (gradient accumulation over micro-batches).
+
+Loss (OLMo-core ``train_module.train_batch`` + ``cross_entropy_loss``): labels are the inputs
+shifted left, the last position ignored, EOS an ordinary target; CE in fp32 summed over the
+valid labels, plus z-loss ``mult * logsumexp^2`` summed over the same labels; both divided by
+the number of valid labels. An instance dropped by the repetition filter has every label
+ignored but, as in OLMo-core, still adds its full length L to the denominator ("they count as
+tokens with a zero loss"). OLMo-core divides per data-parallel rank and averages ranks; we
+divide once by the global count so the loss does not depend on the topology. The two agree
+whenever ranks see equal label counts (always, without the filter).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from olmax.config import Config
+from olmax.model.olmo3 import forward
+
+
+def loss_sums(params: Any, input_ids: jax.Array, label_mask: jax.Array, cfg: Config) -> tuple[jax.Array, jax.Array]:
+    """(sum of CE, sum of logsumexp^2) over the valid labels of a (micro-)batch, fp32."""
+    logits = forward(params, input_ids, cfg.model)[:, :-1]
+    targets = input_ids[:, 1:]
+    valid = label_mask[:, 1:].astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    ce = (lse - target_logit) * valid
+    z = (lse * lse) * valid
+    return jnp.sum(ce), jnp.sum(z)
+
+
+def loss_denominator(label_mask: jax.Array) -> jax.Array:
+    """Valid labels (shifted mask) plus L for each fully masked (filtered) instance."""
+    L = label_mask.shape[1]
+    valid = jnp.sum(label_mask[:, 1:].astype(jnp.float32))
+    masked_instances = jnp.sum((~jnp.any(label_mask, axis=1)).astype(jnp.float32))
+    return valid + masked_instances * L
+
+
+def split_micro(x: jax.Array, accum: int) -> jax.Array:
+    """[B, ...] -> [accum, B/accum, ...] with micro-batch a = rows a::accum, so every micro-batch
+    is spread evenly over the data-parallel shards (rows are sharded in contiguous blocks)."""
+    b = x.shape[0]
+    return x.reshape(b // accum, accum, *x.shape[1:]).swapaxes(0, 1)
+
+
+def make_train_step(cfg: Config, accum_steps: int, apply_update: Callable,
+                    micro_constraint: Callable[[jax.Array], jax.Array] | None = None) -> Callable:
+    """Returns ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` (not jitted).
+
+    ``apply_update(params, grads, opt_state, ce_loss)`` is the optimiser (``olmax.optim``)."""
+    z_mult = cfg.optim.z_loss or 0.0
+
+    def step(params, opt_state, batch):
+        ids, mask = batch["input_ids"], batch["label_mask"]
+        denom = loss_denominator(mask)
+        ids_m, mask_m = split_micro(ids, accum_steps), split_micro(mask, accum_steps)
+
+        def micro_loss(p, mi, mm):
+            ce, z = loss_sums(p, mi, mm, cfg)
+            return (ce + z_mult * z) / denom, (ce, z)
+
+        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+        def body(carry, xs):
+            g_acc, ce_acc, z_acc = carry
+            mi, mm = xs
+            if micro_constraint is not None:
+                mi, mm = micro_constraint(mi), micro_constraint(mm)
+            (_, (ce, z)), g = grad_fn(params, mi, mm)
+            g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
+            return (g_acc, ce_acc + ce, z_acc + z), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        if accum_steps == 1:
+            (grads, ce_sum, z_sum), _ = body((zeros, 0.0, 0.0), (ids_m[0], mask_m[0]))
+        else:
+            (grads, ce_sum, z_sum), _ = jax.lax.scan(body, (zeros, jnp.float32(0), jnp.float32(0)), (ids_m, mask_m))
+        ce_loss = ce_sum / denom
+        z_loss = z_mult * z_sum / denom
+        new_params, new_opt, om = apply_update(params, grads, opt_state, ce_loss)
+        metrics = {"ce_loss": ce_loss, "z_loss": z_loss, **om}
+        return new_params, new_opt, metrics
+
+    return step
+
+
+def make_eval_step(cfg: Config) -> Callable:
+    """``eval(params, input_ids, label_mask) -> (ce_sum, n_labels)`` for held-out loss."""
+    def ev(params, ids, mask):
+        ce, _ = loss_sums(params, ids, mask, cfg)
+        return ce, jnp.sum(mask[:, 1:].astype(jnp.float32))
+    return ev
