@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "olmax.train.commands",
     "olmax.data.commands",
     "olmax.compat.commands",
+    "olmax.verify.parity",
     "olmax.verify.commands",
     "olmax.eval.commands",
 ]

@@ -1,0 +1,7 @@
+"""Compatibility with other frameworks: HF transformers conversion (``olmax.compat.hf``)."""
+
+from olmax.compat.hf import (ConversionError, config_from_hf, hf_config_to_olmax, hf_to_olmax, load_hf_params,
+                             olmax_to_hf, olmax_to_hf_config)
+
+__all__ = ["ConversionError", "config_from_hf", "hf_config_to_olmax", "hf_to_olmax", "load_hf_params",
+           "olmax_to_hf", "olmax_to_hf_config"]
