@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import portpicker
 
-from conftest import small_overrides
+from trainlib import small_overrides
 from olmax.data.loader import DataLoader
 from olmax.recipes import get_recipe
 from olmax.verify.resume import read_metrics

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import small_overrides, write_corpus
+from trainlib import small_overrides, write_corpus
 from olmax.config import ConfigError
 from olmax.recipes import get_recipe
 from olmax.train.checkpoint import Checkpointer

@@ -1,0 +1,134 @@
+"""CLI: ``olmax tokenize`` and ``olmax data {batches,audit}``. Errors are raised (DataError /
+ConfigError) and printed by the main CLI as one line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from olmax.data import DataError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``tokenize`` and ``data`` to the ``olmax`` sub-commands; each sets ``func(args) -> int``."""
+    p = subparsers.add_parser("tokenize", help="text / JSONL(.gz/.zst) -> raw token files + manifest.json")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokenizer", metavar="FILE.json", help="any HF tokenizer.json (dolma2 included)")
+    src.add_argument("--train-bpe", type=int, metavar="VOCAB_SIZE",
+                     help="train a byte-level BPE on the inputs first (<|endoftext|>=0 eos, <|pad|>=1)")
+    p.add_argument("--out", required=True, metavar="DIR", help="new or empty output folder")
+    p.add_argument("--heldout", type=float, default=0.0, metavar="FRACTION",
+                   help="documents split off by a hash of their text into DIR/heldout (rest: DIR/train)")
+    p.add_argument("--shard-tokens", type=int, default=1 << 28, metavar="N", help="tokens per output file")
+    p.add_argument("--processes", type=int, default=os.cpu_count() or 1, metavar="P",
+                   help="tokenizer processes (default: one per core; the output is the same for any P)")
+    p.add_argument("--text-field", default="text", help="JSONL field holding the text (Dolma: text)")
+    p.add_argument("--text-unit", choices=("paragraph", "line", "file"), default="paragraph",
+                   help="document unit of plain-text inputs (default: blank-line separated blocks)")
+    p.add_argument("--eos-token-id", type=int, help="EOS id (default: the tokenizer's <|endoftext|>)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("inputs", nargs="+", metavar="INPUT")
+    p.set_defaults(func=_tokenize)
+
+    d = subparsers.add_parser("data", help="inspect and audit the data order")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    b = dsub.add_parser("batches", help="write the global instance ids a process reads for steps A..B-1")
+    _recipe_args(b)
+    b.add_argument("--steps", required=True, metavar="A:B", help="global steps A..B-1 (0-based)")
+    b.add_argument("--process-index", type=int, default=0, metavar="r")
+    b.add_argument("--process-count", type=int, default=1, metavar="R")
+    b.add_argument("--out", required=True, metavar="FILE.npy", help="int64 [B-A, global_batch / R]")
+    b.add_argument("--filter-out", metavar="FILE.npy", help="bool, same shape: True where the instance is dirty")
+    b.set_defaults(func=_batches)
+
+    a = dsub.add_parser("audit", help="prove each instance of an epoch is read exactly once for R x W")
+    _recipe_args(a)
+    a.add_argument("--processes", type=int, default=1, metavar="R")
+    a.add_argument("--workers", type=int, default=None, metavar="W", help="default: data.workers")
+    a.add_argument("--epoch", type=int, default=1)
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=_audit)
+
+
+def _recipe_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="recipe name or resolved-config YAML")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set data.paths=DIR (repeatable)")
+
+
+def _tokenize(args: argparse.Namespace) -> int:
+    from olmax.data.tokenize import tokenize
+    manifests = tokenize(args.inputs, args.out, tokenizer=args.tokenizer, train_bpe_vocab=args.train_bpe,
+                         heldout=args.heldout, shard_tokens=args.shard_tokens, processes=args.processes,
+                         text_field=args.text_field, text_unit=args.text_unit, eos_token_id=args.eos_token_id,
+                         progress=not args.no_progress)
+    for split, m in manifests.items():
+        where = args.out if split == "all" else os.path.join(args.out, split)
+        print(f"{where}: {m['total_documents']} documents, {m['total_tokens']} tokens ({m['dtype']}, "
+              f"eos {m['eos_token_id']}) in {len(m['files'])} files")
+    return 0
+
+
+def _setup(args: argparse.Namespace):
+    from olmax.data.dataset import TokenDataset
+    from olmax.data.order import GlobalOrder, default_cache_dir
+    from olmax.recipes import get_recipe
+    cfg = get_recipe(args.recipe, args.overrides)
+    ds = TokenDataset.from_config(cfg)
+    order = GlobalOrder(len(ds), cfg.train.global_batch_size, cfg.data.seed,
+                        cache_dir=cfg.data.cache_dir or default_cache_dir(), key=ds.fingerprint)
+    return cfg, ds, order
+
+
+def _save(path: str, array: np.ndarray) -> None:
+    """Write atomically: a failure never leaves a half-written file in place."""
+    out = Path(path)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.save(f, array)
+    os.replace(tmp, out)
+
+
+def _batches(args: argparse.Namespace) -> int:
+    from olmax.data.loader import StepSource
+    try:
+        a, b = (int(x) for x in args.steps.split(":"))
+    except ValueError:
+        raise DataError(f"--steps must be A:B with integers, got {args.steps!r}") from None
+    if not 0 <= a < b:
+        raise DataError(f"--steps A:B needs 0 <= A < B, got {args.steps}")
+    r, R = args.process_index, args.process_count
+    if not 0 <= r < R:
+        raise DataError(f"--process-index {r} is outside 0..{R - 1}")
+    cfg, ds, order = _setup(args)
+    if cfg.train.global_batch_size % R:
+        raise DataError(f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
+                        f"--process-count {R}")
+    d = cfg.data
+    filt = (d.repetition_min_period, d.repetition_max_period, d.repetition_max_count) if d.repetition_filter else None
+    source = StepSource(ds, order, r, R, repetition_filter=filt)  # the loader's own code path
+    ids = np.stack([source.ids(k) for k in range(a, b)]).astype(np.int64)
+    if args.filter_out:
+        if filt is None:
+            print("note: data.repetition_filter is off, so no instance is dirty", file=sys.stderr)
+            dirty = np.zeros(ids.shape, dtype=bool)
+        else:
+            dirty = np.stack([~source(k)["label_mask"].any(axis=1) for k in range(a, b)])
+        _save(args.filter_out, dirty)
+    _save(args.out, ids)
+    print(f"{args.out}: instance ids {list(ids.shape)} for steps {a}..{b - 1}, process {r} of {R}")
+    return 0
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from olmax.data.audit import audit
+    cfg, _, order = _setup(args)
+    workers = cfg.data.workers if args.workers is None else args.workers
+    res = audit(order, args.processes, workers, epoch=args.epoch)
+    print(json.dumps(res.to_dict(), indent=1) if args.json else res.summary())
+    return 0 if res.ok else 1

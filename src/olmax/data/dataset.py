@@ -1,0 +1,282 @@
+"""Token files -> fixed-length instances, with OLMo-core ``NumpyFSLDataset`` semantics.
+
+- Token files are raw little-endian arrays without a header (``.npy`` name notwithstanding).
+- Each file is cut on its own into ``floor(n_tokens / L)`` windows; the remainder is dropped;
+  instance ids run over the files concatenated in order (OLMo-core ``NumpyFSLDataset.offsets``).
+- The fingerprint is OLMo-core's, bit for bit (``NumpyDatasetBase.fingerprint``), so a value
+  stored by either framework can be compared with the other's.
+- The repetition filter reproduces ``olmo_core.data.utils.find_periodic_sequences`` decisions
+  with a vectorised implementation of our own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Sequence
+
+import numpy as np
+
+from olmax.data import DataError
+
+if TYPE_CHECKING:
+    from olmax.config import Config
+
+Validate = Literal["none", "sample", "full"]
+_REMOTE = ("s3://", "gs://", "gcs://", "r2://", "weka://", "http://", "https://")
+
+
+@dataclass(frozen=True)
+class TokenFile:
+    path: str
+    label: str | None
+    size: int        # bytes
+    tokens: int
+    instances: int
+    start: int       # first global instance id
+
+
+# --------------------------------------------------------------------------- path resolution
+
+
+def read_mix(mix_path: str | Path, mix_root: str | None = None) -> list[tuple[str, str]]:
+    """``(label, path)`` pairs of an OLMo-core mix file (``label,path`` lines, ``#`` comments).
+
+    ``{root}`` is replaced by ``data.mix_root``; other relative paths are taken relative to
+    ``mix_root`` (OLMo-core ``DataMix.build`` prefixes ``base_dir``) or else the mix file's folder.
+    """
+    mix_path = Path(mix_path)
+    if not mix_path.is_file():
+        raise DataError(f"mix file not found: {mix_path} (data.paths)")
+    out = []
+    for n, line in enumerate(mix_path.read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split(",")
+        if len(parts) != 2 or not all(p.strip() for p in parts):
+            raise DataError(f"{mix_path}:{n}: expected 'label,path', got {line!r}")
+        label, path = (p.strip() for p in parts)
+        if "{root}" in path:
+            if mix_root is None:
+                raise DataError(f"{mix_path}:{n}: path uses {{root}} but data.mix_root is not set")
+            path = path.replace("{root}", mix_root.rstrip("/"))
+        if "{" in path:
+            raise DataError(f"{mix_path}:{n}: unresolved placeholder in {path!r} (only {{root}} is substituted; "
+                            "write the tokenizer name into the mix file)")
+        if not os.path.isabs(path) and not path.startswith(_REMOTE):
+            path = os.path.join(mix_root if mix_root is not None else str(mix_path.parent), path)
+        if not path.startswith(_REMOTE) and not os.path.isfile(path):
+            raise DataError(f"{mix_path}:{n}: token file {path} (label {label!r}) not found")
+        out.append((label, path))
+    return out
+
+
+def _read_manifest(path: Path) -> tuple[dict, list[tuple[str, None]]]:
+    try:
+        m = json.loads(path.read_text())
+        files = [(str(path.parent / f["path"]), int(f["tokens"])) for f in m["files"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{path}: not a readable token manifest ({e})") from None
+    for f, tokens in files:
+        if os.path.isfile(f) and os.path.getsize(f) != tokens * np.dtype(m["dtype"]).itemsize:
+            raise DataError(f"{f}: size {os.path.getsize(f)} bytes does not match its manifest "
+                            f"({tokens} {m['dtype']} tokens); the file was changed or truncated")
+    return m, [(f, None) for f, _ in files]
+
+
+def resolve_paths(paths: Sequence[str], mix_root: str | None = None, *, dtype: str | None = None,
+                  eos_token_id: int | None = None, vocab_size: int | None = None) -> list[tuple[str, str | None]]:
+    """Expand ``data.paths`` into ``(token file, label)`` pairs, in order.
+
+    Each entry is a token file, an OLMo-core mix file (``.txt``), or a folder / ``manifest.json``
+    written by ``olmax tokenize`` (whose dtype and eos id are checked against the config).
+    """
+    out: list[tuple[str, str | None]] = []
+    for p in paths:
+        if p.startswith(_REMOTE):
+            raise DataError(f"remote token files are not supported ({p}); copy them to a local disk")
+        if p.endswith(".txt"):
+            out += [(path, label) for label, path in read_mix(p, mix_root)]
+        elif os.path.isdir(p) or p.endswith(".json"):
+            mpath = Path(p) / "manifest.json" if os.path.isdir(p) else Path(p)
+            if not mpath.is_file():
+                hint = f"; did you mean {Path(p) / 'train'}?" if (Path(p) / "train" / "manifest.json").is_file() else ""
+                raise DataError(f"{p}: no manifest.json (data.paths takes token files, mix files or "
+                                f"folders written by `olmax tokenize`){hint}")
+            m, files = _read_manifest(mpath)
+            if dtype is not None and m.get("dtype") != dtype:
+                raise DataError(f"{mpath}: tokens are {m.get('dtype')} but data.dtype is {dtype}")
+            if eos_token_id is not None and m.get("eos_token_id") != eos_token_id:
+                raise DataError(f"{mpath}: eos id is {m.get('eos_token_id')} but data.eos_token_id is {eos_token_id}")
+            if vocab_size is not None and m.get("vocab_size", 0) > vocab_size:
+                raise DataError(f"{mpath}: tokenizer vocabulary {m['vocab_size']} is larger than model.vocab_size "
+                                f"{vocab_size}")
+            out += files
+        else:
+            out.append((p, None))
+    for path, label in out:
+        if path.startswith(_REMOTE):
+            raise DataError(f"remote token files are not supported ({path}); copy them to a local disk")
+        if not os.path.isfile(path):
+            raise DataError(f"token file not found: {path} (data.paths)")
+    return out
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate_tokens(path: str, dtype: np.dtype | str, vocab_size: int, *, full: bool = False,
+                    windows: int = 8, window: int = 1 << 14) -> None:
+    """Raise if a token id >= ``vocab_size``: a full scan, or (cheap) ``windows`` spread windows."""
+    dtype = np.dtype(dtype)
+    n = os.path.getsize(path) // dtype.itemsize
+    if n == 0:
+        return
+    mm = np.memmap(path, dtype=dtype.newbyteorder("<"), mode="r", shape=(n,))
+    if full:
+        starts = range(0, n, 1 << 24)
+        span = 1 << 24
+    else:  # first, last and evenly spread windows
+        starts = sorted({int(s) for s in np.linspace(0, max(n - window, 0), windows)})
+        span = window
+    for s in starts:
+        chunk = mm[s:s + span]
+        if chunk.max() >= vocab_size:
+            pos = s + int(np.argmax(chunk >= vocab_size))
+            raise DataError(f"{path}: token id {int(mm[pos])} at position {pos} is >= the vocabulary size "
+                            f"{vocab_size} (model.vocab_size); wrong data.dtype or a file from another tokenizer?")
+
+
+# --------------------------------------------------------------------------- repetition filter
+
+
+def dirty_instances(tokens: np.ndarray, *, min_period: int = 1, max_period: int = 13, max_count: int = 32
+                    ) -> np.ndarray:
+    """Bool ``[n]``: True where OLMo-core's instance filter rejects the instance.
+
+    OLMo-core (``NumpyDatasetBase._validate_instance``) rejects an instance when
+    ``find_periodic_sequences`` reports a run with ``times >= max_count`` for a period in
+    ``min_period..min(max_period, L // 3)``. That function only reports runs with ``times > 2``
+    and, for a maximal run of positions i with ``x[i] == x[i - p]`` of length ``l``, reports
+    ``times = (l + p) // p`` whatever the run's alignment to its period-wide rows (runs of
+    ``times >= 3`` always cover a whole row). So an instance is dirty iff, for some period p,
+    ``x[i] == x[i - p]`` holds on ``(max(max_count, 3) - 1) * p`` consecutive positions.
+    """
+    x = np.atleast_2d(np.asarray(tokens))
+    n, length = x.shape
+    dirty = np.zeros(n, dtype=bool)
+    times = max(max_count, 3)
+    for p in range(max(min_period, 1), min(max_period, length // 3) + 1):
+        need = (times - 1) * p
+        if need > length - p:
+            break  # need grows and length - p shrinks with p: no longer period can qualify
+        eq = x[:, p:] == x[:, :-p]
+        run = np.zeros((n, length - p + 1), dtype=np.int32)
+        np.cumsum(eq, axis=1, out=run[:, 1:])
+        dirty |= ((run[:, need:] - run[:, :-need]) == need).any(axis=1)
+    return dirty
+
+
+# --------------------------------------------------------------------------- dataset
+
+
+class TokenDataset:
+    """Fixed-length instances over memory-mapped token files (OLMo-core ``NumpyFSLDataset``)."""
+
+    def __init__(self, paths: Sequence[str], *, sequence_length: int, vocab_size: int, eos_token_id: int,
+                 pad_token_id: int, bos_token_id: int | None = None, dtype: str = "uint32",
+                 mix_root: str | None = None, validate: Validate = "sample"):
+        if not paths:
+            raise DataError("data.paths is empty: give token files, mix files or `olmax tokenize` folders")
+        if sequence_length <= 0:
+            raise DataError(f"data.sequence_length must be positive, got {sequence_length}")
+        self.sequence_length, self.vocab_size = sequence_length, vocab_size
+        self.eos_token_id, self.pad_token_id, self.bos_token_id = eos_token_id, pad_token_id, bos_token_id
+        self.dtype = np.dtype(dtype)
+        item = self.dtype.itemsize
+        files, start = [], 0
+        for path, label in resolve_paths(paths, mix_root, dtype=self.dtype.name, eos_token_id=eos_token_id,
+                                         vocab_size=vocab_size):
+            size = os.path.getsize(path)
+            if size % item:
+                raise DataError(f"{path}: size {size} bytes is not a multiple of {item} ({self.dtype.name}, "
+                                "data.dtype); wrong dtype or a truncated file")
+            n = size // item
+            files.append(TokenFile(path, label, size, n, n // sequence_length, start))
+            start += n // sequence_length
+        if start == 0:
+            longest = max(files, key=lambda f: f.tokens)
+            raise DataError(f"data.sequence_length={sequence_length} is longer than every token file "
+                            f"(longest: {longest.path}, {longest.tokens} tokens): no instances")
+        if start >= np.iinfo(np.uint32).max:  # OLMo-core keeps instance ids in uint32
+            raise DataError(f"{start} instances do not fit the uint32 global order")
+        self.files: tuple[TokenFile, ...] = tuple(files)
+        self.num_instances = start
+        self._starts = np.array([f.start for f in files] + [start], dtype=np.int64)
+        self._maps: dict[int, np.ndarray] = {}
+        if validate != "none":
+            for f in files:
+                validate_tokens(f.path, self.dtype, vocab_size, full=validate == "full")
+
+    @classmethod
+    def from_config(cls, cfg: Config, *, validate: Validate = "sample") -> TokenDataset:
+        d = cfg.data
+        return cls(d.paths, sequence_length=d.sequence_length, vocab_size=cfg.model.vocab_size,
+                   eos_token_id=d.eos_token_id, pad_token_id=d.pad_token_id, bos_token_id=d.bos_token_id,
+                   dtype=d.dtype, mix_root=d.mix_root, validate=validate)
+
+    def __len__(self) -> int:
+        return self.num_instances
+
+    # Memory maps are reopened lazily after pickling (Grain worker processes).
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_maps": {}}
+
+    def describe(self) -> dict:
+        """The fingerprint's inputs (plus the sequence length), to name what changed on resume."""
+        return {"class": "NumpyFSLDataset", "vocab_size": self.vocab_size, "pad_token_id": self.pad_token_id,
+                "eos_token_id": self.eos_token_id, "bos_token_id": self.bos_token_id, "dtype": self.dtype.name,
+                "sequence_length": self.sequence_length,
+                "files": [[os.path.basename(f.path), f.size] for f in self.files]}
+
+    @property
+    def fingerprint(self) -> str:
+        """OLMo-core's ``NumpyFSLDataset.fingerprint`` (fingerprint version v2.0).
+
+        The fields and their formatting follow ``NumpyDatasetBase.fingerprint`` with
+        ``NumpyFSLDataset.fingerprint_fields``; like OLMo-core it leaves out the sequence length
+        (a change of it is caught through :meth:`describe`).
+        """
+        h = hashlib.sha256()
+        h.update(b"class=NumpyFSLDataset")
+        fields = (("vocab_size", self.vocab_size), ("pad_token_id", self.pad_token_id),
+                  ("eos_token_id", self.eos_token_id), ("dtype", self.dtype.type),
+                  ("max_target_sequence_length", None), ("bos_token_id", self.bos_token_id))
+        for name, value in fields:
+            h.update(f"{name}={value},".encode())
+        for f in self.files:
+            h.update(f"path={os.path.basename(f.path)},size={f.size},".encode())
+        return h.hexdigest()
+
+    def _map(self, i: int) -> np.ndarray:
+        if i not in self._maps:
+            f = self.files[i]
+            self._maps[i] = np.memmap(f.path, dtype=self.dtype.newbyteorder("<"), mode="r", shape=(f.tokens,))
+        return self._maps[i]
+
+    def read(self, ids: np.ndarray) -> np.ndarray:
+        """Tokens of instances ``ids`` as int32 ``[len(ids), L]``."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_instances):
+            raise IndexError(f"instance ids outside [0, {self.num_instances})")
+        L = self.sequence_length
+        out = np.empty((len(ids), L), dtype=np.int32)
+        file_idx = np.searchsorted(self._starts, ids, side="right") - 1
+        for row, (i, fi) in enumerate(zip(ids, file_idx)):
+            local = int(i - self._starts[fi])
+            out[row] = self._map(int(fi))[local * L:(local + 1) * L]
+        return out
