@@ -27,11 +27,10 @@ from typing import Any
 
 import ml_dtypes  # registers numpy's bfloat16, which safetensors' numpy backend needs to read BF16
 import numpy as np
-import yaml
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from olmax.config import Config, ConfigError, ModelConfig
+from olmax.config import Config, ConfigError, ModelConfig, load_yaml
 from olmax.model.params import ParamSpec, param_specs
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -288,13 +287,7 @@ def load_config(weights_dir: str | os.PathLike) -> Config:
     path = Path(weights_dir) / CONFIG_NAME
     if not path.exists():
         raise WeightsError(f"{str(weights_dir)!r} is not an olmax weights directory (no {CONFIG_NAME})")
-    d = yaml.safe_load(path.read_text())
-    if not isinstance(d, dict):
-        raise ConfigError(f"{path}: expected a YAML mapping of config sections")
-    try:
-        return Config.from_dict(d)
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+    return load_yaml(str(path))
 
 
 def iter_weights(weights_dir: str | os.PathLike, dtype: str | None = None) -> Iterator[tuple[str, np.ndarray]]:

@@ -23,7 +23,7 @@ def tiny() -> Config:
                           skip_step=SkipStepConfig(enabled=True),
                           schedule=ScheduleConfig(name="cosine", warmup=20, alpha_f=0.1)),
         mesh=MeshConfig(data=1, fsdp=-1, tensor=1),
-        train=TrainConfig(steps=300, global_batch_size=16, seed=0, log_interval=10),
+        train=TrainConfig(steps=500, global_batch_size=16, seed=0, log_interval=10),
         checkpoint=CheckpointConfig(interval=100, keep_last=2, async_save=True),
         eval=EvalConfig(interval=100, batches=4, batch_size=16),
     )

@@ -230,7 +230,7 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
     evaluator = HeldoutEvaluator(cfg, mesh, per_batch=True) if cfg.eval.heldout_paths else None
     alarm = None
     if cfg.eval.reference:
-        from olmax.eval.alarm import MemorisationAlarm
+        from olmax.eval.alarm import ALARM, MemorisationAlarm
         alarm = MemorisationAlarm(cfg.eval.reference, label=cfg.name, reference=cfg.eval.reference)
     sinks = []
     if is_main:
@@ -292,7 +292,7 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
                     msg = alarm.update(done, None, ev["eval/heldout/CE loss"])
                     if msg:
                         print(msg, file=sys.stderr, flush=True)
-                        logger.log(done, {"eval/memorisation alarm": float("MEMORISATION" in msg.upper())})
+                        logger.log(done, {"eval/memorisation alarm": float(alarm.status == ALARM)})
             if ckpt.should_save(done) or done == total or stop_now:
                 meta = {
                     "step": done,
