@@ -123,11 +123,53 @@ def _cli_train(run_dir: Path, overrides: list[str], devices: int, max_steps: int
 
 
 def test_resume_ab_is_bitwise_with_two_loader_workers(tmp_path, corpus):
-    from olmax.verify.resume import verify_resume
-    ov = small_overrides(corpus, "data.workers=2")
-    res = verify_resume("tiny", ov, steps=6, interrupt_at=3, workdir=tmp_path)
-    assert res["ok"], res
-    assert res["steps"] == 6 and res["max_abs_ce_diff"] == 0.0
+    """``olmax verify resume`` end to end: uninterrupted vs interrupted + resumed in a new process."""
+    cmd = [sys.executable, "-m", "olmax.cli", "verify", "resume", "tiny", "--steps", "6", "--interrupt-at", "3",
+           "--out", str(tmp_path / "ab"), "--json"]
+    for o in small_overrides(corpus, "data.workers=2", "checkpoint.keep_last=10"):
+        cmd += ["--set", o]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    assert res["ok"] and res["steps"] == 6 and res["max_abs_ce_diff"] == 0.0 and res["tolerance"] == 0.0
+    assert res["first_difference"] is None and res["interrupt_at"] == 3
+    # The interrupted run really stopped at 3 and resumed: its checkpoints include step 3.
+    assert (tmp_path / "ab" / "resumed" / "checkpoints" / "3").is_dir()
+
+
+def test_sigterm_checkpoints_and_the_resumed_run_matches(tmp_path, corpus):
+    """SIGTERM mid-run: the loop saves a checkpoint and exits 0; rerunning the same command
+    finishes with exactly the losses of an uninterrupted run."""
+    import signal
+    import time
+    ov = small_overrides(corpus, "train.steps=3000", "checkpoint.interval=100000")
+    cmd = [sys.executable, "-m", "olmax.cli", "train", "tiny", "--run-dir", str(tmp_path / "run"), "--no-progress"]
+    for o in ov:
+        cmd += ["--set", o]
+    env = {**__import__("os").environ, "JAX_PLATFORMS": "cpu"}
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
+        assert p.poll() is None, p.communicate()[1][-3000:]
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-3000:]
+    assert "stopped early" in err
+    ck = Checkpointer(tmp_path / "run", get_recipe("tiny", ov).checkpoint, read_only=True)
+    stopped_at = ck.latest_step()
+    assert stopped_at is not None and 5 <= stopped_at < 3000
+    rows = [json.loads(l) for l in metrics.read_text().splitlines()]
+    assert rows[-1]["step"] == stopped_at
+    # Resume for 3 more updates (same schedule horizon) and compare with an uninterrupted run.
+    end = stopped_at + 3
+    r = subprocess.run(cmd + ["--max-steps-this-run", "3"], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    train(get_recipe("tiny", ov), tmp_path / "straight", progress=False, max_steps_this_run=end)
+    got, want = read_metrics(tmp_path / "run"), read_metrics(tmp_path / "straight")
+    assert sorted(got) == list(range(1, end + 1))
+    assert [got[s]["train/CE loss"] for s in sorted(got)] == [want[s]["train/CE loss"] for s in sorted(got)]
 
 
 def test_elastic_resume_from_4_devices_to_1(tmp_path, corpus):
