@@ -28,8 +28,9 @@ from pathlib import Path
 
 import pytest
 
-lm_eval = pytest.importorskip("lm_eval")
-pytest.importorskip("accelerate")  # lm-eval's HF model needs it
+# The references must run: a missing install fails here instead of skipping.
+import accelerate  # noqa: E402,F401  (lm-eval's HF model needs it)
+import lm_eval  # noqa: E402
 
 from lm_eval import utils as lm_utils  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
