@@ -84,8 +84,10 @@ class ModelConfig:
 class DataConfig:
     # Token files (raw little-endian arrays, no header) or OLMo-core mix files (``label,path`` lines).
     paths: tuple[str, ...] = ()
-    # Optional prefix substituted for ``{root}`` in mix-file lines.
+    # Substituted for ``{root}`` in mix-file lines (and the base of their relative paths).
     mix_root: str | None = None
+    # Substituted for ``{TOKENIZER}`` in AI2's mix files (OLMo-core writes dolma2-tokenizer).
+    mix_tokenizer: str | None = None
     sequence_length: int = 8192
     seed: int = 34521
     dtype: Literal["uint8", "uint16", "uint32", "uint64"] = "uint32"

@@ -61,6 +61,14 @@ def test_mix_file(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"mix.txt:1: .*data.mix_root is not set"):
         read_mix(mix)
     mix.write_text("a,{TOKENIZER}/x.npy\n")
+    with pytest.raises(DataError, match=r"mix.txt:1: .*data.mix_tokenizer is not set"):
+        read_mix(mix, "/r")
+    # AI2's mixes name the tokenizer folder with a placeholder (OLMo-core fills in dolma2-tokenizer).
+    (tmp_path / "dolma2-tokenizer").mkdir()
+    (tmp_path / "dolma2-tokenizer" / "x.npy").write_bytes(b"\0\0")
+    mix.write_text("a,{TOKENIZER}/x.npy\n")
+    assert read_mix(mix, str(tmp_path), "dolma2-tokenizer") == [("a", str(tmp_path / "dolma2-tokenizer" / "x.npy"))]
+    mix.write_text("a,{OTHER}/x.npy\n")
     with pytest.raises(DataError, match=r"mix.txt:1: unresolved placeholder"):
         read_mix(mix, "/r")
     mix.write_text("just-a-path.npy\n")

@@ -42,11 +42,13 @@ class TokenFile:
 # --------------------------------------------------------------------------- path resolution
 
 
-def read_mix(mix_path: str | Path, mix_root: str | None = None) -> list[tuple[str, str]]:
+def read_mix(mix_path: str | Path, mix_root: str | None = None,
+             mix_tokenizer: str | None = None) -> list[tuple[str, str]]:
     """``(label, path)`` pairs of an OLMo-core mix file (``label,path`` lines, ``#`` comments).
 
-    ``{root}`` is replaced by ``data.mix_root``; other relative paths are taken relative to
-    ``mix_root`` (OLMo-core ``DataMix.build`` prefixes ``base_dir``) or else the mix file's folder.
+    ``{root}`` is replaced by ``data.mix_root`` and ``{TOKENIZER}`` by ``data.mix_tokenizer``
+    (OLMo-core ``DataMix.build`` writes ``dolma2-tokenizer`` for dolma2); other relative paths
+    are taken relative to ``mix_root`` (``build`` prefixes ``base_dir``) or else the mix file's folder.
     """
     mix_path = Path(mix_path)
     if not mix_path.is_file():
@@ -64,9 +66,14 @@ def read_mix(mix_path: str | Path, mix_root: str | None = None) -> list[tuple[st
             if mix_root is None:
                 raise DataError(f"{mix_path}:{n}: path uses {{root}} but data.mix_root is not set")
             path = path.replace("{root}", mix_root.rstrip("/"))
+        if "{TOKENIZER}" in path:
+            if mix_tokenizer is None:
+                raise DataError(f"{mix_path}:{n}: path uses {{TOKENIZER}} but data.mix_tokenizer is not set "
+                                "(AI2's dolma2 mixes use dolma2-tokenizer)")
+            path = path.replace("{TOKENIZER}", mix_tokenizer)
         if "{" in path:
-            raise DataError(f"{mix_path}:{n}: unresolved placeholder in {path!r} (only {{root}} is substituted; "
-                            "write the tokenizer name into the mix file)")
+            raise DataError(f"{mix_path}:{n}: unresolved placeholder in {path!r} (only {{root}} and {{TOKENIZER}} "
+                            "are substituted)")
         if not os.path.isabs(path) and not path.startswith(_REMOTE):
             path = os.path.join(mix_root if mix_root is not None else str(mix_path.parent), path)
         if not path.startswith(_REMOTE) and not os.path.isfile(path):
@@ -89,7 +96,8 @@ def _read_manifest(path: Path) -> tuple[dict, list[tuple[str, None]]]:
 
 
 def resolve_paths(paths: Sequence[str], mix_root: str | None = None, *, dtype: str | None = None,
-                  eos_token_id: int | None = None, vocab_size: int | None = None) -> list[tuple[str, str | None]]:
+                  eos_token_id: int | None = None, vocab_size: int | None = None,
+                  mix_tokenizer: str | None = None) -> list[tuple[str, str | None]]:
     """Expand ``data.paths`` into ``(token file, label)`` pairs, in order.
 
     Each entry is a token file, an OLMo-core mix file (``.txt``), or a folder / ``manifest.json``
@@ -100,7 +108,7 @@ def resolve_paths(paths: Sequence[str], mix_root: str | None = None, *, dtype: s
         if p.startswith(_REMOTE):
             raise DataError(f"remote token files are not supported ({p}); copy them to a local disk")
         if p.endswith(".txt"):
-            out += [(path, label) for label, path in read_mix(p, mix_root)]
+            out += [(path, label) for label, path in read_mix(p, mix_root, mix_tokenizer)]
         elif os.path.isdir(p) or p.endswith(".json"):
             mpath = Path(p) / "manifest.json" if os.path.isdir(p) else Path(p)
             if not mpath.is_file():
@@ -189,7 +197,7 @@ class TokenDataset:
 
     def __init__(self, paths: Sequence[str], *, sequence_length: int, vocab_size: int, eos_token_id: int,
                  pad_token_id: int, bos_token_id: int | None = None, dtype: str = "uint32",
-                 mix_root: str | None = None, validate: Validate = "sample"):
+                 mix_root: str | None = None, mix_tokenizer: str | None = None, validate: Validate = "sample"):
         if not paths:
             raise DataError("data.paths is empty: give token files, mix files or `olmax tokenize` folders")
         if sequence_length <= 0:
@@ -200,7 +208,7 @@ class TokenDataset:
         item = self.dtype.itemsize
         files, start = [], 0
         for path, label in resolve_paths(paths, mix_root, dtype=self.dtype.name, eos_token_id=eos_token_id,
-                                         vocab_size=vocab_size):
+                                         vocab_size=vocab_size, mix_tokenizer=mix_tokenizer):
             size = os.path.getsize(path)
             if size % item:
                 raise DataError(f"{path}: size {size} bytes is not a multiple of {item} ({self.dtype.name}, "
@@ -227,7 +235,7 @@ class TokenDataset:
         d = cfg.data
         return cls(d.paths, sequence_length=d.sequence_length, vocab_size=cfg.model.vocab_size,
                    eos_token_id=d.eos_token_id, pad_token_id=d.pad_token_id, bos_token_id=d.bos_token_id,
-                   dtype=d.dtype, mix_root=d.mix_root, validate=validate)
+                   dtype=d.dtype, mix_root=d.mix_root, mix_tokenizer=d.mix_tokenizer, validate=validate)
 
     def __len__(self) -> int:
         return self.num_instances

@@ -57,7 +57,8 @@ def olmo3_7b_stage1() -> Config:
         model=olmo3_7b_model(),
         # dolma2 tokenizer: eos 100257, pad 100277, no bos; data seed 34521; no n-gram filter at 7B.
         data=DataConfig(sequence_length=SEQ_LEN, seed=34521, dtype="uint32", eos_token_id=100257,
-                        pad_token_id=100277, bos_token_id=None, workers=4, repetition_filter=False),
+                        pad_token_id=100277, bos_token_id=None, workers=4, repetition_filter=False,
+                        mix_tokenizer="dolma2-tokenizer"),
         optim=_olmo3_optim(3e-4, ScheduleConfig(
             name="two_part_cosine", warmup=2000, t_max=STAGE1_T_MAX_1, alpha_f=0.1,
             switch_step=STAGE1_SWITCH, t_max_2=STAGE1_T_MAX_2)),
