@@ -116,10 +116,15 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None
                                         implementation=implementation)
 
 
-def attention_impl(requested: str) -> str:
+def attention_impl(requested: str, dtype: jnp.dtype | None = None) -> str:
+    """Resolve ``model.attention_impl``. "auto" takes cuDNN flash attention on GPUs when the
+    compute dtype is bf16/fp16 (cuDNN has no fp32 kernel), XLA's fused path on other GPU
+    dtypes, and the exact reference elsewhere (CPU tests; TPUs want a splash kernel, not yet here)."""
     if requested != "auto":
         return requested
-    return "cudnn" if jax.default_backend() == "gpu" else "reference"
+    if jax.default_backend() != "gpu":
+        return "reference"
+    return "cudnn" if dtype is None or jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
 
 
 def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:

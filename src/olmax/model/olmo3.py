@@ -33,7 +33,7 @@ def _attention_block(cfg: ModelConfig, p: dict, x: jax.Array, cos: jax.Array, si
     q = apply_rope(q.reshape(b, t, H, E), cos, sin)
     k = apply_rope(k.reshape(b, t, K, E), cos, sin)
     v = v.reshape(b, t, K, E)
-    impl = attention_impl(cfg.attention_impl)
+    impl = attention_impl(cfg.attention_impl, q.dtype)
     if impl == "reference":
         o = reference_attention(q, k, v, window)
     else:

@@ -189,13 +189,25 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
     if start is not None:
         meta = ckpt.read_meta(run, start)
         ckpt.check_compatible(meta, cfg)
+        data_state = meta["data_state"]
+
+    # -- data first: a bad path or a changed dataset fails before anything is allocated or compiled.
+    # The order is a pure function of the step; resume checks the fingerprint.
+    loader = TrainData(cfg, start or 0, data_state, allow_fingerprint_mismatch, mesh, cache_dir=run / "order_cache",
+                       trace_dir=run)
+    evaluator = HeldoutEvaluator(cfg, mesh, per_batch=True) if cfg.eval.heldout_paths else None
+    alarm = None
+    if cfg.eval.reference:
+        from olmax.eval.alarm import ALARM, MemorisationAlarm
+        alarm = MemorisationAlarm(cfg.eval.reference, label=cfg.name, reference=cfg.eval.reference)
+
+    if start is not None:
         abstract = {
             "params": jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params_abs, pshard),
             "opt_state": jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt_abs, oshard),
         }
         state, meta = ckpt.restore(start, abstract)
         params, opt_state = state["params"], state["opt_state"]
-        data_state = meta["data_state"]
         if int(meta["step"]) != start or int(opt_state.step) != start:
             raise ConfigError(f"checkpoint {start} in {run} is inconsistent: meta step {meta['step']}, "
                               f"optimizer step {int(opt_state.step)}")
@@ -215,10 +227,6 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
                 "devices": jax.device_count(), "processes": jax.process_count(),
                 "device_kind": jax.devices()[0].device_kind, "batch_plan": dataclasses.asdict(plan)}, indent=2))
 
-    # -- data: a pure function of the step; resume checks the fingerprint -------------------------
-    loader = TrainData(cfg, start, data_state, allow_fingerprint_mismatch, mesh, cache_dir=run / "order_cache",
-                       trace_dir=run)
-
     # -- the step -------------------------------------------------------------------------------
     bshard = batch_sharding(mesh)
     update = partial(apply_update, optim_cfg=cfg.optim, total_steps=total)
@@ -227,11 +235,6 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
                       in_shardings=(pshard, oshard, {"input_ids": bshard, "label_mask": bshard}),
                       out_shardings=(pshard, oshard, None), donate_argnums=(0, 1))
 
-    evaluator = HeldoutEvaluator(cfg, mesh, per_batch=True) if cfg.eval.heldout_paths else None
-    alarm = None
-    if cfg.eval.reference:
-        from olmax.eval.alarm import ALARM, MemorisationAlarm
-        alarm = MemorisationAlarm(cfg.eval.reference, label=cfg.name, reference=cfg.eval.reference)
     sinks = []
     if is_main:
         sinks = [JsonlSink(run / "metrics.jsonl"), TensorBoardSink(run / "tensorboard")]
