@@ -204,3 +204,13 @@ def test_in_loop_memorisation_alarm_fires_on_repeated_data(tmp_path, capfd):
     quiet = cfg_for(corpus, *common, f"eval.reference={tmp_path / 'honest'}")
     train(quiet, tmp_path / "again", progress=False)
     assert "MEMORISATION ALARM" not in capfd.readouterr().err
+
+
+def test_bad_data_fails_before_anything_is_built(tmp_path, corpus):
+    missing = str(tmp_path / "nope.npy")
+    with pytest.raises(ValueError, match="nope.npy"):
+        train(cfg_for([missing]), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run" / "config.yaml").exists()
+    with pytest.raises(ConfigError, match="held-out token file .*gone.npy does not exist"):
+        train(cfg_for(corpus, f"eval.heldout_paths={tmp_path / 'gone.npy'}"), tmp_path / "run2", progress=False)
+    assert not (tmp_path / "run2" / "config.yaml").exists()
