@@ -56,6 +56,12 @@ _STATE, _META = "state", "meta"
 _MAX_LISTED = 12
 
 
+class _DropReadOnlyWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not ("read_only=True" in msg or "is read only" in msg)
+
+
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be used for this run; the message names the field or parameter."""
 
@@ -78,18 +84,27 @@ class Checkpointer:
         policies = [pp.LatestN(ckpt_cfg.keep_last)]
         if ckpt_cfg.keep_every is not None:
             policies.append(pp.EveryNSteps(ckpt_cfg.keep_every))
-        options = ocp.CheckpointManagerOptions(
-            enable_async_checkpointing=ckpt_cfg.async_save,
-            preservation_policy=pp.AnyPreservationPolicy(policies),
-            # A leftover <N>.orbax-checkpoint-tmp is a save that died; it is never a checkpoint.
-            # Readers (tools) must not delete it: it may be a live run's save in progress.
-            cleanup_tmp_directories=not read_only,
-            read_only=read_only,
-            create=not read_only,
-        )
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=options,
-            item_handlers={_STATE: ocp.StandardCheckpointHandler(), _META: ocp.JsonCheckpointHandler()})
+        # Orbax warns on every read-only manager that it is read-only: that is the point here.
+        quiet = _DropReadOnlyWarnings() if read_only else None
+        absl_logger = logging.getLogger("absl")
+        if quiet:
+            absl_logger.addFilter(quiet)
+        try:
+            options = ocp.CheckpointManagerOptions(
+                enable_async_checkpointing=ckpt_cfg.async_save,
+                preservation_policy=pp.AnyPreservationPolicy(policies),
+                # A leftover <N>.orbax-checkpoint-tmp is a save that died; it is never a checkpoint.
+                # Readers (tools) must not delete it: it may be a live run's save in progress.
+                cleanup_tmp_directories=not read_only,
+                read_only=read_only,
+                create=not read_only,
+            )
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=options,
+                item_handlers={_STATE: ocp.StandardCheckpointHandler(), _META: ocp.JsonCheckpointHandler()})
+        finally:
+            if quiet:
+                absl_logger.removeFilter(quiet)
 
     # ------------------------------------------------------------------ queries
 
