@@ -239,6 +239,21 @@ def test_7b_configs_both_ways() -> None:
     assert olmo3_7b_model().padded_vocab_size == hf_config_to_olmax(RELEASED_7B_LEGACY)[0].padded_vocab_size == 100352
 
 
+def test_olmo_core_forced_full_last_layer_round_trips(hf_fp32: Path) -> None:
+    """OLMo-core's olmo3 builders force the last layer to full attention: with 5 layers the
+    pattern is s, s, s, f, f, which olmax expresses as k=4 plus a full last layer."""
+    types = ["sliding_attention"] * 3 + ["full_attention"] * 2
+    d = {**json.loads((hf_fp32 / "config.json").read_text()), "layer_types": types}
+    m = hf_config_to_olmax(d)[0]
+    assert (m.full_attention_every, m.full_attention_last_layer) == (4, True)
+    assert [m.is_full_attention(i) for i in range(5)] == [False, False, False, True, True]
+    assert olmax_to_hf_config(Config(model=m), "float32")["layer_types"] == types
+    # HF's default pattern for 5 layers (last layer sliding) maps to the flag off.
+    d["layer_types"] = ["sliding_attention"] * 3 + ["full_attention", "sliding_attention"]
+    m = hf_config_to_olmax(d)[0]
+    assert (m.full_attention_every, m.full_attention_last_layer) == (4, False)
+
+
 @pytest.mark.parametrize("change,match", [
     ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "LlamaForCausalLM, not Olmo3ForCausalLM"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),

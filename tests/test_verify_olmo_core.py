@@ -39,6 +39,12 @@ def test_parity_with_olmo_core_100_steps(tmp_path):
     assert json.loads((out / "report.json").read_text())["ok"] is True
 
 
+def test_parity_with_a_layer_count_not_a_multiple_of_4():
+    # OLMo-core's olmo3 builders make the last layer full attention: s, s, s, f, f at 5 layers.
+    r = v.run_parity(steps=8, overrides=["model.n_layers=5"])
+    assert r["ok"] and r["batches_identical"] and r["max_abs_ce_diff"] <= 1e-4, r["first_difference"]
+
+
 def test_parity_through_skipped_steps():
     # A short rolling window and 1 sigma make skip-step fire within a few dozen steps: both sides
     # must skip the same steps (params, moments and Adam step unchanged; lr and data advance).

@@ -56,6 +56,9 @@ class ModelConfig:
     # i % full_attention_every == full_attention_every - 1 (OLMo 3: every 4th layer).
     sliding_window: int | None = 4096
     full_attention_every: int = 4
+    # OLMo-core's olmo3 builders also force the last layer to full attention
+    # (force_full_attention_on_last_layer); it only matters when n_layers % 4 != 0.
+    full_attention_last_layer: bool = True
     max_position_embeddings: int = 65536
     init_std: float = 0.02
     param_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -74,7 +77,7 @@ class ModelConfig:
         if self.sliding_window is None:
             return True
         k = self.full_attention_every
-        return layer % k == k - 1
+        return layer % k == k - 1 or (self.full_attention_last_layer and layer == self.n_layers - 1)
 
     def layer_window(self, layer: int) -> int | None:
         return None if self.is_full_attention(layer) else self.sliding_window

@@ -68,16 +68,19 @@ def _check_architecture(hf: dict[str, Any]) -> None:
         raise ConversionError(f"config.json names no architecture or model_type; expected {ARCHITECTURE}")
 
 
-def _full_attention_every(layer_types: list[str], n_layers: int) -> int:
-    """The k with ``full iff i % k == k-1`` that reproduces ``layer_types`` (olmax's pattern)."""
+def _full_attention_every(layer_types: list[str], n_layers: int) -> tuple[int, bool]:
+    """(k, last forced) with ``full iff i % k == k-1`` (or i is the last layer, when forced, as
+    OLMo-core's olmo3 builders do) that reproduces ``layer_types`` (olmax's pattern)."""
     full = [t == "full_attention" for t in layer_types]
     candidates = [4] + [i + 1 for i, f in enumerate(full) if f][:1] + [n_layers + 1]
-    for k in candidates:
-        if all(f == (i % k == k - 1) for i, f in enumerate(full)):
-            return k
+    for force_last in (True, False):
+        for k in candidates:
+            if all(f == (i % k == k - 1 or (force_last and i == n_layers - 1)) for i, f in enumerate(full)):
+                return k, force_last
     raise ConversionError(
         f"config.json layer_types {layer_types} is not OLMo 3's pattern (full attention iff i % k == k-1 for "
-        "some k, sliding elsewhere) nor all full_attention; olmax cannot express it")
+        "some k, optionally also on the last layer, sliding elsewhere) nor all full_attention; olmax cannot "
+        "express it")
 
 
 def _yarn_from(d: dict[str, Any], theta: float, max_pos: int, where: str) -> RopeScaling | None:
@@ -185,12 +188,13 @@ def hf_config_to_olmax(hf: dict[str, Any], padded_vocab_size: int | None = None
         raise ConversionError(f"config.json layer_types contains {bad[0]!r}; OLMo 3 has full_attention and "
                               "sliding_attention")
     theta, scaling = _rope_from(hf, max_pos, has_sliding="sliding_attention" in layer_types)
+    force_last = True
     if all(t == "full_attention" for t in layer_types):
         window, every = None, 4
     elif window is None:
         raise ConversionError("config.json has sliding_attention layers but sliding_window is null")
     else:
-        every = _full_attention_every(layer_types, n_layers)
+        every, force_last = _full_attention_every(layer_types, n_layers)
 
     vocab = int(hf["vocab_size"])
     padded = default_padded_vocab(vocab) if padded_vocab_size is None else int(padded_vocab_size)
@@ -204,7 +208,7 @@ def hf_config_to_olmax(hf: dict[str, Any], padded_vocab_size: int | None = None
         n_kv_heads=int(hf.get("num_key_value_heads") or n_heads), head_dim=int(head_dim),
         mlp_hidden=int(hf["intermediate_size"]), norm_eps=float(hf.get("rms_norm_eps", HF_DEFAULTS["rms_norm_eps"])),
         rope_theta=theta, rope_scaling=scaling, sliding_window=None if window is None else int(window),
-        full_attention_every=every, max_position_embeddings=max_pos,
+        full_attention_every=every, full_attention_last_layer=force_last, max_position_embeddings=max_pos,
         init_std=float(hf.get("initializer_range", HF_DEFAULTS["initializer_range"])), param_dtype=dtype,
     )
     ids = {k: _token_id(hf, k) for k in ("eos_token_id", "pad_token_id", "bos_token_id")}

@@ -101,7 +101,8 @@ def load_initial_state(cfg: Config, init_from: str, pshard: Any, oshard: Any) ->
 
 
 ARCH_FIELDS = ("vocab_size", "padded_vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-               "mlp_hidden", "norm_eps", "rope_theta", "rope_scaling", "sliding_window", "full_attention_every")
+               "mlp_hidden", "norm_eps", "rope_theta", "rope_scaling", "sliding_window", "full_attention_every",
+               "full_attention_last_layer")
 
 
 def _check_same_model(src, dst, what: str) -> None:

@@ -200,7 +200,8 @@ def olmo_core_model_config(cfg: Config):
         # olmo3_7B: pattern [4096, 4096, 4096, -1], first layer not forced full, last layer forced full.
         sliding = SlidingWindowAttentionConfig(
             pattern=[m.sliding_window] * (k - 1) + [-1],
-            force_full_attention_on_first_layer=False, force_full_attention_on_last_layer=True)
+            force_full_attention_on_first_layer=False,
+            force_full_attention_on_last_layer=m.full_attention_last_layer)
     return TransformerConfig.llama_like(
         d_model=m.d_model, vocab_size=m.embedding_rows, n_layers=m.n_layers, n_heads=m.n_heads,
         n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,

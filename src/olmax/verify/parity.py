@@ -204,7 +204,8 @@ def run_parity(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike | None =
         params, cfg = load_weights(checkpoint)
         m, h = cfg.model, hf_cfg.model
         differ = [f for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden",
-                              "norm_eps", "rope_theta", "rope_scaling", "sliding_window", "full_attention_every")
+                              "norm_eps", "rope_theta", "rope_scaling", "sliding_window", "full_attention_every",
+                              "full_attention_last_layer")
                   if getattr(m, f) != getattr(h, f)]
         if differ:
             raise ConversionError(f"--checkpoint {checkpoint} and --hf {hf_dir} describe different models "
