@@ -214,3 +214,37 @@ def test_bad_data_fails_before_anything_is_built(tmp_path, corpus):
     with pytest.raises(ConfigError, match="held-out token file .*gone.npy does not exist"):
         train(cfg_for(corpus, f"eval.heldout_paths={tmp_path / 'gone.npy'}"), tmp_path / "run2", progress=False)
     assert not (tmp_path / "run2" / "config.yaml").exists()
+
+
+def test_hf_warm_start_train_export_and_parity(tmp_path, corpus):
+    """HF weights -> olmax training (--init-from hf:) -> export of the trained checkpoint back to HF
+    -> logit parity of the export against the checkpoint itself, through the CLI."""
+    from olmax.verify.parity import random_hf_model
+    hf = random_hf_model(tmp_path / "hf", seed=3, vocab_size=256, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         sliding_window=8, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                         eos_token_id=0, pad_token_id=1, bos_token_id=None)
+    # HF pads nothing here: the recipe's vocabulary must match the checkpoint's, as it does.
+    cfg = cfg_for(corpus, "train.steps=3", f"train.init_from=hf:{hf}", "model.padded_vocab_size=256",
+                  "data.eos_token_id=0", "data.pad_token_id=1")
+    res = train(cfg, tmp_path / "run", progress=False)
+    assert res.end_step == 3
+    cli = [sys.executable, "-m", "olmax.cli"]
+    r = subprocess.run(cli + ["convert", "olmax-to-hf", "--checkpoint", str(tmp_path / "run"), "--out",
+                              str(tmp_path / "export")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run(cli + ["parity", "--hf", str(tmp_path / "export"), "--checkpoint", str(tmp_path / "run"),
+                              "--seq-len", "24", "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    rep = json.loads(r.stdout)
+    assert rep["kl_max"] <= 1e-7 and rep["top1_agreement"] == 1.0 and rep["max_abs_logit_diff"] <= 1e-4
+    # The trained weights moved away from the HF initial weights (the export is not the input).
+    import safetensors.numpy as stn
+    a = stn.load_file(str(hf / "model.safetensors"))["lm_head.weight"]
+    b = stn.load_file(str(tmp_path / "export" / "model.safetensors"))["lm_head.weight"]
+    assert a.shape == b.shape and not np.array_equal(a, b)
+    # Exporting again into the now non-empty directory is refused and leaves it intact.
+    r = subprocess.run(cli + ["convert", "olmax-to-hf", "--checkpoint", str(tmp_path / "run"), "--out",
+                              str(tmp_path / "export")], capture_output=True, text=True)
+    assert r.returncode == 2 and "not empty" in r.stderr
+    assert (tmp_path / "export" / "model.safetensors").exists()

@@ -458,8 +458,27 @@ def hf_to_olmax(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
 def olmax_to_hf(weights_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | None = None,
                 shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Any = None) -> Path:
     """Export an olmax weights directory as a HF ``Olmo3ForCausalLM`` directory (safetensors, one
-    file or sharded with an index, config.json, generation_config.json), atomically."""
+    file or sharded with an index, config.json, generation_config.json), atomically.
+
+    A training run directory or ``RUN/checkpoints/N`` is accepted too: its parameters are
+    restored (in memory) and written as a temporary weights directory first."""
     weights_dir = Path(weights_dir)
+    # A run directory also holds a config.yaml; only a weights directory holds safetensors.
+    if weights_dir.is_dir() and not any(weights_dir.glob("*.safetensors")):
+        import tempfile
+
+        from olmax.model.weights_io import flatten_tree, save_weights
+        from olmax.train.load import load_params
+        params, cfg = load_params(weights_dir)  # a clear error if it is not a checkpoint either
+        if Path(out_dir).exists() and any(Path(out_dir).iterdir()):
+            raise ConversionError(f"output directory {str(out_dir)!r} already exists and is not empty")
+        Path(out_dir).parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=Path(out_dir).parent, prefix=".olmax-export-") as t:
+            tmp_weights = Path(t) / "weights"
+            save_weights(tmp_weights, ((n, np.asarray(a)) for n, a in flatten_tree(params)), cfg,
+                         shard_bytes=shard_bytes)
+            del params
+            return olmax_to_hf(tmp_weights, out_dir, dtype=dtype, shard_bytes=shard_bytes, progress=progress)
     try:
         cfg = load_config(weights_dir)
         reader = TensorReader(weights_dir)

@@ -191,7 +191,6 @@ def run_parity(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike | None =
     ``attention_impl`` defaults to the exact reference attention in fp32 and the config's choice
     (cuDNN on GPU) in bf16."""
     from olmax.compat.hf import ConversionError, config_from_hf, load_hf_params
-    from olmax.model.weights_io import load_weights
 
     if dtype not in HIDDEN_TOL:
         raise ConversionError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
@@ -201,7 +200,8 @@ def run_parity(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike | None =
         raise ConversionError(f"{str(hf_dir)!r} has no config.json (not a HF model directory)")
     hf_cfg = config_from_hf(json.loads(hf_cfg_path.read_text()))  # rejects non-OLMo-3 checkpoints early
     if checkpoint is not None:
-        params, cfg = load_weights(checkpoint)
+        from olmax.train.load import load_params
+        params, cfg = load_params(checkpoint)  # a weights dir, a run dir or RUN/checkpoints/N
         m, h = cfg.model, hf_cfg.model
         differ = [f for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden",
                               "norm_eps", "rope_theta", "rope_scaling", "sliding_window", "full_attention_every",
@@ -287,7 +287,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``olmax parity``; sets ``func(args) -> int``."""
     p = subparsers.add_parser("parity", help="logit parity of olmax against transformers' Olmo3ForCausalLM")
     p.add_argument("--hf", required=True, help="HF model directory (the fp32 eager reference)")
-    p.add_argument("--checkpoint", default=None, help="olmax weights directory (default: convert --hf in memory)")
+    p.add_argument("--checkpoint", default=None,
+                   help="olmax weights directory, run directory or RUN/checkpoints/N (default: convert --hf in memory)")
     p.add_argument("--tokens", default=None, help=".npy array of token ids [T] or [B, T] (default: random)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=2)
