@@ -463,6 +463,8 @@ def olmax_to_hf(weights_dir: str | os.PathLike, out_dir: str | os.PathLike, dtyp
     A training run directory or ``RUN/checkpoints/N`` is accepted too: its parameters are
     restored (in memory) and written as a temporary weights directory first."""
     weights_dir = Path(weights_dir)
+    if not weights_dir.exists():
+        raise ConversionError(f"checkpoint {str(weights_dir)!r} does not exist")
     # A run directory also holds a config.yaml; only a weights directory holds safetensors.
     if weights_dir.is_dir() and not any(weights_dir.glob("*.safetensors")):
         import tempfile
