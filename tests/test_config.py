@@ -116,3 +116,16 @@ def test_stage2_and_32b_recipes():
 def test_yaml_output_is_plain():
     d = yaml.safe_load(get_recipe("tiny").to_yaml())
     assert d["model"]["d_model"] == 128 and d["data"]["paths"] == []
+
+
+def test_model_differences_names_architecture_fields_only():
+    from dataclasses import replace
+
+    from olmax.config import model_differences
+    m = get_recipe("tiny").model
+    assert model_differences(m, replace(m, remat="full", compute_dtype="bfloat16", attention_impl="cudnn")) == []
+    assert model_differences(m, replace(m, d_model=64, n_heads=2)) == [("d_model", 128, 64), ("n_heads", 4, 2)]
+    # No padding (None) and padding to the vocabulary size are the same embedding.
+    assert model_differences(replace(m, padded_vocab_size=None), m) == []
+    assert model_differences(m, replace(m, padded_vocab_size=4224)) == [("padded_vocab_size", 4096, 4224)]
+    assert model_differences(m, replace(m, param_dtype="bfloat16"), ignore=frozenset({"param_dtype"})) == []

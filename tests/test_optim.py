@@ -33,10 +33,10 @@ from olmax.recipes import olmo3_7b_stage1, olmo3_7b_stage2  # noqa: E402
 SCHED_RTOL = 1e-6   # fp32 on our side vs float64 in OLMo-core
 # Parameters, as max |ours - torch| / max |torch| per tensor, fp32 on both sides:
 STEP_RTOL = 1e-6    # one update from OLMo-core's own state (observed <= 2.4e-7, i.e. 1-2 ulp)
-TRAJ_RTOL = 4e-6    # 260 updates each from its own state: last-bit differences (FMA fusion, lr in
-                    # fp32 vs float64) random-walk on O(1) norm weights (observed about 2e-6)
-MOMENT_RTOL = 2e-6  # along the trajectory; the 4-element k_norm moments are averages of random-sign
-                    # gradients whose max is near their rounding noise (observed about 1e-6)
+# Over a whole trajectory each side random-walks on its own last-bit rounding, so no fixed
+# constant is principled there: both fp32 runs are compared with OLMo-core in float64, and ours
+# may be at most NOISE_FACTOR times as far from it as OLMo-core's own fp32 run is.
+NOISE_FACTOR = 2.0
 
 
 # --------------------------------------------------------------------------- helpers
@@ -211,20 +211,21 @@ def _sequence(rng: np.random.Generator, params: dict):
     return out
 
 
-def _olmo_core_run(params: dict, seq, cfg: OptimConfig, total_steps: int):
-    """OLMo-core's SkipStepAdamW driven exactly as TransformerTrainModule drives it."""
+def _olmo_core_run(params: dict, seq, cfg: OptimConfig, total_steps: int, dtype=np.float32):
+    """OLMo-core's SkipStepAdamW driven exactly as TransformerTrainModule drives it (in ``dtype``:
+    fp32 as trained, float64 as the reference for rounding noise)."""
     named = jax.tree_util.tree_flatten_with_path(params)[0]
     module = torch.nn.Module()
-    module.embeddings = torch.nn.Embedding(*params["embed"].shape)
+    module.embeddings = torch.nn.Embedding(*params["embed"].shape, dtype=torch.from_numpy(np.zeros(0, dtype)).dtype)
     with torch.no_grad():
-        module.embeddings.weight.copy_(torch.from_numpy(np.array(params["embed"])))
+        module.embeddings.weight.copy_(torch.from_numpy(np.array(params["embed"], dtype)))
     tensors = {}
     for path, x in named:
         n = _name(path)
         if n == "embed":
             tensors[n] = module.embeddings.weight
         else:
-            module.register_parameter(n, torch.nn.Parameter(torch.from_numpy(np.array(x))))
+            module.register_parameter(n, torch.nn.Parameter(torch.from_numpy(np.array(x, dtype))))
             tensors[n] = getattr(module, n)
     sk = cfg.skip_step
     assert sk.min_history == max(2, sk.window // 2)           # OLMo-core derives it from the window
@@ -248,8 +249,8 @@ def _olmo_core_run(params: dict, seq, cfg: OptimConfig, total_steps: int):
     for t, (loss, grads) in enumerate(seq, start=1):
         trainer.global_step = t                                     # Trainer._fit_epoch: += 1 first
         for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-            tensors[_name(path)].grad = torch.from_numpy(np.array(g))
-        optim.latest_loss = torch.tensor(loss, dtype=torch.float32)  # train_batch: CE loss only
+            tensors[_name(path)].grad = torch.from_numpy(np.array(g, dtype))
+        optim.latest_loss = torch.tensor(np.asarray(loss, dtype))    # train_batch: CE loss only
         TransformerTrainModule.optim_step(tm)                        # clip, set lr, step
         optim.zero_grad(set_to_none=True)
         history.append({
@@ -274,6 +275,7 @@ def test_adamw_clip_skip_step_match_olmo_core():
                                                                   min_history=64),
                       schedule=ScheduleConfig(name="cosine", warmup=20, t_max=None, alpha_f=0.1))
     ref, ref_state = _olmo_core_run(params, seq, cfg, N_STEPS)
+    ref64, _ = _olmo_core_run(params, seq, cfg, N_STEPS, dtype=np.float64)
 
     update = _update
     p = jax.tree.map(jnp.asarray, params)
@@ -286,7 +288,9 @@ def test_adamw_clip_skip_step_match_olmo_core():
         return max(float(np.max(np.abs(np.asarray(x) - want[n])) / np.max(np.abs(want[n])))
                    for n, x in zip(names, jax.tree.leaves(tree)))
 
-    worst_step = worst_traj = worst_moments = 0.0
+    worst_step = 0.0
+    ours_drift = {"params": 0.0, "moments": 0.0}      # max relative distance from float64 OLMo-core
+    ref_drift = {"params": 0.0, "moments": 0.0}
     clipped = 0
     ours_skipped = []
     prev = {"params": jax.tree.leaves(params), "mu": None, "nu": None, "adam_step": 0}
@@ -309,17 +313,21 @@ def test_adamw_clip_skip_step_match_olmo_core():
         assert float(m["grad_norm"]) == pytest.approx(r["grad_norm"], rel=1e-6)
         assert int(state.adam_step) == r["adam_step"]
         clipped += float(m["clipped_grad_norm"]) < float(m["grad_norm"])
-        err = rel_err(p, r["params"])
-        worst_traj = max(worst_traj, err)
-        assert err <= TRAJ_RTOL, f"step {t}: relative parameter error {err:.2e}"
-        # The moments forget old rounding (they are averages of gradients), so no drift there.
-        err = max(rel_err(state.mu, r["mu"]), rel_err(state.nu, r["nu"]))
-        worst_moments = max(worst_moments, err)
-        assert err <= MOMENT_RTOL, f"step {t}: relative moment error {err:.2e}"
+        r64 = ref64[t - 1]
+        assert r64["skipped"] == r["skipped"], f"float64 reference skips differently at step {t}"
+        ours_drift["params"] = max(ours_drift["params"], rel_err(p, r64["params"]))
+        ours_drift["moments"] = max(ours_drift["moments"], rel_err(state.mu, r64["mu"]), rel_err(state.nu, r64["nu"]))
+        as_np = lambda d: [d[n] for n in names]
+        ref_drift["params"] = max(ref_drift["params"], rel_err(as_np(r["params"]), r64["params"]))
+        ref_drift["moments"] = max(ref_drift["moments"], rel_err(as_np(r["mu"]), r64["mu"]),
+                                   rel_err(as_np(r["nu"]), r64["nu"]))
         prev = {"params": [r["params"][n] for n in names], "mu": r["mu"], "nu": r["nu"],
                 "adam_step": r["adam_step"]}
-    print(f"relative error: params one step <= {worst_step:.2e}, {N_STEPS}-step trajectory <= {worst_traj:.2e}; "
-          f"moments <= {worst_moments:.2e}")
+    print(f"relative error: params one step <= {worst_step:.2e}; distance from float64 OLMo-core over "
+          f"{N_STEPS} steps: ours {ours_drift}, OLMo-core fp32 {ref_drift}")
+    for k in ("params", "moments"):
+        assert ref_drift[k] > 0, "the fp32 reference equals the float64 one: the noise floor is not measured"
+        assert ours_drift[k] <= NOISE_FACTOR * ref_drift[k], (k, ours_drift[k], ref_drift[k])
 
     skipped = {t for t, s in enumerate(ours_skipped, start=1) if s}
     planted = set(LOSS_SPIKES) | set(NORM_SPIKES) | {NAN_LOSS_STEP}

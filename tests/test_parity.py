@@ -17,6 +17,7 @@ import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from olmax.compat.hf import ConversionError, hf_to_olmax, load_hf_params
+from olmax.config import ConfigError
 from olmax.verify import parity
 from olmax.verify.parity import (FP32_CRITERIA, compare_logits, format_report, hf_reference, olmax_run,
                                  random_hf_model, run_parity)
@@ -128,7 +129,7 @@ def test_bf16_smoke_not_a_parity_claim(models: dict[str, Path]) -> None:
     1.5e-3 at 8192 context); here we only check the numbers are sane."""
     r = run_parity(models["gqa_yarn_legacy_5_layers"], seq_len=40, batch=2, seed=1, dtype="bfloat16")
     print(f"\n[bf16]\n{format_report(r)}")
-    assert "pass" not in r and r["noise_floor_kl"] == 1.5e-3
+    assert "pass" not in r
     assert np.isfinite(r["kl_mean"]) and np.isfinite(r["kl_max"])
     assert 0 < r["kl_mean"] < 0.05 and r["top1_agreement"] > 0.8
 
@@ -164,5 +165,7 @@ def test_parity_input_errors(models: dict[str, Path], tmp_path: Path) -> None:
     with pytest.raises(ConversionError, match="describe different models"):
         run_parity(models["gqa_yarn_legacy_5_layers"], checkpoint=tmp_path / "ox")
     np.save(tmp_path / "bad.npy", np.array([[5, 100]]))
-    with pytest.raises(ConversionError, match=r"token ids must lie in \[0, 100\)"):
+    with pytest.raises(ConfigError, match=r"token ids must lie in \[0, 100\)"):
         run_parity(models["mha_plain_rope_3_layers"], tokens=tmp_path / "bad.npy")
+    with pytest.raises(ConfigError, match="expected integer ids"):   # floats are not silently truncated
+        run_parity(models["mha_plain_rope_3_layers"], tokens=np.array([[1.5, 2.0]]))

@@ -211,9 +211,25 @@ def test_bad_data_fails_before_anything_is_built(tmp_path, corpus):
     with pytest.raises(ValueError, match="nope.npy"):
         train(cfg_for([missing]), tmp_path / "run", progress=False)
     assert not (tmp_path / "run" / "config.yaml").exists()
-    with pytest.raises(ConfigError, match="held-out token file .*gone.npy does not exist"):
+    with pytest.raises(ValueError, match="token file not found: .*gone.npy"):
         train(cfg_for(corpus, f"eval.heldout_paths={tmp_path / 'gone.npy'}"), tmp_path / "run2", progress=False)
     assert not (tmp_path / "run2" / "config.yaml").exists()
+
+
+def test_heldout_paths_take_a_tokenize_folder(tmp_path, corpus):
+    """eval.heldout_paths accepts what data.paths accepts, e.g. the heldout/ folder of `olmax tokenize`."""
+    held = tmp_path / "heldout"
+    files = write_corpus(held, n_files=1, tokens_per_file=2000, seed=4)
+    (held / "manifest.json").write_text(json.dumps({"dtype": "uint16", "eos_token_id": 0, "vocab_size": 256,
+                                                    "files": [{"path": Path(files[0]).name, "tokens": 2000}]}))
+    by_folder = train(cfg_for(corpus, "train.steps=2", "eval.interval=2", f"eval.heldout_paths={held}"),
+                      tmp_path / "a", progress=False)
+    by_file = train(cfg_for(corpus, "train.steps=2", "eval.interval=2", f"eval.heldout_paths={files[0]}"),
+                    tmp_path / "b", progress=False)
+    ev = [[json.loads(l) for l in (tmp_path / r / "metrics.jsonl").read_text().splitlines()
+           if "eval/heldout/CE loss" in l] for r in ("a", "b")]
+    assert by_folder.end_step == by_file.end_step == 2
+    assert ev[0] and ev[0][-1]["eval/heldout/CE loss"] == ev[1][-1]["eval/heldout/CE loss"]
 
 
 def test_hf_warm_start_train_export_and_parity(tmp_path, corpus):

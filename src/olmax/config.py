@@ -219,6 +219,16 @@ class Config:
     def from_dict(cls, d: dict[str, Any]) -> Config:
         return _build(cls, d, "")
 
+    @classmethod
+    def from_yaml(cls, text: str, where: str = "config") -> Config:
+        d = yaml.safe_load(text)
+        if not isinstance(d, dict):
+            raise ConfigError(f"{where}: expected a YAML mapping of config sections")
+        try:
+            return cls.from_dict(d)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+
     def override(self, assignments: list[str] | tuple[str, ...]) -> Config:
         """Apply ``key=value`` strings, strictly."""
         cfg = self
@@ -228,6 +238,29 @@ class Config:
             key, raw = a.split("=", 1)
             cfg = set_value(cfg, key.strip(), raw.strip())
         return cfg
+
+
+# --------------------------------------------------------------------------- model identity
+
+# Model fields that say how the model is computed, not what its parameters are: they may differ
+# between a checkpoint and the run that loads it (e.g. an elastic resume onto other accelerators
+# with another attention kernel or remat policy).
+RUNTIME_MODEL_FIELDS = frozenset({"compute_dtype", "attention_impl", "remat", "init_std", "max_position_embeddings"})
+
+
+def model_differences(a: ModelConfig, b: ModelConfig, ignore: frozenset[str] = frozenset()
+                      ) -> list[tuple[str, Any, Any]]:
+    """``(field, a's value, b's value)`` for every architecture field where ``a`` and ``b`` differ
+    (``RUNTIME_MODEL_FIELDS`` and ``ignore`` excepted). The one test of "same model" used by
+    resume, warm starts and parity."""
+    skip = RUNTIME_MODEL_FIELDS | ignore
+
+    def value(m: ModelConfig, name: str) -> Any:
+        # padded_vocab_size None means "no padding": compare the embedding rows it stands for.
+        return m.embedding_rows if name == "padded_vocab_size" else getattr(m, name)
+
+    return [(f.name, value(a, f.name), value(b, f.name)) for f in dataclasses.fields(ModelConfig)
+            if f.name not in skip and value(a, f.name) != value(b, f.name)]
 
 
 # --------------------------------------------------------------------------- validation
@@ -428,10 +461,4 @@ def _is_str_tuple(tp: Any) -> bool:
 
 def load_yaml(path: str) -> Config:
     with open(path) as f:
-        d = yaml.safe_load(f)
-    if not isinstance(d, dict):
-        raise ConfigError(f"{path}: expected a YAML mapping of config sections")
-    try:
-        return Config.from_dict(d)
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        return Config.from_yaml(f.read(), where=path)

@@ -32,8 +32,8 @@ import numpy as np
 
 from olmax.config import Config, ConfigError, ModelConfig, RopeScaling, validate
 from olmax.model.weights_io import (DEFAULT_SHARD_BYTES, DTYPES, INDEX_NAME, TensorReader, WeightsError,
-                                    atomic_dir, dtype_name, iter_weights, load_config, named_specs, np_dtype,
-                                    save_weights, unflatten, write_shards)
+                                    atomic_dir, dtype_name, flatten_tree, is_weights_dir, iter_weights, load_config,
+                                    named_specs, np_dtype, save_weights, unflatten, write_shards)
 
 ARCHITECTURE = "Olmo3ForCausalLM"
 MODEL_TYPE = "olmo3"
@@ -465,15 +465,18 @@ def olmax_to_hf(weights_dir: str | os.PathLike, out_dir: str | os.PathLike, dtyp
     weights_dir = Path(weights_dir)
     if not weights_dir.exists():
         raise ConversionError(f"checkpoint {str(weights_dir)!r} does not exist")
-    # A run directory also holds a config.yaml; only a weights directory holds safetensors.
-    if weights_dir.is_dir() and not any(weights_dir.glob("*.safetensors")):
+    if weights_dir.is_dir() and not is_weights_dir(weights_dir):
         import tempfile
 
-        from olmax.model.weights_io import flatten_tree, save_weights
-        from olmax.train.load import load_params
-        params, cfg = load_params(weights_dir)  # a clear error if it is not a checkpoint either
-        if Path(out_dir).exists() and any(Path(out_dir).iterdir()):
+        from olmax.train.load import load_params, resolve_checkpoint
+        if Path(out_dir).exists() and any(Path(out_dir).iterdir()):  # before any restore work
             raise ConversionError(f"output directory {str(out_dir)!r} already exists and is not empty")
+        try:
+            resolve_checkpoint(weights_dir)
+        except ConfigError:
+            raise ConversionError(f"{str(weights_dir)!r} is not an olmax weights directory (config.yaml + "
+                                  "safetensors) nor a run or checkpoint directory") from None
+        params, cfg = load_params(weights_dir)
         Path(out_dir).parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=Path(out_dir).parent, prefix=".olmax-export-") as t:
             tmp_weights = Path(t) / "weights"

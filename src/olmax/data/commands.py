@@ -74,15 +74,12 @@ def _tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
-def _setup(args: argparse.Namespace):
-    from olmax.data.dataset import TokenDataset
-    from olmax.data.order import GlobalOrder, default_cache_dir
+def _loader(args: argparse.Namespace, process_index: int = 0, process_count: int = 1):
+    """The training loader itself (its dataset, order and checks), for introspection."""
+    from olmax.data.loader import DataLoader
     from olmax.recipes import get_recipe
     cfg = get_recipe(args.recipe, args.overrides)
-    ds = TokenDataset.from_config(cfg)
-    order = GlobalOrder(len(ds), cfg.train.global_batch_size, cfg.data.seed,
-                        cache_dir=cfg.data.cache_dir or default_cache_dir(), key=ds.fingerprint)
-    return cfg, ds, order
+    return cfg, DataLoader(cfg, process_index=process_index, process_count=process_count)
 
 
 def _save(path: str, array: np.ndarray) -> None:
@@ -95,7 +92,6 @@ def _save(path: str, array: np.ndarray) -> None:
 
 
 def _batches(args: argparse.Namespace) -> int:
-    from olmax.data.loader import StepSource
     try:
         a, b = (int(x) for x in args.steps.split(":"))
     except ValueError:
@@ -105,16 +101,11 @@ def _batches(args: argparse.Namespace) -> int:
     r, R = args.process_index, args.process_count
     if not 0 <= r < R:
         raise DataError(f"--process-index {r} is outside 0..{R - 1}")
-    cfg, ds, order = _setup(args)
-    if cfg.train.global_batch_size % R:
-        raise DataError(f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
-                        f"--process-count {R}")
-    d = cfg.data
-    filt = (d.repetition_min_period, d.repetition_max_period, d.repetition_max_count) if d.repetition_filter else None
-    source = StepSource(ds, order, r, R, repetition_filter=filt)  # the loader's own code path
+    cfg, loader = _loader(args, r, R)
+    source = loader.source  # the loader's own code path
     ids = np.stack([source.ids(k) for k in range(a, b)]).astype(np.int64)
     if args.filter_out:
-        if filt is None:
+        if not cfg.data.repetition_filter:
             print("note: data.repetition_filter is off, so no instance is dirty", file=sys.stderr)
             dirty = np.zeros(ids.shape, dtype=bool)
         else:
@@ -127,8 +118,8 @@ def _batches(args: argparse.Namespace) -> int:
 
 def _audit(args: argparse.Namespace) -> int:
     from olmax.data.audit import audit
-    cfg, _, order = _setup(args)
+    cfg, loader = _loader(args)
     workers = cfg.data.workers if args.workers is None else args.workers
-    res = audit(order, args.processes, workers, epoch=args.epoch)
+    res = audit(loader.order, args.processes, workers, epoch=args.epoch)
     print(json.dumps(res.to_dict(), indent=1) if args.json else res.summary())
     return 0 if res.ok else 1

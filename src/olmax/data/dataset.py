@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -251,8 +252,8 @@ class TokenDataset:
                 "sequence_length": self.sequence_length,
                 "files": [[os.path.basename(f.path), f.size] for f in self.files]}
 
-    @property
-    def fingerprint(self) -> str:
+    @functools.cached_property
+    def fingerprint(self) -> str:  # the files are fixed at construction: hash once
         """OLMo-core's ``NumpyFSLDataset.fingerprint`` (fingerprint version v2.0).
 
         The fields and their formatting follow ``NumpyDatasetBase.fingerprint`` with

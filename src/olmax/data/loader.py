@@ -213,25 +213,23 @@ class DataLoader:
         self.close()
 
 
-def global_batch_to_device(local: Any, mesh: jax.sharding.Mesh, axes: tuple[str, ...] = ("data", "fsdp")) -> Any:
+def global_batch_to_device(local: Any, mesh: jax.sharding.Mesh) -> Any:
     """Assemble this process's share (an array or a dict of arrays) into global ``jax.Array``s.
 
-    The batch dimension is sharded over the mesh axes ``axes`` (those the mesh has); other
-    dimensions are replicated. Rows of the global array are grouped by process (process r's
-    share, i.e. columns ``r::R`` of global batch k, lands on r's devices): the same instances
-    as batch k, in a per-process arrangement. Scalars (``step``) are left on the host.
+    The batch dimension is sharded as ``olmax.sharding.batch_sharding`` says (over the data
+    axes); other dimensions are replicated. Rows of the global array are grouped by process
+    (process r's share, i.e. columns ``r::R`` of global batch k, lands on r's devices): the same
+    instances as batch k, in a per-process arrangement. Scalars (``step``) are left on the host.
     """
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec
 
-    batch_axes = tuple(a for a in axes if a in mesh.axis_names)
+    from olmax.sharding import batch_sharding
 
     def put(x: Any) -> Any:
         x = np.asarray(x)
         if x.ndim == 0:
             return x
-        spec = PartitionSpec(batch_axes or None, *([None] * (x.ndim - 1)))
         shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
-        return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), x, shape)
+        return jax.make_array_from_process_local_data(batch_sharding(mesh, x.ndim), x, shape)
 
     return {k: put(v) for k, v in local.items()} if isinstance(local, dict) else put(local)

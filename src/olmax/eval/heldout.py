@@ -32,12 +32,14 @@ PER_BATCH_FMT = "{metric} [batch {i}]"   # per-batch metric names (parsed back b
 
 
 def heldout_windows(paths: tuple[str, ...] | list[str], dtype: str, seq_len: int, n: int | None) -> np.ndarray:
-    """First ``n`` (all if None) windows of ``seq_len`` tokens, each file cut on its own."""
+    """First ``n`` (all if None) windows of ``seq_len`` tokens, each file cut on its own.
+
+    ``paths`` are what ``data.paths`` takes (token files, `olmax tokenize` folders or manifests,
+    mix files), expanded by the data pipeline's own ``resolve_paths``."""
+    from olmax.data.dataset import resolve_paths
     out, have = [], 0
-    for p in paths:
+    for p, _ in resolve_paths(list(paths), dtype=dtype):
         path = Path(p)
-        if not path.is_file():
-            raise ConfigError(f"held-out token file {p} does not exist")
         item = np.dtype(dtype).itemsize
         size = path.stat().st_size
         if size % item:
@@ -104,17 +106,17 @@ class HeldoutEvaluator:
         check_batch_divides(bs, mesh)
         self.sharding = batch_sharding(mesh)
         self._eval = jax.jit(make_eval_step(cfg))
+        # The batches never change: put them on the devices once, not at every evaluation.
+        self._device_batches = [put_batch(b, self.sharding) for b in self.batches]
+        self._mask = put_batch(np.ones(self.batches.shape[1:], bool), self.sharding)
 
     def evaluate_detailed(self, params: Any) -> dict[str, Any]:
         """``loss`` (nats/token), ``perplexity``, ``tokens`` (labels scored), ``batches``,
         ``per_batch_loss``, ``loss_se`` (standard error over batches, None for one batch)."""
-        ces, ns = [], []
-        ones = np.ones(self.batches.shape[1:], bool)
-        mask = put_batch(ones, self.sharding)
-        for b in self.batches:
-            ce, n = self._eval(params, put_batch(b, self.sharding), mask)
-            ces.append(float(ce))
-            ns.append(float(n))
+        # Dispatch every batch, then fetch all results in one transfer.
+        results = jax.device_get([self._eval(params, b, self._mask) for b in self._device_batches])
+        ces = [float(ce) for ce, _ in results]
+        ns = [float(n) for _, n in results]
         loss = sum(ces) / sum(ns)
         per = [c / n for c, n in zip(ces, ns)]
         return {"loss": loss, "perplexity": safe_exp(loss), "tokens": int(sum(ns)), "batches": len(ces),

@@ -110,9 +110,14 @@ def load_token_array(path: str, vocab_size: int) -> np.ndarray:
     except (ValueError, OSError) as e:
         raise ConfigError(f"--tokens {path}: not a .npy array with a header ({e}); save one with numpy.save, "
                           "or pass raw token files with --data") from None
+    return check_tokens(toks, vocab_size, f"--tokens {path}")
+
+
+def check_tokens(toks: np.ndarray, vocab_size: int, what: str = "tokens") -> np.ndarray:
+    """Integer ids in [0, vocab_size) of shape [T] or [B, T], as int64 [B, T]."""
     toks = toks[None] if toks.ndim == 1 else toks
     if toks.ndim != 2 or not np.issubdtype(toks.dtype, np.integer) or toks.size == 0:
-        raise ConfigError(f"--tokens {path}: expected integer ids of shape [T] or [B, T], got {toks.dtype} {toks.shape}")
+        raise ConfigError(f"{what}: expected integer ids of shape [T] or [B, T], got {toks.dtype} {toks.shape}")
     if toks.min() < 0 or toks.max() >= vocab_size:
-        raise ConfigError(f"--tokens {path}: token ids must lie in [0, {vocab_size})")
-    return toks
+        raise ConfigError(f"{what}: token ids must lie in [0, {vocab_size})")
+    return toks.astype(np.int64)

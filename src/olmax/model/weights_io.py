@@ -283,6 +283,12 @@ def save_weights(out_dir: str | os.PathLike, named_tensors: Iterable[tuple[str, 
     return Path(out_dir)
 
 
+def is_weights_dir(path: str | os.PathLike) -> bool:
+    """An olmax weights directory (a run directory holds a config.yaml too, but no safetensors)."""
+    p = Path(path)
+    return (p / CONFIG_NAME).is_file() and any(p.glob("*.safetensors"))
+
+
 def load_config(weights_dir: str | os.PathLike) -> Config:
     path = Path(weights_dir) / CONFIG_NAME
     if not path.exists():

@@ -35,10 +35,9 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-import yaml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from olmax.config import CheckpointConfig, Config, ConfigError
+from olmax.config import CheckpointConfig, Config, ConfigError, model_differences
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +46,6 @@ CHECKPOINT_DIR = "checkpoints"
 META_STEP = "step"
 META_CONFIG = "config_yaml"             # resolved config, YAML text (Config.to_yaml())
 META_FINGERPRINT = "fingerprint"        # dataset fingerprint
-# Model fields that do not change what the parameters are: they may differ on resume (e.g. an
-# elastic resume onto other accelerators with another attention kernel or remat policy).
-NON_ARCH_MODEL_FIELDS = frozenset({"compute_dtype", "attention_impl", "remat", "init_std",
-                                   "max_position_embeddings"})
 
 _STATE, _META = "state", "meta"
 _MAX_LISTED = 12
@@ -201,25 +196,20 @@ class Checkpointer:
     # ------------------------------------------------------------------ compatibility
 
     @staticmethod
-    def check_compatible(meta: Mapping[str, Any], cfg: Config, *, fingerprint: str | None = None,
-                         ignore: frozenset[str] = NON_ARCH_MODEL_FIELDS) -> None:
-        """Raise ``CheckpointError`` unless the checkpoint's resolved model config equals ``cfg.model``
-        (fields in ``ignore`` excepted) and, when ``fingerprint`` is given, the dataset fingerprint
-        matches. Call it before building or compiling anything."""
+    def check_compatible(meta: Mapping[str, Any], cfg: Config, *, fingerprint: str | None = None) -> None:
+        """Raise ``CheckpointError`` unless the checkpoint's resolved model config is ``cfg.model``
+        (``olmax.config.model_differences``) and, when ``fingerprint`` is given, the dataset
+        fingerprint matches. Call it before building or compiling anything."""
         step = meta.get(META_STEP, "?")
-        saved = _saved_model(meta)
-        if saved is None:
-            raise CheckpointError(f"checkpoint {step} has no resolved config (meta[{META_CONFIG!r}]); "
-                                  "cannot check that it belongs to this model")
-        current = cfg.to_dict()["model"]
-        diffs = [d for d in _diff(saved, current, "model") if d[0].split(".")[1] not in ignore]
+        saved = config_from_meta(meta).model
+        diffs = model_differences(saved, cfg.model)
         if diffs:
-            lines = "; ".join(f"{k}: checkpoint {a!r}, config {b!r}" for k, a, b in diffs)
+            lines = "; ".join(f"model.{k}: checkpoint {a!r}, config {b!r}" for k, a, b in diffs)
             raise CheckpointError(
                 f"checkpoint {step} is of a different model: {lines}. Set these fields back "
                 "(--set key=value) or train in a new --run-dir")
         if fingerprint is not None:
-            old = meta.get(META_FINGERPRINT, meta.get("dataset_fingerprint"))
+            old = meta.get(META_FINGERPRINT)
             if old != fingerprint:
                 raise CheckpointError(
                     f"checkpoint {step} was trained on another dataset: fingerprint checkpoint {old!r}, "
@@ -229,15 +219,13 @@ class Checkpointer:
 
 # ---------------------------------------------------------------------- helpers
 
-def _saved_model(meta: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The model section of the checkpoint's resolved config (YAML text or a dict)."""
-    for key in (META_CONFIG, "config"):
-        raw = meta.get(key)
-        cfg = yaml.safe_load(raw) if isinstance(raw, str) else raw
-        if isinstance(cfg, dict) and isinstance(cfg.get("model"), dict):
-            return cfg["model"]
-    model = meta.get("model")
-    return model if isinstance(model, dict) else None
+def config_from_meta(meta: Mapping[str, Any]) -> Config:
+    """The resolved config a checkpoint was written with."""
+    step = meta.get(META_STEP, "?")
+    if not isinstance(meta.get(META_CONFIG), str):
+        raise CheckpointError(f"checkpoint {step} has no resolved config (meta[{META_CONFIG!r}]); "
+                              "cannot check that it belongs to this model")
+    return Config.from_yaml(meta[META_CONFIG], where=f"checkpoint {step}'s config")
 
 
 def _with_sharding(leaf: Any) -> Any:
@@ -286,17 +274,6 @@ def _check_against_metadata(step: int, stored_tree: Any, abstract: Any) -> None:
     if problems:
         raise CheckpointError(f"checkpoint {step} does not match this run's state: " + " | ".join(problems)
                               + ". Is it a checkpoint of another model or another olmax version?")
-
-
-def _diff(a: Any, b: Any, path: str) -> list[tuple[str, Any, Any]]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for k in list(a) + [k for k in b if k not in a]:
-            out += _diff(a.get(k, "<absent>"), b.get(k, "<absent>"), f"{path}.{k}")
-        return out
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        a, b = list(a), list(b)
-    return [] if a == b else [(path, a, b)]
 
 
 def _check_json(obj: Any, path: str) -> None:

@@ -7,7 +7,6 @@ Accepted paths: an olmax weights directory (``config.yaml`` + safetensors, writt
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,24 +33,16 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, int]:
 
 def restore_train_state(path: str | Path, mesh: jax.sharding.Mesh | None = None) -> tuple[Any, Any, Config, dict]:
     """(params, opt_state, config, meta) of a training checkpoint, replicated or on ``mesh``."""
-    from olmax.model.params import init_params, logical_axes
-    from olmax.optim import init_opt_state
-    from olmax.sharding import make_mesh, param_shardings
-    from olmax.train.checkpoint import Checkpointer
-    from olmax.train.loop import opt_state_shardings
+    from olmax.sharding import make_mesh
+    from olmax.train.checkpoint import Checkpointer, config_from_meta
+    from olmax.train.loop import abstract_train_state
     run, step = resolve_checkpoint(path)
     meta = Checkpointer.read_meta(run, step)
-    cfg = Config.from_dict(__import__("yaml").safe_load(meta["config_yaml"]))
+    cfg = config_from_meta(meta)
     mesh = mesh or make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1))
-    pshard = param_shardings(logical_axes(cfg.model), mesh)
-    p_abs = jax.eval_shape(partial(init_params, cfg.model), jax.random.key(0))
-    o_abs = jax.eval_shape(partial(init_opt_state, optim_cfg=cfg.optim), p_abs)
-    oshard = opt_state_shardings(o_abs, pshard, mesh)
-    sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-    abstract = {"params": jax.tree.map(sds, p_abs, pshard), "opt_state": jax.tree.map(sds, o_abs, oshard)}
     ck = Checkpointer(run, cfg.checkpoint, read_only=True)
     try:
-        state, meta = ck.restore(step, abstract)
+        state, meta = ck.restore(step, abstract_train_state(cfg, mesh))
     finally:
         ck.close()
     return state["params"], state["opt_state"], cfg, meta
@@ -66,8 +57,8 @@ def load_params(path: str | Path, dtype: str | None = None) -> tuple[Any, Config
     p = Path(s)
     if not p.exists():
         raise FileNotFoundError(f"checkpoint {p} does not exist")
-    if (p / "config.yaml").is_file() and any(p.glob("*.safetensors")):
-        from olmax.model.weights_io import load_weights
+    from olmax.model.weights_io import is_weights_dir, load_weights
+    if is_weights_dir(p):
         return load_weights(p, dtype=dtype)
     params, _, cfg, _ = restore_train_state(p)
     if dtype is not None:

@@ -23,10 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from olmax.config import Config, ConfigError
+from olmax.config import Config, ConfigError, model_differences
 from olmax.metrics.flops import device_peak_flops, flops_per_token, mfu
 from olmax.model.params import init_params, logical_axes
-from olmax.optim import OptState, apply_update, init_opt_state
+from olmax.optim import apply_update, init_opt_state
 from olmax.sharding import batch_sharding, make_mesh, param_shardings, plan_batch
 from olmax.train.step import make_train_step
 
@@ -60,16 +60,25 @@ def git_commit() -> str | None:
         return None
 
 
-def _abstract(tree: Any) -> Any:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
-def opt_state_shardings(opt_abstract: OptState, pshard: Any, mesh: jax.sharding.Mesh) -> OptState:
+def abstract_train_state(cfg: Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
+    """``{"params", "opt_state"}`` as ``jax.ShapeDtypeStruct``s carrying their shardings on ``mesh``
+    (nothing allocated): the target of a restore and the source of the step's shardings. Adam's
+    moments are sharded like the parameters; counters and the skip-step history are replicated."""
+    pshard = param_shardings(logical_axes(cfg.model), mesh)
+    p_abs = jax.eval_shape(partial(init_params, cfg.model), jax.random.key(0))
+    o_abs = jax.eval_shape(partial(init_opt_state, optim_cfg=cfg.optim), p_abs)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return jax.tree.map(lambda _: rep, opt_abstract)._replace(mu=pshard, nu=pshard)
+    oshard = jax.tree.map(lambda _: rep, o_abs)._replace(mu=pshard, nu=pshard)
+    sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+    return {"params": jax.tree.map(sds, p_abs, pshard), "opt_state": jax.tree.map(sds, o_abs, oshard)}
 
 
-def load_initial_state(cfg: Config, init_from: str, pshard: Any, oshard: Any) -> tuple[Any, Any]:
+def shardings(abstract: Any) -> Any:
+    return jax.tree.map(lambda a: a.sharding, abstract)
+
+
+def load_initial_state(cfg: Config, init_from: str, mesh: jax.sharding.Mesh, pshard: Any, oshard: Any
+                       ) -> tuple[Any, Any]:
     """Warm start: ``hf:DIR`` (HF Olmo3 weights, fresh optimizer), ``olmax:PATH`` (weights of an
     olmax weights dir or checkpoint, fresh optimizer), or ``state:PATH`` (a checkpoint's weights
     *and Adam moments* with the step reset, as OLMo 3 stage 2 starts from stage 1: the trainer
@@ -81,7 +90,7 @@ def load_initial_state(cfg: Config, init_from: str, pshard: Any, oshard: Any) ->
         raise ConfigError(f"train.init_from={init_from!r}: expected 'hf:DIR', 'olmax:PATH' or 'state:PATH'")
     opt_state = None
     if kind == "state":
-        params, opt, src_cfg, _ = restore_train_state(path)
+        params, opt, src_cfg, _ = restore_train_state(path, mesh)
         opt_state = opt._replace(step=jnp.zeros_like(opt.step), history_count=jnp.zeros_like(opt.history_count),
                                  loss_history=jnp.zeros_like(opt.loss_history),
                                  norm_history=jnp.zeros_like(opt.norm_history))
@@ -90,7 +99,11 @@ def load_initial_state(cfg: Config, init_from: str, pshard: Any, oshard: Any) ->
                               f"optim.skip_step.window={cfg.optim.skip_step.window}")
     else:
         params, src_cfg = load_params(f"hf:{path}" if kind == "hf" else path)
-    _check_same_model(src_cfg.model, cfg.model, f"the weights in {path}")
+    # A warm start may change the parameter dtype (bf16 HF weights into fp32 master weights).
+    diffs = model_differences(src_cfg.model, cfg.model, ignore=frozenset({"param_dtype"}))
+    if diffs:
+        raise ConfigError(f"the weights in {path} are a different model: " + "; ".join(
+            f"model.{f}: the weights have {a!r}, the config has {b!r}" for f, a, b in diffs))
     params = jax.tree.map(lambda a: jnp.asarray(a, cfg.model.param_dtype), params)
     params = jax.device_put(params, pshard)
     if opt_state is None:
@@ -98,18 +111,6 @@ def load_initial_state(cfg: Config, init_from: str, pshard: Any, oshard: Any) ->
     else:
         opt_state = jax.device_put(opt_state, oshard)
     return params, opt_state
-
-
-ARCH_FIELDS = ("vocab_size", "padded_vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-               "mlp_hidden", "norm_eps", "rope_theta", "rope_scaling", "sliding_window", "full_attention_every",
-               "full_attention_last_layer")
-
-
-def _check_same_model(src, dst, what: str) -> None:
-    diffs = [f"model.{f}: {what} has {getattr(src, f)!r}, the config has {getattr(dst, f)!r}"
-             for f in ARCH_FIELDS if getattr(src, f) != getattr(dst, f)]
-    if diffs:
-        raise ConfigError(f"{what} is a different model: " + "; ".join(diffs))
 
 
 class TrainData:
@@ -166,7 +167,7 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
     """Train ``cfg`` in ``run_dir``, resuming from its newest complete checkpoint if any.
 
     ``max_steps_this_run`` stops early (after a checkpoint) — used by the resume A/B."""
-    from olmax.metrics.sinks import JsonlSink, MetricsLogger, ProgressBar, TensorBoardSink, METRIC_NAMES
+    from olmax.metrics.sinks import JsonlSink, MetricsLogger, ProgressBar, TensorBoardSink, named
     from olmax.train.checkpoint import Checkpointer, StopSignal
     from olmax.eval.heldout import HeldoutEvaluator
 
@@ -179,13 +180,10 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
     L = cfg.data.sequence_length
 
     # -- state: resume, or initialise (from scratch or converted weights) -------------------------
-    pshard = param_shardings(logical_axes(cfg.model), mesh)
+    abstract = abstract_train_state(cfg, mesh)
+    pshard, oshard = shardings(abstract["params"]), shardings(abstract["opt_state"])
     ckpt = Checkpointer(run, cfg.checkpoint)
     start = ckpt.latest_step()
-    init_key = jax.random.key(cfg.train.seed)
-    params_abs = jax.eval_shape(partial(init_params, cfg.model), init_key)
-    opt_abs = jax.eval_shape(partial(init_opt_state, optim_cfg=cfg.optim), params_abs)
-    oshard = opt_state_shardings(opt_abs, pshard, mesh)
     data_state = None
     if start is not None:
         meta = ckpt.read_meta(run, start)
@@ -202,11 +200,10 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
         from olmax.eval.alarm import ALARM, MemorisationAlarm
         alarm = MemorisationAlarm(cfg.eval.reference, label=cfg.name, reference=cfg.eval.reference)
 
+    # Written into every checkpoint; computed once (git runs a subprocess).
+    run_meta = {"config_yaml": cfg.to_yaml(), "versions": versions(), "git_commit": git_commit(),
+                "seed": cfg.train.seed}
     if start is not None:
-        abstract = {
-            "params": jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params_abs, pshard),
-            "opt_state": jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), opt_abs, oshard),
-        }
         state, meta = ckpt.restore(start, abstract)
         params, opt_state = state["params"], state["opt_state"]
         if int(meta["step"]) != start or int(opt_state.step) != start:
@@ -217,14 +214,14 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
     else:
         start = 0
         if cfg.train.init_from:
-            params, opt_state = load_initial_state(cfg, cfg.train.init_from, pshard, oshard)
+            params, opt_state = load_initial_state(cfg, cfg.train.init_from, mesh, pshard, oshard)
         else:
-            params = jax.jit(partial(init_params, cfg.model), out_shardings=pshard)(init_key)
+            params = jax.jit(partial(init_params, cfg.model), out_shardings=pshard)(jax.random.key(cfg.train.seed))
             opt_state = jax.jit(partial(init_opt_state, optim_cfg=cfg.optim), out_shardings=oshard)(params)
         if is_main:
-            (run / "config.yaml").write_text(cfg.to_yaml())
+            (run / "config.yaml").write_text(run_meta["config_yaml"])
             (run / "run_info.json").write_text(json.dumps({
-                "git_commit": git_commit(), "versions": versions(), "mesh": dict(mesh.shape),
+                "git_commit": run_meta["git_commit"], "versions": run_meta["versions"], "mesh": dict(mesh.shape),
                 "devices": jax.device_count(), "processes": jax.process_count(),
                 "device_kind": jax.devices()[0].device_kind, "batch_plan": dataclasses.asdict(plan)}, indent=2))
 
@@ -257,13 +254,10 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         losses[step] = m["ce_loss"]
         tps_dev = tokens_per_step / dt / jax.device_count() if dt > 0 else 0.0
-        row = {
-            METRIC_NAMES["ce_loss"]: m["ce_loss"], METRIC_NAMES["z_loss"]: m["z_loss"],
-            METRIC_NAMES["grad_norm"]: m["grad_norm"], METRIC_NAMES["lr"]: m["lr"],
-            METRIC_NAMES["step_skipped"]: m["step_skipped"], METRIC_NAMES["step_skipped_maxtext"]: m["step_skipped"],
-            METRIC_NAMES["total_tokens"]: step * tokens_per_step, METRIC_NAMES["total_tokens_maxtext"]: step * tokens_per_step,
-            METRIC_NAMES["tps_device"]: tps_dev, METRIC_NAMES["mfu"]: mfu(fl_tok, tps_dev, peak),
-        }
+        # OLMo-core names, plus the MaxText run's counterparts that ``named`` adds.
+        row = named({"ce_loss": m["ce_loss"], "z_loss": m["z_loss"], "grad_norm": m["grad_norm"], "lr": m["lr"],
+                     "step_skipped": m["step_skipped"], "total_tokens": step * tokens_per_step,
+                     "tps_device": tps_dev, "mfu": mfu(fl_tok, tps_dev, peak)})
         if step % cfg.train.log_interval == 0 or step == total:
             logger.log(step, row)
         if alarm is not None:
@@ -298,16 +292,8 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
                         print(msg, file=sys.stderr, flush=True)
                         logger.log(done, {"eval/memorisation alarm": float(alarm.status == ALARM)})
             if ckpt.should_save(done) or done == total or stop_now:
-                meta = {
-                    "step": done,
-                    "data_state": loader.state(done).to_dict(),
-                    "config_yaml": cfg.to_yaml(),
-                    "model": dataclasses.asdict(cfg.model),
-                    "fingerprint": loader.fingerprint,
-                    "versions": versions(),
-                    "git_commit": git_commit(),
-                    "seed": cfg.train.seed,
-                }
+                meta = {"step": done, "data_state": loader.state(done).to_dict(),
+                        "fingerprint": loader.fingerprint, **run_meta}
                 ckpt.save(done, {"params": params, "opt_state": opt_state}, meta, force=stop_now or done == total)
             if stop_now:
                 stopped = done < total

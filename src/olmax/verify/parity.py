@@ -164,22 +164,6 @@ def random_hf_model(out_dir: str | os.PathLike, seed: int = 0, dtype: str = "flo
 # --------------------------------------------------------------------------- driver
 
 
-def load_tokens(path: str | os.PathLike, vocab_size: int) -> np.ndarray:
-    from olmax.compat.hf import ConversionError
-    try:
-        toks = np.load(path, allow_pickle=False)
-    except (ValueError, OSError) as e:
-        raise ConversionError(f"--tokens {path}: not a .npy array with a header ({e}); save one with numpy.save") from None
-    if toks.ndim == 1:
-        toks = toks[None]
-    if toks.ndim != 2 or not np.issubdtype(toks.dtype, np.integer):
-        raise ConversionError(f"--tokens {path}: expected integer tokens of shape [T] or [B, T], got "
-                              f"{toks.dtype} {toks.shape}")
-    if toks.size == 0 or toks.min() < 0 or toks.max() >= vocab_size:
-        raise ConversionError(f"--tokens {path}: token ids must lie in [0, {vocab_size})")
-    return toks.astype(np.int64)
-
-
 def run_parity(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
                tokens: np.ndarray | str | os.PathLike | None = None, seq_len: int = 128, batch: int = 2,
                dtype: str = "float32", seed: int = 0, dump: str | os.PathLike | None = None,
@@ -191,6 +175,7 @@ def run_parity(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike | None =
     ``attention_impl`` defaults to the exact reference attention in fp32 and the config's choice
     (cuDNN on GPU) in bf16."""
     from olmax.compat.hf import ConversionError, config_from_hf, load_hf_params
+    from olmax.config import model_differences
 
     if dtype not in HIDDEN_TOL:
         raise ConversionError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
@@ -202,26 +187,22 @@ def run_parity(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike | None =
     if checkpoint is not None:
         from olmax.train.load import load_params
         params, cfg = load_params(checkpoint)  # a weights dir, a run dir or RUN/checkpoints/N
-        m, h = cfg.model, hf_cfg.model
-        differ = [f for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden",
-                              "norm_eps", "rope_theta", "rope_scaling", "sliding_window", "full_attention_every",
-                              "full_attention_last_layer")
-                  if getattr(m, f) != getattr(h, f)]
+        # HF files carry neither olmax's vocabulary padding nor the master-weight dtype.
+        differ = model_differences(cfg.model, hf_cfg.model, ignore=frozenset({"padded_vocab_size", "param_dtype"}))
         if differ:
+            f, a, b = differ[0]
             raise ConversionError(f"--checkpoint {checkpoint} and --hf {hf_dir} describe different models "
-                                  f"(model.{differ[0]}: {getattr(m, differ[0])!r} vs {getattr(h, differ[0])!r})")
+                                  f"(model.{f}: {a!r} vs {b!r})")
     else:
         params, cfg = load_hf_params(hf_dir)
     vocab = cfg.model.vocab_size
+    from olmax.eval.kl import check_tokens, load_token_array, random_tokens
     if tokens is None:
-        toks = np.random.default_rng(seed).integers(0, vocab, size=(batch, seq_len), dtype=np.int64)
+        toks = random_tokens(vocab, batch, seq_len, seed)
     elif isinstance(tokens, np.ndarray):
-        toks = tokens.astype(np.int64)
-        toks = toks[None] if toks.ndim == 1 else toks
-        if toks.ndim != 2 or toks.size == 0 or toks.min() < 0 or toks.max() >= vocab:
-            raise ConversionError(f"tokens must be ids in [0, {vocab}) of shape [T] or [B, T], got {tokens.shape}")
+        toks = check_tokens(tokens, vocab)
     else:
-        toks = load_tokens(tokens, vocab)
+        toks = load_token_array(str(tokens), vocab)
     from olmax.model.layers import attention_impl as resolve_attention
     impl = resolve_attention(attention_impl or ("reference" if dtype == "float32" else cfg.model.attention_impl))
     model_cfg = replace(cfg.model, compute_dtype=dtype, attention_impl=impl, remat="none")
