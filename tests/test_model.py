@@ -16,7 +16,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.olmo3 import modeling_olmo3 as hf
 
 from olmax.config import ModelConfig, RopeScaling
-from olmax.model.layers import (apply_rope, attention_mask, fused_attention, reference_attention, rms_norm,
+from olmax.model.attention import fused_attention, reference_attention
+from olmax.model.layers import (apply_rope, attention_mask, rms_norm,
                                 rope_cos_sin, rope_inv_freq)
 from olmax.model.olmo3 import _layer
 from olmax.model.params import init_params, param_specs

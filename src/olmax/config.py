@@ -63,11 +63,26 @@ class ModelConfig:
     init_std: float = 0.02
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    # "auto": cuDNN flash attention on GPU, exact reference einsum elsewhere.
-    attention_impl: Literal["auto", "reference", "cudnn", "xla"] = "auto"
-    # Rematerialisation: none, full (save nothing inside a layer), or save only the outputs of
-    # the attention and MLP projections' inputs ("minimal").
-    remat: Literal["none", "full", "minimal"] = "none"
+    # Attention kernel (olmax.model.attention picks per platform for "auto"): splash (Pallas
+    # flash attention on TPU, skips blocks outside the sliding window), cudnn (flash attention
+    # on GPU), xla (jax.nn.dot_product_attention's XLA path), reference (exact einsum that
+    # materialises [t, s] scores: CPU, tests, short sequences).
+    attention_impl: Literal["auto", "reference", "splash", "cudnn", "xla"] = "auto"
+    # Splash attention tile sizes (query block, key/value block), forward and backward.
+    attention_block_q: int = 512
+    attention_block_kv: int = 512
+    # Rematerialisation per layer (olmax.model.olmo3.REMAT_POLICIES): none; full (keep only the
+    # layer input); minimal (keep every matmul output); save_attn_out (keep the attention
+    # kernel's output, recompute the rest); save_proj (keep q/k/v, attention output and the
+    # projection outputs); offload_proj (those same tensors, offloaded to host memory: TPU/GPU).
+    remat: Literal["none", "full", "minimal", "save_attn_out", "save_proj", "offload_proj"] = "none"
+    # Run the layers under jax.lax.scan over groups of ``full_attention_every`` layers (3 sliding
+    # + 1 full for OLMo 3), so the program and its compile time do not grow with depth. The
+    # parameter tree and every file format keep one entry per layer either way.
+    scan_layers: bool = True
+    # The loss computes logits for this many positions at a time (recomputed in the backward
+    # pass), never the whole [batch, seq, vocab] fp32 array; None = all positions at once.
+    logits_chunk: int | None = 1024
 
     @property
     def embedding_rows(self) -> int:
@@ -156,6 +171,8 @@ class OptimConfig:
 @dataclass(frozen=True)
 class MeshConfig:
     # Device mesh axes; -1 means "all remaining devices". Product must equal the global count.
+    # ``slice``: data parallelism across TPU slices (over DCN); the others within a slice.
+    slice: int = 1
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
@@ -168,6 +185,10 @@ class TrainConfig:
     global_batch_size: int = 512
     # Instances per device per micro-batch; None = whole per-device share at once.
     micro_batch_size: int | None = None
+    # Instead of a fixed micro-batch: the largest micro-batch a device may run. The plan takes the
+    # largest divisor of the per-device batch that is no larger, so one recipe fits any slice
+    # size (the 7B: 8 per device on v5p-128 -> 2 x 4; 2 per device on v6e-256 -> 1 x 2).
+    max_micro_batch_size: int | None = None
     seed: int = 0
     log_interval: int = 1
     # Warm start: "hf:DIR" (HF weights), "olmax:PATH" (olmax weights) or "state:PATH" (weights and
@@ -245,7 +266,8 @@ class Config:
 # Model fields that say how the model is computed, not what its parameters are: they may differ
 # between a checkpoint and the run that loads it (e.g. an elastic resume onto other accelerators
 # with another attention kernel or remat policy).
-RUNTIME_MODEL_FIELDS = frozenset({"compute_dtype", "attention_impl", "remat", "init_std", "max_position_embeddings"})
+RUNTIME_MODEL_FIELDS = frozenset({"compute_dtype", "attention_impl", "attention_block_q", "attention_block_kv",
+                                  "remat", "scan_layers", "logits_chunk", "init_std", "max_position_embeddings"})
 
 
 def model_differences(a: ModelConfig, b: ModelConfig, ignore: frozenset[str] = frozenset()
@@ -288,6 +310,11 @@ def validate(cfg: Config) -> Config:
             f"model.padded_vocab_size ({m.padded_vocab_size}) is smaller than model.vocab_size ({m.vocab_size})")
     if m.sliding_window is not None and m.sliding_window <= 0:
         raise ConfigError(f"model.sliding_window must be positive or null, got {m.sliding_window}")
+    for name in ("attention_block_q", "attention_block_kv"):
+        if getattr(m, name) <= 0 or getattr(m, name) % 128:
+            raise ConfigError(f"model.{name} must be a positive multiple of 128, got {getattr(m, name)}")
+    if m.logits_chunk is not None and m.logits_chunk <= 0:
+        raise ConfigError(f"model.logits_chunk must be positive or null, got {m.logits_chunk}")
     if m.full_attention_every <= 0:
         raise ConfigError(f"model.full_attention_every must be positive, got {m.full_attention_every}")
     for name, tid in (("eos_token_id", cfg.data.eos_token_id), ("pad_token_id", cfg.data.pad_token_id),
@@ -301,6 +328,14 @@ def validate(cfg: Config) -> Config:
     s = cfg.optim.schedule
     if s.name == "two_part_cosine" and (s.switch_step is None or s.t_max_2 is None):
         raise ConfigError("optim.schedule.two_part_cosine needs optim.schedule.switch_step and optim.schedule.t_max_2")
+    t = cfg.train
+    if t.micro_batch_size is not None and t.max_micro_batch_size is not None:
+        raise ConfigError("set train.micro_batch_size or train.max_micro_batch_size, not both "
+                          f"(got {t.micro_batch_size} and {t.max_micro_batch_size})")
+    for name in ("micro_batch_size", "max_micro_batch_size"):
+        v = getattr(t, name)
+        if v is not None and v <= 0:
+            raise ConfigError(f"train.{name} must be positive or null, got {v}")
     if s.warmup < 0:
         raise ConfigError(f"optim.schedule.warmup must be >= 0, got {s.warmup}")
     return cfg

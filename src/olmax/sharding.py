@@ -1,14 +1,18 @@
 """Device mesh, logical-axis rules and global batch arithmetic.
 
-The model declares logical axes per parameter (``olmax.model.params``); ``RULES`` is the one
-place that maps them onto the mesh axes ``data``, ``fsdp`` and ``tensor``.
+The model declares logical axes per parameter (``olmax.model.params``) and per activation
+(``constrain`` calls in ``olmax.model.olmo3``); ``RULES`` and ``ACTIVATION_RULES`` are the one
+place that maps them onto the mesh axes ``slice`` (data parallelism across TPU slices, over
+DCN), ``data``, ``fsdp`` and ``tensor``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import numpy as np
@@ -16,8 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from olmax.config import ConfigError, MeshConfig
 
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")  # the batch dimension is split over both data-parallel axes
+MESH_AXES = ("slice", "data", "fsdp", "tensor")
+BATCH_AXES = ("slice", "data", "fsdp")  # the batch dimension is split over every data-parallel axis
 
 # logical axis -> mesh axis (or None = replicated). FSDP shards the d_model ("embed") dimension
 # of every matrix; tensor parallelism splits heads, MLP hidden and vocabulary.
@@ -30,10 +34,23 @@ RULES: dict[str, str | None] = {
     "norm": None,
 }
 
+# Activations: the batch over every data-parallel axis, heads / MLP hidden / vocabulary over
+# ``tensor``; sequence and d_model replicated (no sequence parallelism yet).
+ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": BATCH_AXES,
+    "length": None,
+    "act_embed": None,
+    "act_heads": "tensor",
+    "act_kv_heads": "tensor",
+    "act_mlp": "tensor",
+    "act_vocab": "tensor",
+    "head_dim": None,
+}
+
 
 def mesh_shape(cfg: MeshConfig, n_devices: int) -> dict[str, int]:
     """Resolve -1 entries against the *global* device count and check the product."""
-    sizes = {"data": cfg.data, "fsdp": cfg.fsdp, "tensor": cfg.tensor}
+    sizes = {"slice": cfg.slice, "data": cfg.data, "fsdp": cfg.fsdp, "tensor": cfg.tensor}
     free = [k for k, v in sizes.items() if v == -1]
     if len(free) > 1:
         raise ConfigError(f"at most one mesh axis may be -1, got {', '.join('mesh.' + k for k in free)}")
@@ -50,10 +67,35 @@ def mesh_shape(cfg: MeshConfig, n_devices: int) -> dict[str, int]:
     return sizes
 
 
+def data_parallel_size(sizes: dict[str, int] | Any) -> int:
+    """Shards the batch is split over (the product of the data-parallel mesh axes)."""
+    return math.prod(int(sizes.get(a, 1)) for a in BATCH_AXES)
+
+
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
-    devices = list(devices if devices is not None else jax.devices())  # global, never jax.local_devices()
+    """The mesh over the *global* devices (never ``jax.local_devices()``). On TPUs the devices
+    are laid out by ``mesh_utils`` so that inner axes follow the physical torus (and the
+    ``slice`` axis runs over DCN between slices); elsewhere a plain reshape."""
+    devices = list(devices if devices is not None else jax.devices())
     sizes = mesh_shape(cfg, len(devices))
-    arr = np.asarray(devices).reshape(tuple(sizes[a] for a in MESH_AXES))
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    arr = None
+    if devices and devices[0].platform == "tpu":
+        from jax.experimental import mesh_utils
+        n_slices = len({getattr(d, "slice_index", 0) for d in devices})
+        try:
+            if n_slices > 1:
+                if sizes["slice"] != n_slices:
+                    raise ConfigError(f"mesh.slice={sizes['slice']} but the devices span {n_slices} slices")
+                arr = mesh_utils.create_hybrid_device_mesh((1, *shape[1:]), (n_slices, 1, 1, 1), devices)
+            else:
+                arr = mesh_utils.create_device_mesh(shape, devices)
+        except (AssertionError, NotImplementedError, ValueError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            arr = None  # a shape mesh_utils cannot place physically: fall back to the plain order
+    if arr is None:
+        arr = np.asarray(devices).reshape(shape)
     return Mesh(arr, MESH_AXES)
 
 
@@ -71,6 +113,45 @@ def logical_to_spec(axes: tuple[str, ...], mesh: Mesh | None = None) -> P:
     return P(*out)
 
 
+def activation_spec(axes: tuple[str, ...], mesh: Mesh) -> P:
+    """PartitionSpec of an activation with logical ``axes`` (``ACTIVATION_RULES``); size-1 mesh
+    axes are left out and a mesh axis is used at most once."""
+    out, used = [], set()
+    for a in axes:
+        rule = ACTIVATION_RULES[a]
+        names = (rule,) if isinstance(rule, str) else tuple(rule or ())
+        names = tuple(n for n in names if n not in used and mesh.shape.get(n, 1) > 1)
+        used.update(names)
+        out.append(None if not names else names[0] if len(names) == 1 else names)
+    return P(*out)
+
+
+_ACTIVATION_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("olmax_activation_mesh", default=None)
+
+
+@contextlib.contextmanager
+def activation_mesh(mesh: Mesh | None) -> Iterator[None]:
+    """While tracing inside this context, ``constrain`` pins activations to ``mesh``."""
+    token = _ACTIVATION_MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _ACTIVATION_MESH.reset(token)
+
+
+def current_mesh() -> Mesh | None:
+    return _ACTIVATION_MESH.get()
+
+
+def constrain(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """Sharding constraint by logical activation axes; a no-op outside ``activation_mesh`` (one
+    device, tests). Without these XLA may pick an FSDP layout that gathers activations."""
+    mesh = _ACTIVATION_MESH.get()
+    if mesh is None or mesh.size == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, activation_spec(axes, mesh)))
+
+
 def param_shardings(logical: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda axes: NamedSharding(mesh, logical_to_spec(axes, mesh)), logical,
                         is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x))
@@ -84,22 +165,29 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 class BatchPlan:
     global_batch: int          # instances per optimizer step (fixed by the recipe)
     n_devices: int             # global device count
-    data_parallel: int         # devices the batch is split over (data * fsdp)
+    data_parallel: int         # devices the batch is split over (slice * data * fsdp)
     per_device: int            # instances per data-parallel shard per step
     micro_batch: int           # instances per shard per micro-batch
     accum_steps: int           # micro-batches per step
 
 
-def plan_batch(global_batch: int, mesh_sizes: dict[str, int], micro_batch: int | None) -> BatchPlan:
+def plan_batch(global_batch: int, mesh_sizes: dict[str, int], micro_batch: int | None,
+               max_micro_batch: int | None = None) -> BatchPlan:
     """Per-device batch from the *global* device count. The published reproduction's elastic
-    pitfall: deriving it from local devices silently changes the effective batch."""
-    dp = mesh_sizes["data"] * mesh_sizes["fsdp"]
+    pitfall: deriving it from local devices silently changes the effective batch.
+
+    ``micro_batch`` must divide the per-device batch; ``max_micro_batch`` instead picks the largest
+    divisor that is no larger."""
+    dp = data_parallel_size(mesh_sizes)
     n = math.prod(mesh_sizes.values())
     if global_batch % dp:
+        axes = " x ".join(f"{a}={mesh_sizes.get(a, 1)}" for a in BATCH_AXES)
         raise ConfigError(f"train.global_batch_size={global_batch} is not divisible by the {dp} data-parallel "
-                          f"shards (mesh data={mesh_sizes['data']} x fsdp={mesh_sizes['fsdp']} on {n} devices)")
+                          f"shards (mesh {axes} on {n} devices)")
     per = global_batch // dp
     mb = micro_batch or per
+    if micro_batch is None and max_micro_batch is not None:
+        mb = max(d for d in range(1, min(per, max_micro_batch) + 1) if per % d == 0)
     if per % mb:
         raise ConfigError(f"train.micro_batch_size={mb} does not divide the per-device batch {per} "
                           f"(train.global_batch_size={global_batch} over {dp} data-parallel shards)")

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from olmax.config import Config, ConfigError
-from olmax.sharding import batch_sharding
+from olmax.sharding import batch_sharding, data_parallel_size
 from olmax.train.step import make_eval_step
 
 PER_BATCH_FMT = "{metric} [batch {i}]"   # per-batch metric names (parsed back by olmax.eval.compare)
@@ -73,7 +73,7 @@ def fixed_batches(windows: np.ndarray, batch_size: int, vocab_size: int, what: s
 
 def check_batch_divides(batch_size: int, mesh: jax.sharding.Mesh) -> None:
     """The batch is split over the data-parallel mesh axes; say so before anything compiles."""
-    dp = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
+    dp = data_parallel_size(mesh.shape)
     if batch_size % dp:
         raise ConfigError(f"eval batch size {batch_size} is not divisible by the {dp} data-parallel devices")
 
@@ -105,7 +105,7 @@ class HeldoutEvaluator:
         self.batches = fixed_batches(windows, bs, cfg.model.vocab_size)
         check_batch_divides(bs, mesh)
         self.sharding = batch_sharding(mesh)
-        self._eval = jax.jit(make_eval_step(cfg))
+        self._eval = jax.jit(make_eval_step(cfg, mesh))
         # The batches never change: put them on the devices once, not at every evaluation.
         self._device_batches = [put_batch(b, self.sharding) for b in self.batches]
         self._mask = put_batch(np.ones(self.batches.shape[1:], bool), self.sharding)

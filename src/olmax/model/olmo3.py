@@ -2,25 +2,55 @@
 
 Block ("reordered norm", no input norm):  h = x + norm_attn(attn(x));  out = h + norm_mlp(mlp(h)).
 QK-norm is one RMSNorm over the whole q (and whole k) projection, before the head split and RoPE.
+
+Layers run under ``jax.lax.scan`` over groups of ``full_attention_every`` layers (OLMo 3: three
+sliding-window layers and one full), with the group's weights stacked on the fly from the
+per-layer tree (a bf16 copy when computing in bf16): the program does not grow with depth, and
+the parameter tree, checkpoints and HF conversion keep one entry per layer. Layers past the
+last whole group (``full_attention_last_layer`` with a depth not divisible by the period) run
+unrolled after the scan.
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-from olmax.config import ModelConfig
-from olmax.model.layers import (apply_rope, attention_impl, fused_attention, reference_attention, rms_norm,
-                                rope_cos_sin, swiglu)
+from olmax.config import ConfigError, ModelConfig
+from olmax.model.attention import attend, target_platform
+from olmax.model.layers import apply_rope, rms_norm, rope_cos_sin
+from olmax.sharding import constrain
 
-REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    # Keep the projection matmul outputs; recompute attention and element-wise work.
-    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
+# Tensors a remat policy may keep (names given with ``checkpoint_name`` below).
+PROJECTION_NAMES = ("query", "key", "value", "attn_out", "attn_proj", "mlp_gate", "mlp_up", "mlp_out")
+REMAT_NAMES = ("none", "full", "minimal", "save_attn_out", "save_proj", "offload_proj")
+
+
+def remat_policy(name: str) -> Callable | None:
+    """``model.remat`` -> a ``jax.checkpoint`` policy (None: no rematerialisation)."""
+    cp = jax.checkpoint_policies
+    if name == "none":
+        return None
+    if name == "full":          # keep only the layer input
+        return cp.nothing_saveable
+    if name == "minimal":       # keep every matmul output without batch dims
+        return cp.dots_with_no_batch_dims_saveable
+    if name == "save_attn_out":  # skip recomputing the attention kernel, recompute the projections
+        return cp.save_only_these_names("attn_out")
+    if name == "save_proj":
+        return cp.save_only_these_names(*PROJECTION_NAMES)
+    if name == "offload_proj":  # the same tensors, in host memory between forward and backward
+        if target_platform() == "cpu":
+            raise ConfigError("model.remat=offload_proj offloads to host memory, which only TPUs and GPUs have; "
+                              "use save_proj on the CPU")
+        return cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=list(PROJECTION_NAMES),
+            offload_src="device", offload_dst="pinned_host")
+    raise ConfigError(f"model.remat: unknown policy {name!r} (known: {', '.join(REMAT_NAMES)})")
 
 
 def _attention_block(cfg: ModelConfig, p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array,
@@ -30,21 +60,94 @@ def _attention_block(cfg: ModelConfig, p: dict, x: jax.Array, cos: jax.Array, si
     q = rms_norm(jnp.einsum("btd,dq->btq", x, p["q"]), p["q_norm"], cfg.norm_eps)
     k = rms_norm(jnp.einsum("btd,dq->btq", x, p["k"]), p["k_norm"], cfg.norm_eps)
     v = jnp.einsum("btd,dq->btq", x, p["v"])
-    q = apply_rope(q.reshape(b, t, H, E), cos, sin)
-    k = apply_rope(k.reshape(b, t, K, E), cos, sin)
-    v = v.reshape(b, t, K, E)
-    impl = attention_impl(cfg.attention_impl, q.dtype)
-    if impl == "reference":
-        o = reference_attention(q, k, v, window)
-    else:
-        o = fused_attention(q, k, v, window, impl)
-    return jnp.einsum("btq,qd->btd", o.reshape(b, t, H * E), p["o"])
+    heads = ("batch", "length", "act_heads", "head_dim")
+    kv_heads = ("batch", "length", "act_kv_heads", "head_dim")
+    q = checkpoint_name(constrain(apply_rope(q.reshape(b, t, H, E), cos, sin), heads), "query")
+    k = checkpoint_name(constrain(apply_rope(k.reshape(b, t, K, E), cos, sin), kv_heads), "key")
+    v = checkpoint_name(constrain(v.reshape(b, t, K, E), kv_heads), "value")
+    o = checkpoint_name(attend(q, k, v, window, cfg), "attn_out")
+    out = jnp.einsum("btq,qd->btd", o.reshape(b, t, H * E), p["o"])
+    return checkpoint_name(constrain(out, ("batch", "length", "act_embed")), "attn_proj")
+
+
+def _mlp_block(m: dict, h: jax.Array) -> jax.Array:
+    """SwiGLU ``down(silu(gate(h)) * up(h))``."""
+    hidden = ("batch", "length", "act_mlp")
+    g = checkpoint_name(constrain(jnp.einsum("btd,df->btf", h, m["gate"]), hidden), "mlp_gate")
+    u = checkpoint_name(constrain(jnp.einsum("btd,df->btf", h, m["up"]), hidden), "mlp_up")
+    out = jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, m["down"])
+    return checkpoint_name(constrain(out, ("batch", "length", "act_embed")), "mlp_out")
 
 
 def _layer(cfg: ModelConfig, window: int | None, p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    x = constrain(x, ("batch", "length", "act_embed"))
     h = x + rms_norm(_attention_block(cfg, p["attn"], x, cos, sin, window), p["attn_norm"], cfg.norm_eps)
-    m = p["mlp"]
-    return h + rms_norm(swiglu(h, m["gate"], m["up"], m["down"]), p["mlp_norm"], cfg.norm_eps)
+    return h + rms_norm(_mlp_block(p["mlp"], h), p["mlp_norm"], cfg.norm_eps)
+
+
+def _layer_fn(cfg: ModelConfig, window: int | None) -> Callable:
+    fn = partial(_layer, cfg, window)
+    policy = remat_policy(cfg.remat)
+    if policy is not None:
+        fn = jax.checkpoint(fn, policy=policy)
+    return fn
+
+
+def layer_groups(cfg: ModelConfig) -> tuple[int, int]:
+    """``(period, groups)``: the scan runs ``groups`` groups of ``period`` layers whose attention
+    pattern repeats exactly; the remaining layers run unrolled. ``groups`` is 0 when layers are
+    not scanned."""
+    period = cfg.full_attention_every if cfg.sliding_window is not None else 1
+    groups = cfg.n_layers // period if cfg.scan_layers else 0
+    windows = [cfg.layer_window(i) for i in range(groups * period)]
+    if any(windows[i] != windows[i % period] for i in range(len(windows))):
+        return period, 0  # an irregular pattern: unrolled
+    return period, groups
+
+
+def _cast(tree: Any, dtype: jnp.dtype) -> Any:
+    return jax.tree.map(lambda a: a.astype(dtype), tree)
+
+
+def hidden_states(params: Any, tokens: jax.Array, cfg: ModelConfig, *, return_hidden: bool = False,
+                  positions: jax.Array | None = None) -> Any:
+    """The final-normed residual stream [b, t, d] in the compute dtype (the LM head's input).
+
+    With ``return_hidden`` (unrolled layers) also the residual stream after the embedding and
+    after each layer, for locating the first diverging layer in parity checks."""
+    cdt = jnp.dtype(cfg.compute_dtype)
+    t = tokens.shape[1]
+    if positions is None:
+        positions = jnp.arange(t)
+    tables = {full: rope_cos_sin(cfg, positions, full) for full in {cfg.is_full_attention(i) for i in range(cfg.n_layers)}}
+    x = constrain(jnp.take(params["embed"], tokens, axis=0).astype(cdt), ("batch", "length", "act_embed"))
+    hidden = [x]
+    layers = params["layers"]
+    period, groups = (1, 0) if return_hidden else layer_groups(cfg)
+    if groups:
+        stacked = [jax.tree.map(lambda *xs: jnp.stack(xs), *[_cast(layers[g * period + j], cdt) for g in range(groups)])
+                   for j in range(period)]
+        fns = [_layer_fn(cfg, cfg.layer_window(j)) for j in range(period)]
+        tabs = [tables[cfg.is_full_attention(j)] for j in range(period)]
+
+        def group(x, group_params):
+            for j in range(period):
+                x = fns[j](group_params[j], x, *tabs[j])
+            return x, None
+
+        x, _ = jax.lax.scan(group, x, stacked)
+    for i in range(groups * period, cfg.n_layers):
+        x = _layer_fn(cfg, cfg.layer_window(i))(_cast(layers[i], cdt), x, *tables[cfg.is_full_attention(i)])
+        if return_hidden:
+            hidden.append(x)
+    x = rms_norm(x, params["final_norm"], cfg.norm_eps)
+    return (x, hidden) if return_hidden else x
+
+
+def lm_head(params: Any, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Logits in fp32 [b, t, embedding_rows] from the final hidden states (padded rows included)."""
+    logits = jnp.einsum("btd,dv->btv", x, params["lm_head"].astype(jnp.dtype(cfg.compute_dtype)))
+    return constrain(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))
 
 
 def forward(params: Any, tokens: jax.Array, cfg: ModelConfig, *, return_hidden: bool = False,
@@ -53,24 +156,7 @@ def forward(params: Any, tokens: jax.Array, cfg: ModelConfig, *, return_hidden: 
 
     With ``return_hidden`` also returns the residual stream after the embedding and after each
     layer (for locating the first diverging layer in parity checks)."""
-    cdt = jnp.dtype(cfg.compute_dtype)
-    t = tokens.shape[1]
-    if positions is None:
-        positions = jnp.arange(t)
-    tables = {full: rope_cos_sin(cfg, positions, full) for full in {cfg.is_full_attention(i) for i in range(cfg.n_layers)}}
-    x = jnp.take(params["embed"], tokens, axis=0).astype(cdt)
-    hidden = [x]
-    for i, lp in enumerate(params["layers"]):
-        lp = jax.tree.map(lambda a: a.astype(cdt), lp)
-        cos, sin = tables[cfg.is_full_attention(i)]
-        fn = partial(_layer, cfg, cfg.layer_window(i))
-        if cfg.remat != "none":
-            fn = jax.checkpoint(fn, policy=REMAT_POLICIES[cfg.remat])
-        x = fn(lp, x, cos, sin)
-        if return_hidden:
-            hidden.append(x)
-    x = rms_norm(x, params["final_norm"], cfg.norm_eps)
-    logits = jnp.einsum("btd,dv->btv", x, params["lm_head"].astype(cdt)).astype(jnp.float32)
     if return_hidden:
-        return logits, hidden
-    return logits
+        x, hidden = hidden_states(params, tokens, cfg, return_hidden=True, positions=positions)
+        return lm_head(params, x, cfg), hidden
+    return lm_head(params, hidden_states(params, tokens, cfg, positions=positions), cfg)

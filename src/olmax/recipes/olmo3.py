@@ -24,6 +24,8 @@ STAGE1_SWITCH = 1192092 // 2 + 2000 // 2                            # 597,046
 STAGE1_T_MAX_2 = math.ceil(7e12 / STAGE1_TOKENS_PER_STEP)           # 1,668,931
 # Stage 1 ended at the end of the epoch of the 6T mix.
 STAGE1_STEPS = 1_413_814
+# Largest micro-batch per device (instances of 8192 tokens); memory only, the step is the same.
+MAX_MICRO_BATCH = 4
 
 
 def olmo3_7b_model() -> ModelConfig:
@@ -34,6 +36,12 @@ def olmo3_7b_model() -> ModelConfig:
         vocab_size=100278, padded_vocab_size=100352, d_model=4096, n_layers=32, n_heads=32,
         n_kv_heads=32, head_dim=128, mlp_hidden=11008, norm_eps=1e-6, rope_theta=500000.0,
         sliding_window=4096, full_attention_every=4, max_position_embeddings=65536,
+        # The production path (not part of AI2's recipe; it changes memory and speed, never the
+        # result): fp32 master weights, bf16 compute, the per-platform attention kernel (splash
+        # on TPU, cuDNN on GPU), layers scanned in groups of four, every layer rematerialised
+        # from its input, logits 1024 positions at a time. `olmax compile` checks a topology.
+        param_dtype="float32", compute_dtype="bfloat16", attention_impl="auto", scan_layers=True,
+        remat="full", logits_chunk=1024,
     )
 
 
@@ -62,7 +70,9 @@ def olmo3_7b_stage1() -> Config:
         optim=_olmo3_optim(3e-4, ScheduleConfig(
             name="two_part_cosine", warmup=2000, t_max=STAGE1_T_MAX_1, alpha_f=0.1,
             switch_step=STAGE1_SWITCH, t_max_2=STAGE1_T_MAX_2)),
-        train=TrainConfig(steps=STAGE1_STEPS, global_batch_size=STAGE1_BATCH),
+        # At most 4 x 8192 tokens per device per micro-batch (2 micro-batches of 4 on v5p-128):
+        # within MaxText's per-chip memory for the same slice and batch.
+        train=TrainConfig(steps=STAGE1_STEPS, global_batch_size=STAGE1_BATCH, max_micro_batch_size=MAX_MICRO_BATCH),
         checkpoint=CheckpointConfig(interval=1000),        # save_interval=1000
         eval=EvalConfig(interval=10000),                   # in-loop evaluation every 10k steps
     )
@@ -77,7 +87,7 @@ def olmo3_7b_stage2() -> Config:
         base, name="olmo3_7b_stage2",
         data=replace(base.data, seed=1337, workers=4),
         optim=_olmo3_optim(2.0712352850360292e-4, ScheduleConfig(name="linear", warmup=0, t_max=steps, alpha_f=0.0)),
-        train=TrainConfig(steps=steps, global_batch_size=256),
+        train=TrainConfig(steps=steps, global_batch_size=256, max_micro_batch_size=MAX_MICRO_BATCH),
     )
 
 

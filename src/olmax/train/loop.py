@@ -26,9 +26,9 @@ import numpy as np
 from olmax.config import Config, ConfigError, model_differences
 from olmax.metrics.flops import device_peak_flops, flops_per_token, mfu
 from olmax.model.params import init_params, logical_axes
-from olmax.optim import apply_update, init_opt_state
-from olmax.sharding import batch_sharding, make_mesh, param_shardings, plan_batch
-from olmax.train.step import make_train_step
+from olmax.optim import init_opt_state
+from olmax.sharding import make_mesh, param_shardings, plan_batch
+from olmax.train.step import jit_train_step
 
 
 @dataclasses.dataclass
@@ -175,7 +175,8 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
     run.mkdir(parents=True, exist_ok=True)
     is_main = jax.process_index() == 0
     mesh = make_mesh(cfg.mesh)
-    plan = plan_batch(cfg.train.global_batch_size, dict(mesh.shape), cfg.train.micro_batch_size)
+    plan = plan_batch(cfg.train.global_batch_size, dict(mesh.shape), cfg.train.micro_batch_size,
+                      cfg.train.max_micro_batch_size)
     total = cfg.train.steps
     L = cfg.data.sequence_length
 
@@ -226,12 +227,7 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
                 "device_kind": jax.devices()[0].device_kind, "batch_plan": dataclasses.asdict(plan)}, indent=2))
 
     # -- the step -------------------------------------------------------------------------------
-    bshard = batch_sharding(mesh)
-    update = partial(apply_update, optim_cfg=cfg.optim, total_steps=total)
-    micro = (lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim)))
-    step_fn = jax.jit(make_train_step(cfg, plan.accum_steps, update, micro_constraint=micro),
-                      in_shardings=(pshard, oshard, {"input_ids": bshard, "label_mask": bshard}),
-                      out_shardings=(pshard, oshard, None), donate_argnums=(0, 1))
+    step_fn = jit_train_step(cfg, mesh, plan, pshard, oshard)
 
     sinks = []
     if is_main:

@@ -17,21 +17,55 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
-from olmax.config import Config
-from olmax.model.olmo3 import forward
+from olmax.config import Config, ModelConfig
+from olmax.model.olmo3 import hidden_states, lm_head
+from olmax.optim import apply_update
+from olmax.sharding import BatchPlan, activation_mesh, batch_sharding
+
+
+def _label_sums(head: jax.Array, x: jax.Array, targets: jax.Array, valid: jax.Array, cfg: ModelConfig
+                ) -> tuple[jax.Array, jax.Array]:
+    """(sum of CE, sum of logsumexp^2) over ``valid`` positions of hidden states ``x`` [b, c, d]."""
+    logits = lm_head({"lm_head": head}, x, cfg)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum((lse - target_logit) * valid), jnp.sum((lse * lse) * valid)
 
 
 def loss_sums(params: Any, input_ids: jax.Array, label_mask: jax.Array, cfg: Config) -> tuple[jax.Array, jax.Array]:
-    """(sum of CE, sum of logsumexp^2) over the valid labels of a (micro-)batch, fp32."""
-    logits = forward(params, input_ids, cfg.model)[:, :-1]
-    targets = input_ids[:, 1:]
-    valid = label_mask[:, 1:].astype(jnp.float32)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    ce = (lse - target_logit) * valid
-    z = (lse * lse) * valid
-    return jnp.sum(ce), jnp.sum(z)
+    """(sum of CE, sum of logsumexp^2) over the valid labels of a (micro-)batch, fp32.
+
+    Position i predicts token i+1; the last position has no label. With ``model.logits_chunk``
+    the fp32 logits exist for one chunk of positions at a time (forward and, recomputed, in
+    the backward pass): the 7B's [b, 8192, 100352] fp32 logits would be 3.3 GB per sequence."""
+    m = cfg.model
+    x = hidden_states(params, input_ids, m)
+    b, t = input_ids.shape
+    targets = jnp.concatenate([input_ids[:, 1:], jnp.zeros((b, 1), input_ids.dtype)], axis=1)
+    valid = jnp.concatenate([label_mask[:, 1:], jnp.zeros((b, 1), label_mask.dtype)], axis=1).astype(jnp.float32)
+    chunk = m.logits_chunk
+    if chunk is None or chunk >= t:
+        return _label_sums(params["lm_head"], x, targets, valid, m)
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    if pad:  # padded positions carry no label
+        x = jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+        valid = jnp.pad(valid, ((0, 0), (0, pad)))
+
+    def chunks(a: jax.Array) -> jax.Array:  # [b, n*c, ...] -> [n, b, c, ...]
+        return a.reshape(b, n, chunk, *a.shape[2:]).swapaxes(0, 1)
+
+    sums = jax.checkpoint(partial(_label_sums, cfg=m))
+
+    def body(carry, xs):
+        ce, z = sums(params["lm_head"], *xs)
+        return (carry[0] + ce, carry[1] + z), None
+
+    (ce, z), _ = jax.lax.scan(body, (jnp.float32(0), jnp.float32(0)), (chunks(x), chunks(targets), chunks(valid)))
+    return ce, z
 
 
 def loss_denominator(label_mask: jax.Array) -> jax.Array:
@@ -50,13 +84,19 @@ def split_micro(x: jax.Array, accum: int) -> jax.Array:
 
 
 def make_train_step(cfg: Config, accum_steps: int, apply_update: Callable,
-                    micro_constraint: Callable[[jax.Array], jax.Array] | None = None) -> Callable:
+                    micro_constraint: Callable[[jax.Array], jax.Array] | None = None,
+                    mesh: Mesh | None = None) -> Callable:
     """Returns ``step(params, opt_state, batch) -> (params, opt_state, metrics)`` (not jitted).
 
-    ``apply_update(params, grads, opt_state, ce_loss)`` is the optimiser (``olmax.optim``)."""
+    ``apply_update(params, grads, opt_state, ce_loss)`` is the optimiser (``olmax.optim``).
+    With ``mesh``, activations are pinned to it by logical axes while the step is traced."""
     z_mult = cfg.optim.z_loss or 0.0
 
     def step(params, opt_state, batch):
+        with activation_mesh(mesh):
+            return _step(params, opt_state, batch)
+
+    def _step(params, opt_state, batch):
         ids, mask = batch["input_ids"], batch["label_mask"]
         denom = loss_denominator(mask)
         ids_m, mask_m = split_micro(ids, accum_steps), split_micro(mask, accum_steps)
@@ -90,9 +130,22 @@ def make_train_step(cfg: Config, accum_steps: int, apply_update: Callable,
     return step
 
 
-def make_eval_step(cfg: Config) -> Callable:
+def jit_train_step(cfg: Config, mesh: Mesh, plan: BatchPlan, pshard: Any, oshard: Any) -> Callable:
+    """The production train step: jitted with the state's shardings, the batch split over the
+    data-parallel axes, and the old state donated (updated in place). The loop runs it; ``olmax
+    compile`` lowers it for a TPU topology."""
+    bshard = batch_sharding(mesh)
+    update = partial(apply_update, optim_cfg=cfg.optim, total_steps=cfg.train.steps)
+    micro = (lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim)))
+    return jax.jit(make_train_step(cfg, plan.accum_steps, update, micro_constraint=micro, mesh=mesh),
+                   in_shardings=(pshard, oshard, {"input_ids": bshard, "label_mask": bshard}),
+                   out_shardings=(pshard, oshard, None), donate_argnums=(0, 1))
+
+
+def make_eval_step(cfg: Config, mesh: Mesh | None = None) -> Callable:
     """``eval(params, input_ids, label_mask) -> (ce_sum, n_labels)`` for held-out loss."""
     def ev(params, ids, mask):
-        ce, _ = loss_sums(params, ids, mask, cfg)
+        with activation_mesh(mesh):
+            ce, _ = loss_sums(params, ids, mask, cfg)
         return ce, jnp.sum(mask[:, 1:].astype(jnp.float32))
     return ev

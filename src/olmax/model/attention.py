@@ -1,0 +1,130 @@
+"""Attention kernels and the one place that picks one per platform.
+
+Every kernel computes the same function: softmax(q k^T / sqrt(e)) v with query i seeing keys
+``i - W < k <= i`` (sliding layers, W = window) or ``k <= i`` (full layers), GQA by sharing each
+kv head between ``h / k`` query heads. Shapes: q [b, t, h, e], k/v [b, s, k, e] -> [b, t, h, e].
+
+- ``reference``: exact einsum that materialises fp32 [t, s] scores (CPU, tests, short sequences).
+- ``splash``: TPU Pallas flash attention (``jax.experimental.pallas.ops.tpu.splash_attention``);
+  the mask is lazy (causal, or local with ``window_size=(W-1, 0)``), so blocks outside the window
+  are never computed. Runs per device under ``shard_map`` (batch over the data-parallel axes,
+  heads over ``tensor``); on CPU it runs in Pallas interpret mode for numerical tests.
+- ``cudnn`` / ``xla``: ``jax.nn.dot_product_attention`` with ``is_causal=True`` and
+  ``local_window_size=(W-1, 0)`` (cuDNN flash attention on GPU; it has no fp32 kernel).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from olmax.config import ConfigError, ModelConfig
+from olmax.model.layers import attention_mask
+from olmax.sharding import activation_spec, current_mesh
+
+
+def target_platform() -> str:
+    """The platform the code is being compiled for: the activation mesh's devices (abstract TPU
+    devices during an ahead-of-time compile on a CPU host), else JAX's default backend."""
+    mesh = current_mesh()
+    if mesh is not None:
+        return mesh.devices.flat[0].platform
+    return jax.default_backend()
+
+
+def resolve_impl(requested: str, dtype: jnp.dtype | None = None, platform: str | None = None) -> str:
+    """``model.attention_impl`` -> a kernel. "auto": splash on TPU; on GPU cuDNN when the compute
+    dtype is bf16/fp16 (cuDNN has no fp32 kernel), XLA's fused path otherwise; the exact
+    reference on CPU."""
+    platform = platform or target_platform()
+    if requested != "auto":
+        return requested
+    if platform == "tpu":
+        return "splash"
+    if platform == "gpu":
+        return "cudnn" if dtype is None or jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
+    return "reference"
+
+
+def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None) -> jax.Array:
+    """Exact attention; softmax in fp32 over masked [t, s] scores."""
+    b, t, h, e = q.shape
+    kv = k.shape[2]
+    g = h // kv
+    qg = q.reshape(b, t, kv, g, e)
+    scores = jnp.einsum("btkge,bske->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (e ** -0.5)
+    mask = attention_mask(t, k.shape[1], window)
+    scores = jnp.where(mask[None, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bske->btkge", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, e).astype(q.dtype)
+
+
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, implementation: str) -> jax.Array:
+    """``jax.nn.dot_product_attention``: no [t, s] matrix per head. ``local_window_size=(W-1, 0)``
+    because query i sees W keys *including itself*; (W, 0) would be one key too many."""
+    local = None if window is None else (window - 1, 0)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
+                                        implementation=implementation)
+
+
+def _block(requested: int, t: int, what: str) -> int:
+    size = min(requested, t)
+    if t % size:
+        raise ConfigError(f"model.{what}={requested} does not tile the sequence length {t} "
+                          f"(splash attention needs the sequence to be a multiple of the block)")
+    return size
+
+
+@functools.lru_cache(maxsize=32)
+def _splash_kernel(heads: int, t: int, window: int | None, block_q: int, block_kv: int, interpret: bool):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+    if window is None:
+        mask = sm.CausalMask(shape=(t, t))
+    else:
+        # Keys q-(W-1)..q: W keys including the query itself, as OLMo-core and HF.
+        mask = sm.LocalMask(shape=(t, t), window_size=(window - 1, 0), offset=0)
+    blocks = sk.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
+                           block_q_dkv=block_q, block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv,
+                           use_fused_bwd_kernel=True)
+    return sk.make_splash_mha(sm.MultiHeadMask([mask] * heads), block_sizes=blocks, head_shards=1,
+                              q_seq_shards=1, interpret=interpret)
+
+
+def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, cfg: ModelConfig,
+                     interpret: bool | None = None) -> jax.Array:
+    """TPU splash attention (fp32 accumulation and softmax inside the kernel)."""
+    b, t, h, e = q.shape
+    if interpret is None:
+        interpret = target_platform() != "tpu"
+    bq = _block(cfg.attention_block_q, t, "attention_block_q")
+    bkv = _block(cfg.attention_block_kv, t, "attention_block_kv")
+    # The kernel takes [heads, seq, head_dim] per example and does not scale the scores.
+    qh = (q.astype(jnp.float32) * (e ** -0.5)).astype(q.dtype).transpose(0, 2, 1, 3)
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+    def local(qh, kh, vh):
+        kernel = _splash_kernel(qh.shape[1], t, window, bq, bkv, bool(interpret))
+        return jax.vmap(kernel)(qh, kh, vh)
+
+    mesh = current_mesh()
+    if mesh is not None and mesh.size > 1:
+        spec = activation_spec(("batch", "act_heads", "length", "head_dim"), mesh)
+        kv_spec = activation_spec(("batch", "act_kv_heads", "length", "head_dim"), mesh)
+        local = jax.shard_map(local, mesh=mesh, in_specs=(spec, kv_spec, kv_spec), out_specs=spec,
+                              check_vma=False)
+    out = local(qh, kh, vh)
+    return out.transpose(0, 2, 1, 3).astype(q.dtype)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, cfg: ModelConfig) -> jax.Array:
+    impl = resolve_impl(cfg.attention_impl, q.dtype)
+    if impl == "reference":
+        return reference_attention(q, k, v, window)
+    if impl == "splash":
+        return splash_attention(q, k, v, window, cfg)
+    return fused_attention(q, k, v, window, impl)
