@@ -13,6 +13,7 @@ from olmax.config import ConfigError
 # Modules that add subcommands, in help order.
 COMMAND_MODULES = [
     "olmax.commands",
+    "olmax.compile",
     "olmax.train.commands",
     "olmax.data.commands",
     "olmax.compat.commands",

@@ -23,6 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_recipe_args(p)
     p.add_argument("--devices", type=int, default=None,
                    help="global device count for the memory estimate (default: the devices JAX sees)")
+    p.add_argument("--topology", default=None,
+                   help="a TPU slice (v5p-128, v6e-256, ...): its device count and HBM give a fits / does not fit verdict")
+    p.add_argument("--hbm-gib", type=float, default=None, help="memory per device for the verdict (e.g. 80 for an H100)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)
 
@@ -55,8 +58,19 @@ def inspect_config(cfg, n_devices: int) -> dict:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     cfg = get_recipe(args.recipe, args.overrides)
-    n = args.devices or jax.device_count()
+    hbm = args.hbm_gib
+    n = args.devices
+    if args.topology:
+        from olmax.compile import parse_topology
+        topo = parse_topology(args.topology)
+        n = n or topo.devices
+        hbm = hbm or topo.family.hbm_gib
+    n = n or jax.device_count()
     info = inspect_config(cfg, n)
+    if hbm is not None:
+        from olmax.compile import memory_verdict
+        need = info["memory_per_device"]["total_gib"]
+        info.update(hbm_gib=hbm, fits=need <= hbm, verdict=memory_verdict(need, hbm) + " (estimate)")
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -71,5 +85,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"FLOPs/step        {info['flops_per_step']:.4e} ({info['tokens_per_step']:,} tokens)")
     print(f"memory/device     {mem['total_gib']:.2f} GiB on {n} devices: weights {mem['weights_gib']:.2f}, "
           f"grads {mem['grads_gib']:.2f}, Adam {mem['adam_moments_gib']:.2f}, activations {mem['activations_gib']:.2f}, "
-          f"logits {mem['logits_gib']:.2f}, attention scores {mem['attention_scores_gib']:.2f}")
+          f"layer workspace {mem['layer_workspace_gib']:.2f}, logits {mem['logits_gib']:.2f}, "
+          f"attention scores {mem['attention_scores_gib']:.2f}")
+    if "verdict" in info:
+        print(f"verdict           {info['verdict']} of {info['hbm_gib']:.2f} GiB per device; "
+              "`olmax compile` gives XLA's exact figure for a TPU slice")
     return 0

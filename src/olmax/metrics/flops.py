@@ -23,6 +23,7 @@ PEAK_BF16_FLOPS: dict[str, float] = {
     "TPU v5 lite": 197e12,
     "TPU v5e": 197e12,
     "TPU v5p": 459e12,
+    "TPU v5": 459e12,      # v5p's device_kind as JAX reports it
     "TPU v6 lite": 918e12,
     "TPU v6e": 918e12,
     "TPU7x": 2307e12,

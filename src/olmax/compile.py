@@ -1,0 +1,267 @@
+"""``olmax compile``: ahead-of-time compilation of the real train and eval steps for a TPU slice,
+on any machine with the ``libtpu`` wheel (``pip install 'olmax[tpu]'``), no TPU needed.
+
+``jax.experimental.topologies`` describes the slice's devices; the step is lowered on a mesh of
+them with the run's exact shardings, and XLA's ``memory_analysis()`` (or its out-of-memory
+error) gives the per-chip memory the run will need. Check a topology before renting it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from olmax.config import Config, ConfigError
+
+GiB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    dims: int                  # torus dimensions (3: v4/v5p/Ironwood, 2: v5e/v6e)
+    cores_per_chip: int        # the number in "v5p-128" counts TensorCores (v5p, Ironwood) or chips
+    devices_per_chip: int      # JAX devices per chip (megacore v5p: 1; Ironwood: 2 TensorCores)
+    hbm_gib: float             # per device, as libtpu's compiler budgets it
+    chip_config: str | None = None
+    host_bounds: tuple[int, int, int] | None = None
+
+
+# HBM per device as libtpu 0.0.42's compiler reports it in its out-of-memory message
+# ("exceeds available HBM (95.74G)"): what a step may use, a little under the datasheet figure.
+FAMILIES = {
+    "v5p": Family("v5p", 3, 2, 1, 95.74, "megacore", (2, 2, 1)),
+    "v5e": Family("v5e", 2, 1, 1, 15.75),
+    "v6e": Family("v6e", 2, 1, 1, 31.25),
+    "tpu7x": Family("tpu7x", 3, 2, 2, 94.75),
+}
+ALIASES = {"v5litepod": "v5e", "v6litepod": "v6e", "ironwood": "tpu7x", "v7x": "tpu7x"}
+
+# Slice shapes by chip count (Cloud TPU's standard topologies).
+SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
+             512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16", 8192: "16x16x32"}
+SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str          # as the user wrote it
+    family: Family
+    shape: str         # e.g. 4x4x4 (chips)
+    slices: int
+
+    @property
+    def chips(self) -> int:
+        return math.prod(int(x) for x in self.shape.split("x")) * self.slices
+
+    @property
+    def devices(self) -> int:
+        return self.chips * self.family.devices_per_chip
+
+
+def parse_topology(name: str, slices: int = 1) -> Topology:
+    """``v5p-128`` / ``v6e-256`` / ``tpu7x-128`` / ``v5e-256`` (accelerator types as Cloud TPU
+    names them) or ``FAMILY:AxBxC`` (chips per dimension)."""
+    if slices < 1:
+        raise ConfigError(f"--slices must be >= 1, got {slices}")
+    known = ", ".join(sorted(FAMILIES))
+    m = re.fullmatch(r"([a-z0-9]+)(?:-(\d+)|:(\d+(?:x\d+)+))", name.strip().lower())
+    fam_name = ALIASES.get(m.group(1), m.group(1)) if m else None
+    if not m or fam_name not in FAMILIES:
+        raise ConfigError(f"unknown TPU topology {name!r}: expected e.g. v5p-128, v6e-256, tpu7x-128, v5e-256 or "
+                          f"v5p:4x4x4 (families: {known})")
+    fam = FAMILIES[fam_name]
+    if m.group(3):
+        shape = m.group(3)
+        if len(shape.split("x")) != fam.dims:
+            raise ConfigError(f"topology {name!r}: {fam.name} slices have {fam.dims} dimensions")
+    else:
+        count = int(m.group(2))
+        if count % fam.cores_per_chip:
+            raise ConfigError(f"topology {name!r}: {fam.name}-N counts {fam.cores_per_chip} cores per chip; "
+                              f"{count} is not a whole number of chips")
+        chips = count // fam.cores_per_chip
+        table = SHAPES_3D if fam.dims == 3 else SHAPES_2D
+        if chips not in table:
+            raise ConfigError(f"topology {name!r}: no standard {fam.name} slice of {chips} chips "
+                              f"(known: {', '.join(f'{fam.name}-{c * fam.cores_per_chip}' for c in table)})")
+        shape = table[chips]
+    return Topology(name, fam, shape, slices)
+
+
+def quiet_libtpu(topology: Topology | None = None) -> None:
+    """libtpu looks for a chip and prints alarming warnings on a machine without one unless JAX is
+    told to stay on the CPU and libtpu what it would have found. Call before JAX initialises."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if topology is not None:
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{topology.family.name}-{topology.chips * topology.family.cores_per_chip}")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+
+
+def abstract_devices(topology: Topology) -> list:
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        raise ConfigError("olmax compile needs the libtpu wheel: pip install 'olmax[tpu]'") from None
+    from jax.experimental import topologies
+    fam = topology.family
+    kw: dict[str, Any] = {}
+    if fam.chip_config:
+        kw["chip_config_name"] = fam.chip_config
+    if fam.host_bounds:
+        kw["chips_per_host_bounds"] = fam.host_bounds
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=f"{fam.name}:{topology.shape}",
+                                        num_slices=topology.slices, **kw)
+    return list(desc.devices)
+
+
+_OOM = re.compile(r"(?:required for HLO temporaries|memory required)[^(]*\(([\d.]+)([KMGTP]?)\)[^(]*"
+                  r"available HBM \(([\d.]+)([KMGTP]?)\)")
+_UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40, "P": 2 ** 50}
+
+
+def _parse_oom(msg: str) -> tuple[float, float] | None:
+    m = _OOM.search(msg)
+    if not m:
+        return None
+    return float(m.group(1)) * _UNITS[m.group(2)] / GiB, float(m.group(3)) * _UNITS[m.group(4)] / GiB
+
+
+def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, progress: bool = True) -> dict:
+    """Lower and compile the train step (and the held-out eval step) of ``cfg`` for ``topology``;
+    return the per-device memory report. Allocates nothing."""
+    import jax
+    import jax.numpy as jnp
+
+    from olmax.sharding import batch_sharding, data_parallel_size, make_mesh, plan_batch
+    from olmax.train.loop import abstract_train_state, shardings
+    from olmax.train.step import jit_train_step, make_eval_step
+
+    if topology.slices > 1 and cfg.mesh.slice == 1:
+        cfg = replace(cfg, mesh=replace(cfg.mesh, slice=topology.slices))
+    devices = abstract_devices(topology)
+    mesh = make_mesh(cfg.mesh, devices)
+    sizes = dict(mesh.shape)
+    plan = plan_batch(cfg.train.global_batch_size, sizes, cfg.train.micro_batch_size,
+                      cfg.train.max_micro_batch_size)
+    L = cfg.data.sequence_length
+    abstract = abstract_train_state(cfg, mesh)
+    pshard, oshard = shardings(abstract["params"]), shardings(abstract["opt_state"])
+    bshard = batch_sharding(mesh)
+    batch = {"input_ids": jax.ShapeDtypeStruct((cfg.train.global_batch_size, L), jnp.int32, sharding=bshard),
+             "label_mask": jax.ShapeDtypeStruct((cfg.train.global_batch_size, L), jnp.bool_, sharding=bshard)}
+    report: dict[str, Any] = {
+        "recipe": cfg.name, "topology": topology.name, "slices": topology.slices,
+        "device_kind": devices[0].device_kind, "devices": len(devices), "chips": topology.chips,
+        "mesh": sizes, "plan": dataclasses.asdict(plan), "hbm_gib": topology.family.hbm_gib,
+        "attention": cfg.model.attention_impl, "remat": cfg.model.remat, "scan_layers": cfg.model.scan_layers,
+        "logits_chunk": cfg.model.logits_chunk, "compute_dtype": cfg.model.compute_dtype,
+    }
+    if progress:
+        print(f"compiling the {cfg.name} train step for {topology.name} ({len(devices)} devices, mesh "
+              f"{sizes}, {plan.per_device} x {L} tokens per device in {plan.accum_steps} micro-batch(es))...",
+              file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    step = jit_train_step(cfg, mesh, plan, pshard, oshard)
+    try:
+        compiled = step.lower(abstract["params"], abstract["opt_state"], batch).compile()
+    except Exception as e:  # XLA raises a plain XlaRuntimeError/JaxRuntimeError for out-of-memory
+        oom = _parse_oom(str(e))
+        if oom is None:
+            raise
+        report.update(_verdict(need=oom[0], hbm=oom[1]), compile_seconds=time.perf_counter() - t0,
+                      argument_gib=None, temp_gib=None, output_gib=None, oom_message=str(e).splitlines()[0][:300])
+        report["hbm_gib"] = oom[1]
+        return report
+    report["compile_seconds"] = time.perf_counter() - t0
+    ma = compiled.memory_analysis()
+    arg, out, alias, temp = (ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.alias_size_in_bytes,
+                             ma.temp_size_in_bytes)
+    code = getattr(ma, "generated_code_size_in_bytes", 0)
+    total = arg + out - alias + temp + code
+    report.update(argument_gib=arg / GiB, output_gib=out / GiB, alias_gib=alias / GiB, temp_gib=temp / GiB,
+                  code_gib=code / GiB, **_verdict(need=total / GiB, hbm=topology.family.hbm_gib))
+    if eval_step:
+        bs = cfg.eval.batch_size
+        dp = data_parallel_size(sizes)
+        if bs % dp:
+            bs = dp * max(1, -(-bs // dp))
+        ev_batch = jax.ShapeDtypeStruct((bs, L), jnp.int32, sharding=bshard)
+        ev_mask = jax.ShapeDtypeStruct((bs, L), jnp.bool_, sharding=bshard)
+        t1 = time.perf_counter()
+        ev = jax.jit(make_eval_step(cfg, mesh), in_shardings=(pshard, bshard, bshard))
+        try:
+            ema = ev.lower(abstract["params"], ev_batch, ev_mask).compile().memory_analysis()
+            ev_total = (ema.argument_size_in_bytes + ema.output_size_in_bytes - ema.alias_size_in_bytes
+                        + ema.temp_size_in_bytes) / GiB
+            report["eval"] = {"batch_size": bs, "per_device_gib": ev_total, "temp_gib": ema.temp_size_in_bytes / GiB,
+                              "fits": ev_total <= topology.family.hbm_gib,
+                              "compile_seconds": time.perf_counter() - t1}
+        except Exception as e:
+            oom = _parse_oom(str(e))
+            if oom is None:
+                raise
+            report["eval"] = {"batch_size": bs, "per_device_gib": oom[0], "fits": False,
+                              "compile_seconds": time.perf_counter() - t1}
+        report["fits"] = report["fits"] and report["eval"]["fits"]
+    return report
+
+
+def _verdict(need: float, hbm: float) -> dict:
+    fits = need <= hbm
+    text = (f"fits with {hbm - need:.1f} GiB to spare" if fits else f"does not fit by {need - hbm:.1f} GiB")
+    return {"per_device_gib": need, "fits": fits, "verdict": text}
+
+
+def memory_verdict(need_gib: float, hbm_gib: float) -> str:
+    return _verdict(need_gib, hbm_gib)["verdict"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from olmax.cli import add_recipe_args
+    p = sub.add_parser("compile", help="ahead-of-time compile the train step for a TPU slice: per-chip memory, "
+                                       "fits or not (needs the libtpu wheel, not a TPU)")
+    add_recipe_args(p)
+    p.add_argument("--topology", required=True, help="v5p-128, v6e-256, tpu7x-128, v5e-256 or v5p:4x4x4")
+    p.add_argument("--slices", type=int, default=1, help="number of slices (multi-slice data parallelism over DCN)")
+    p.add_argument("--no-eval", action="store_true", help="compile the train step only")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_compile)
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    topology = parse_topology(args.topology, args.slices)
+    quiet_libtpu(topology)
+    from olmax.recipes import get_recipe
+    cfg = get_recipe(args.recipe, args.overrides)
+    r = compile_for(cfg, topology, eval_step=not args.no_eval, progress=not args.json)
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
+        plan = r["plan"]
+        print(f"recipe         {r['recipe']} ({r['compute_dtype']} compute, attention {r['attention']}, "
+              f"remat {r['remat']}, scanned layers {r['scan_layers']}, logits chunk {r['logits_chunk']})")
+        print(f"topology       {r['topology']} x {r['slices']} slice(s): {r['devices']} x {r['device_kind']}, "
+              f"{r['hbm_gib']:.2f} GiB HBM each")
+        print(f"mesh           {r['mesh']}")
+        print(f"batch plan     {plan['global_batch']} sequences per step, {plan['per_device']} per device in "
+              f"{plan['accum_steps']} micro-batch(es) of {plan['micro_batch']}")
+        if r.get("temp_gib") is not None:
+            print(f"per device     {r['per_device_gib']:.2f} GiB: arguments {r['argument_gib']:.2f}, temporaries "
+                  f"{r['temp_gib']:.2f}, outputs {r['output_gib']:.2f} (aliased with arguments {r['alias_gib']:.2f})")
+        else:
+            print(f"per device     {r['per_device_gib']:.2f} GiB (XLA: out of memory)")
+        if "eval" in r:
+            print(f"eval step      {r['eval']['per_device_gib']:.2f} GiB per device at batch {r['eval']['batch_size']}")
+        print(f"compile time   {r['compile_seconds']:.1f} s")
+        print(f"verdict        {r['verdict']}")
+    return 0 if r["fits"] else 1
