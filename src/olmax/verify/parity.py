@@ -167,15 +167,17 @@ def random_hf_model(out_dir: str | os.PathLike, seed: int = 0, dtype: str = "flo
 def run_parity(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
                tokens: np.ndarray | str | os.PathLike | None = None, seq_len: int = 128, batch: int = 2,
                dtype: str = "float32", seed: int = 0, dump: str | os.PathLike | None = None,
-               hidden_tol: float | None = None, attention_impl: str | None = None) -> dict[str, Any]:
+               hidden_tol: float | None = None, attention_impl: str | None = None,
+               overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """Run HF (fp32 eager) and olmax on the same tokens and return the parity report (a dict).
 
     Weights for olmax come from ``checkpoint`` (an olmax weights directory) or are converted from
     ``hf_dir`` in memory. ``dtype`` is olmax's compute dtype; parameters keep their stored dtype.
     ``attention_impl`` defaults to the exact reference attention in fp32 and the config's choice
-    (cuDNN on GPU) in bf16."""
+    (cuDNN on GPU) in bf16. ``overrides`` (``model.KEY=VALUE``) set how the model is computed
+    (``RUNTIME_MODEL_FIELDS``: kernel block sizes, remat, scanned layers), never what it is."""
     from olmax.compat.hf import ConversionError, config_from_hf, load_hf_params
-    from olmax.config import model_differences
+    from olmax.config import RUNTIME_MODEL_FIELDS, ConfigError, model_differences, validate
 
     if dtype not in HIDDEN_TOL:
         raise ConversionError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
@@ -203,9 +205,16 @@ def run_parity(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike | None =
         toks = check_tokens(tokens, vocab)
     else:
         toks = load_token_array(str(tokens), vocab)
-    from olmax.model.layers import attention_impl as resolve_attention
-    impl = resolve_attention(attention_impl or ("reference" if dtype == "float32" else cfg.model.attention_impl))
-    model_cfg = replace(cfg.model, compute_dtype=dtype, attention_impl=impl, remat="none")
+    for o in overrides:
+        key = o.split("=", 1)[0].strip()
+        if not (key.startswith("model.") and key[len("model."):] in RUNTIME_MODEL_FIELDS - {"compute_dtype"}):
+            raise ConfigError(f"parity --set {o!r}: only how the model is computed may change "
+                              f"(model.{', model.'.join(sorted(RUNTIME_MODEL_FIELDS - {'compute_dtype'}))}); "
+                              "use --dtype for the compute dtype")
+    cfg = validate(cfg.override(list(overrides)))
+    from olmax.model.attention import resolve_impl
+    impl = resolve_impl(attention_impl or ("reference" if dtype == "float32" else cfg.model.attention_impl), dtype)
+    model_cfg = replace(cfg.model, compute_dtype=dtype, attention_impl=impl)
 
     ref = hf_reference(hf_dir, toks)
     ox = olmax_run(params, model_cfg, toks)
@@ -258,7 +267,8 @@ def format_report(r: dict[str, Any]) -> str:
 
 def _cmd(args: argparse.Namespace) -> int:
     r = run_parity(args.hf, checkpoint=args.checkpoint, tokens=args.tokens, seq_len=args.seq_len, batch=args.batch,
-                   dtype=args.dtype, seed=args.seed, dump=args.dump)
+                   dtype=args.dtype, seed=args.seed, dump=args.dump, attention_impl=args.attention,
+                   overrides=args.overrides)
     print(json.dumps(r, indent=2) if args.json else format_report(r))
     # A failed fp32 parity is a failed command (scripts and CI can rely on the exit code).
     return 0 if r.get("pass", True) else 1
@@ -274,6 +284,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="olmax compute dtype")
+    p.add_argument("--attention", default=None, choices=["auto", "reference", "splash", "cudnn", "xla"],
+                   help="attention kernel (default: reference in fp32, the config's choice in bf16; splash "
+                        "runs in Pallas interpret mode off TPU)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="model.KEY=VALUE",
+                   help="how the model is computed, e.g. --set model.attention_block_q=128 (repeatable)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random tokens")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--dump", default=None, metavar="FILE.npz", help="write hf/olmax logits and tokens")
