@@ -105,6 +105,9 @@ def quiet_libtpu(topology: Topology | None = None) -> None:
         os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{topology.family.name}-{topology.chips * topology.family.cores_per_chip}")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    # No chip is opened, so several compiles (or a compile beside a test run) may share the machine:
+    # without this libtpu's lock file lets only one process load it.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 def abstract_devices(topology: Topology) -> list:

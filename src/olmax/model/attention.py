@@ -15,8 +15,6 @@ kv head between ``h / k`` query heads. Shapes: q [b, t, h, e], k/v [b, s, k, e] 
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -73,13 +71,12 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None
 
 def _block(requested: int, t: int, what: str) -> int:
     size = min(requested, t)
-    if t % size:
+    if t % size or size % 128:
         raise ConfigError(f"model.{what}={requested} does not tile the sequence length {t} "
-                          f"(splash attention needs the sequence to be a multiple of the block)")
+                          f"(splash attention needs the sequence to be a multiple of the block, and blocks of 128k positions)")
     return size
 
 
-@functools.lru_cache(maxsize=32)
 def _splash_kernel(heads: int, t: int, window: int | None, block_q: int, block_kv: int, interpret: bool):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm

@@ -1,0 +1,229 @@
+"""The production path computes what the simple one does: splash attention (Pallas interpret
+mode on CPU) against the exact reference, scanned against unrolled layers, the chunked loss
+against whole logits, micro-batched against single-batch steps (losses *and* gradients), and
+every remat policy. Plus ahead-of-time compilation for a small TPU slice and the `compile` CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from olmax.compile import parse_topology
+from olmax.config import ConfigError
+from olmax.model.attention import reference_attention, resolve_impl, splash_attention
+from olmax.model.olmo3 import REMAT_NAMES, layer_groups
+from olmax.model.params import init_params
+from olmax.recipes import get_recipe
+from olmax.train.step import make_train_step
+
+RTOL = 1e-6
+
+
+def _qkv(b, t, h, kv, e, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(ks[0], (b, t, h, e)), jax.random.normal(ks[1], (b, t, kv, e)),
+            jax.random.normal(ks[2], (b, t, kv, e)))
+
+
+@pytest.mark.parametrize("window,heads,kv", [(None, 4, 4), (64, 4, 2), (200, 4, 1)])
+def test_splash_matches_reference_forward_and_gradients(window, heads, kv):
+    """fp32, sequence 256 in 128-blocks: full causal, window 64 (blocks outside it skipped) and a
+    window that does not align with the blocks; MHA, GQA and MQA."""
+    cfg = replace(get_recipe("tiny").model, attention_block_q=128, attention_block_kv=128)
+    q, k, v = _qkv(2, 256, heads, kv, 32)
+    out = splash_attention(q, k, v, window, cfg)
+    ref = reference_attention(q, k, v, window)
+    assert float(jnp.abs(out - ref).max()) <= 1e-5 * max(1.0, float(jnp.abs(ref).max()))
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
+    g = jax.grad(loss(lambda q, k, v: splash_attention(q, k, v, window, cfg)), argnums=(0, 1, 2))(q, k, v)
+    g_ref = jax.grad(loss(lambda q, k, v: reference_attention(q, k, v, window)), argnums=(0, 1, 2))(q, k, v)
+    for name, a, b in zip("qkv", g, g_ref):
+        scale = max(1.0, float(jnp.abs(b).max()))
+        assert float(jnp.abs(a - b).max()) <= 1e-5 * scale, f"d{name}"
+
+
+def test_splash_window_is_w_keys_including_self():
+    """A key exactly W positions back must not be seen; W-1 back must be."""
+    cfg = replace(get_recipe("tiny").model, attention_block_q=128, attention_block_kv=128)
+    W, qi = 16, 100
+    q, k, v = _qkv(1, 128, 2, 2, 32, seed=1)
+    base = splash_attention(q, k, v, W, cfg)[0, qi]
+    for back, seen in ((W, False), (W - 1, True)):
+        v2 = v.at[0, qi - back].add(10.0)
+        changed = bool(jnp.abs(splash_attention(q, k, v2, W, cfg)[0, qi] - base).max() > 1e-3)
+        assert changed == seen, back
+
+
+def test_auto_attention_per_platform():
+    assert resolve_impl("auto", jnp.bfloat16, "tpu") == "splash"
+    assert resolve_impl("auto", jnp.bfloat16, "gpu") == "cudnn"
+    assert resolve_impl("auto", jnp.float32, "gpu") == "xla"
+    assert resolve_impl("auto", jnp.float32, "cpu") == "reference"
+    assert resolve_impl("splash", jnp.float32, "cpu") == "splash"
+
+
+def test_splash_block_must_tile_sequence():
+    cfg = replace(get_recipe("tiny").model, attention_block_q=128, attention_block_kv=128)
+    q, k, v = _qkv(1, 192, 2, 2, 32)
+    with pytest.raises(ConfigError, match="attention_block_q=128 does not tile the sequence length 192"):
+        splash_attention(q, k, v, None, cfg)
+
+
+# --------------------------------------------------------------------------- loss and gradients
+
+
+def _cfg(**model):
+    cfg = get_recipe("tiny")
+    return replace(cfg, model=replace(cfg.model, **model))
+
+
+def _grads(cfg, params, ids, mask, accum=1):
+    """(CE loss, z-loss, gradient pytree) of one train step, without the optimizer."""
+    def keep(p, g, o, ce):
+        return p, o, {"grads": g}
+    step = jax.jit(make_train_step(cfg, accum, keep))
+    _, _, m = step(params, None, {"input_ids": ids, "label_mask": mask})
+    return float(m["ce_loss"]), float(m["z_loss"]), m["grads"]
+
+
+def _assert_same(a, b, what):
+    (ce_a, z_a, g_a), (ce_b, z_b, g_b) = a, b
+    assert abs(ce_a - ce_b) <= RTOL * abs(ce_b), (what, ce_a, ce_b)
+    assert abs(z_a - z_b) <= RTOL * abs(z_b) + 1e-12, (what, z_a, z_b)
+    na = float(jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g_a))))
+    nb = float(jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g_b))))
+    assert abs(na - nb) <= RTOL * nb, (what, "grad norm", na, nb)
+    worst = max(float(jnp.abs(x - y).max() / (jnp.abs(y).max() + 1e-30))
+                for x, y in zip(jax.tree.leaves(g_a), jax.tree.leaves(g_b)))
+    assert worst <= 1e-5, (what, "worst leaf", worst)
+
+
+def _batch(cfg, b=4, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = jnp.asarray(rng.integers(0, cfg.model.vocab_size, (b, cfg.data.sequence_length)), jnp.int32)
+    mask = jnp.ones(ids.shape, bool).at[1, 40:90].set(False)
+    return ids, mask
+
+
+@pytest.mark.parametrize("n_layers", [8, 6])
+def test_scanned_layers_equal_unrolled(n_layers):
+    """8 layers: two scanned groups of (3 sliding + 1 full). 6 layers: one group, then layers 4-5
+    unrolled (the last forced to full attention)."""
+    cfg = _cfg(n_layers=n_layers, scan_layers=True)
+    period, groups = layer_groups(cfg.model)
+    assert (period, groups) == (4, n_layers // 4)
+    params = init_params(cfg.model, jax.random.key(0))
+    ids, mask = _batch(cfg, b=2)
+    scanned = _grads(cfg, params, ids, mask)
+    unrolled = _grads(replace(cfg, model=replace(cfg.model, scan_layers=False)), params, ids, mask)
+    _assert_same(scanned, unrolled, "scan")
+
+
+@pytest.mark.parametrize("chunk", [32, 48])
+def test_chunked_loss_equals_whole_logits(chunk):
+    """48 does not divide the 128 positions: the padded tail carries no label."""
+    cfg = _cfg(logits_chunk=chunk)
+    params = init_params(cfg.model, jax.random.key(1))
+    ids, mask = _batch(cfg, b=2, seed=1)
+    _assert_same(_grads(cfg, params, ids, mask),
+                 _grads(replace(cfg, model=replace(cfg.model, logits_chunk=None)), params, ids, mask), "chunk")
+
+
+def test_micro_batched_step_equals_single_batch():
+    cfg = _cfg()
+    params = init_params(cfg.model, jax.random.key(2))
+    ids, mask = _batch(cfg, b=4, seed=2)
+    _assert_same(_grads(cfg, params, ids, mask, accum=2), _grads(cfg, params, ids, mask, accum=1), "micro")
+
+
+def test_remat_policies_keep_the_gradients():
+    """Every policy that runs on the CPU (offload_proj needs host memory of an accelerator)."""
+    cfg = _cfg(remat="none")
+    params = init_params(cfg.model, jax.random.key(3))
+    ids, mask = _batch(cfg, b=2, seed=3)
+    base = _grads(cfg, params, ids, mask)
+    for remat in REMAT_NAMES:
+        if remat not in ("none", "offload_proj"):
+            _assert_same(_grads(replace(cfg, model=replace(cfg.model, remat=remat)), params, ids, mask), base, remat)
+
+
+def test_offload_remat_is_refused_on_cpu():
+    cfg = _cfg(remat="offload_proj")
+    params = init_params(cfg.model, jax.random.key(3))
+    ids, mask = _batch(cfg, b=2, seed=3)
+    with pytest.raises(ConfigError, match="offload_proj"):
+        _grads(cfg, params, ids, mask)
+
+
+def test_splash_train_step_matches_reference():
+    """The whole step through splash (interpret mode) against the reference kernel."""
+    cfg = _cfg(attention_block_q=128, attention_block_kv=128)
+    params = init_params(cfg.model, jax.random.key(4))
+    ids, mask = _batch(cfg, b=2, seed=4)
+    ce_s, z_s, g_s = _grads(replace(cfg, model=replace(cfg.model, attention_impl="splash")), params, ids, mask)
+    ce_r, z_r, g_r = _grads(cfg, params, ids, mask)
+    assert abs(ce_s - ce_r) <= 1e-5 * ce_r
+    for a, b in zip(jax.tree.leaves(g_s), jax.tree.leaves(g_r)):
+        assert float(jnp.abs(a - b).max()) <= 1e-5 * max(1e-3, float(jnp.abs(b).max()))
+
+
+# --------------------------------------------------------------------------- topologies, AOT
+
+
+@pytest.mark.parametrize("name,shape,devices,chips", [
+    ("v5p-128", "4x4x4", 64, 64), ("v6e-256", "16x16", 256, 256), ("tpu7x-128", "4x4x4", 128, 64),
+    ("v5e-256", "16x16", 256, 256), ("v5p:2x2x1", "2x2x1", 4, 4), ("v5p-512", "4x8x8", 256, 256)])
+def test_parse_topology(name, shape, devices, chips):
+    t = parse_topology(name)
+    assert (t.shape, t.devices, t.chips) == (shape, devices, chips)
+    assert parse_topology(name, slices=2).devices == 2 * devices
+
+
+@pytest.mark.parametrize("bad", ["v9-8", "v5p-7", "v5p-96", "v6e:4x4x4", "gpu"])
+def test_parse_topology_rejects(bad):
+    with pytest.raises(ConfigError, match="topology"):
+        parse_topology(bad)
+
+
+def _compile(*args):
+    return subprocess.run([sys.executable, "-m", "olmax.cli", "compile", *args], capture_output=True, text=True)
+
+
+def test_compile_small_model_for_a_tpu_slice():
+    """AOT compile of the real train and eval steps (splash attention, scanned layers, chunked
+    loss, FSDP over 4 chips) for v5p:2x2x1, no TPU needed; XLA's memory analysis decides."""
+    r = _compile("tiny", "--topology", "v5p:2x2x1", "--set", "model.attention_impl=auto",
+                 "--set", "model.compute_dtype=bfloat16", "--set", "model.remat=full", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["fits"] is True and out["devices"] == 4 and out["mesh"]["fsdp"] == 4
+    assert 0 < out["per_device_gib"] < out["hbm_gib"] and out["temp_gib"] > 0 and out["argument_gib"] > 0
+    assert out["plan"]["per_device"] == 4 and out["eval"]["fits"] is True
+    assert "fits with" in out["verdict"]
+    # The stderr of a CPU-only machine stays free of libtpu's chip-probing warnings.
+    assert "TPU_WORKER_HOSTNAMES" not in r.stderr and "could not determine TPU" not in r.stderr
+
+
+def test_compile_reports_does_not_fit_with_exit_1():
+    r = _compile("tiny", "--topology", "v5e:2x2", "--no-eval", "--set", "model.attention_impl=xla",
+                 "--set", "train.global_batch_size=4096", "--set", "data.sequence_length=4096",
+                 "--set", "model.logits_chunk=null", "--json")
+    assert r.returncode == 1, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["fits"] is False and out["per_device_gib"] > out["hbm_gib"]
+    assert out["verdict"].startswith("does not fit by")
+
+
+def test_compile_bad_topology_exits_2():
+    r = _compile("tiny", "--topology", "v5p-7", "--json")
+    assert r.returncode == 2
+    assert "v5p-7" in json.loads(r.stdout)["error"]
