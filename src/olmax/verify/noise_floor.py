@@ -1,0 +1,358 @@
+"""``olmax verify olmo-core --noise-floor``: training parity judged against the reference's own noise.
+
+At the learning rates real recipes use, fp32 rounding differences grow with the training dynamics
+(about x10 every 9 steps at lr 2e-3 on the parity model): two OLMo-core runs that differ only in the
+summation order drift far beyond a fixed 1e-4 tolerance. A fixed target can then tell neither a
+faithful port from a broken one. This check measures the noise floor instead:
+
+- **reference self-gap**: OLMo-core against OLMo-core with a perturbation that keeps the
+  mathematics: the global batch split into micro-batches of half the size (another summation
+  order of the per-token losses and of the gradients);
+- **olmax self-gap**: the same perturbation on olmax (``train.micro_batch_size``);
+- **gap**: olmax against the unperturbed OLMo-core run (same data, same initial weights).
+
+All three are |delta CE| per step. The verdict (``within_noise``) compares the gap with the
+reference's envelope: with ``W[x](s)`` the maximum of ``x`` over the centred window of steps
+``s - WINDOW .. s + WINDOW`` (clipped to the run),
+
+    ratio(s) = W[gap](s) / max(W[reference self-gap](s), FLOOR)
+
+and olmax is within the noise when ``max_s ratio(s) <= NOISE_FACTOR`` (``max_gap_ratio``). The
+window smooths the zero crossings of a signed difference; ``FLOOR`` (a few fp32 ulps of a CE near
+6) keeps the ratio finite at the first steps, where a perturbation of the summation order may not
+yet move the loss at all. A non-finite loss on either side makes the ratio infinite.
+
+Why a factor above 1: the gap compares two implementations (XLA vs PyTorch kernels) whose rounding
+differs in every operation, the reference self-gap only the order of one sum, so the gap starts a
+little higher and then grows at the same rate (the same dynamics amplify both). A real bug adds a
+systematic difference at every step, which the dynamics amplify the same way: its gap starts orders
+of magnitude above the floor. See ``NOISE_FACTOR`` for the measured numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from olmax.config import Config, ConfigError
+from olmax.verify import olmo_core as oc
+
+WINDOW = 5            # steps either side of s in the running-max envelope
+FLOOR = 2e-6          # absolute |delta CE| below which a difference is not resolved (4 ulps of fp32 at CE ~6)
+NOISE_FACTOR = 30.0   # verdict: max_s ratio(s) <= NOISE_FACTOR (see the module docstring and README)
+DIVERGENCE = oc.CE_TOLERANCE  # "leaves 1e-4": the step where a |delta CE| first exceeds it
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def ce_gaps(a: oc.Trace, b: oc.Trace, steps: int) -> list[float]:
+    """|CE_a - CE_b| at steps 1..``steps``; inf where a step is missing or a loss is not finite."""
+    out = []
+    for s in range(1, steps + 1):
+        x, y = a.ce.get(s), b.ce.get(s)
+        ok = x is not None and y is not None and math.isfinite(x) and math.isfinite(y)
+        out.append(abs(x - y) if ok else math.inf)
+    return out
+
+
+def envelope(x: list[float], window: int = WINDOW) -> list[float]:
+    """Running maximum over the centred window [s - window, s + window] (clipped to the series)."""
+    n = len(x)
+    return [max(x[max(0, i - window):min(n, i + window + 1)]) for i in range(n)]
+
+
+def first_above(x: list[float], threshold: float = DIVERGENCE) -> int | None:
+    """The first 1-based step where ``x`` exceeds ``threshold`` (None: never)."""
+    return next((i + 1 for i, v in enumerate(x) if not v <= threshold), None)
+
+
+def gap_ratios(gap: list[float], ref_gap: list[float], window: int = WINDOW, floor: float = FLOOR) -> list[float]:
+    """ratio(s) = W[gap](s) / max(W[ref_gap](s), floor)."""
+    return [g / max(r, floor) for g, r in zip(envelope(gap, window), envelope(ref_gap, window))]
+
+
+def verdict(gap: list[float], ref_gap: list[float], factor: float = NOISE_FACTOR, window: int = WINDOW,
+            floor: float = FLOOR) -> dict[str, Any]:
+    """The noise-floor verdict of a gap against the reference self-gap (see the module docstring)."""
+    ratios = gap_ratios(gap, ref_gap, window, floor)
+    worst = max(range(len(ratios)), key=lambda i: ratios[i]) if ratios else None
+    max_ratio = ratios[worst] if worst is not None else None
+    return {
+        "within_noise": max_ratio is not None and max_ratio <= factor,
+        "noise_factor": factor,
+        "max_gap_ratio": max_ratio,
+        "max_gap_ratio_step": None if worst is None else worst + 1,
+        "statistic": f"max over steps s of W[gap](s) / max(W[reference self-gap](s), {floor:g}), "
+                     f"W = running max of |delta CE| over steps s-{window}..s+{window}",
+        "window": window,
+        "floor": floor,
+    }
+
+
+def _num(x: float) -> float | None:
+    """JSON-safe: inf/nan become None."""
+    return x if math.isfinite(x) else None
+
+
+def noise_report(olmax: oc.Trace, ref: oc.Trace, ref_perturbed: oc.Trace, olmax_perturbed: oc.Trace | None,
+                 steps: int, factor: float = NOISE_FACTOR) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(report, per-step rows) of the noise-floor comparison."""
+    gap = ce_gaps(olmax, ref, steps)
+    ref_gap = ce_gaps(ref_perturbed, ref, steps)
+    self_gap = ce_gaps(olmax_perturbed, olmax, steps) if olmax_perturbed is not None else None
+    v = verdict(gap, ref_gap, factor)
+    ratios = gap_ratios(gap, ref_gap)
+    env_gap, env_ref = envelope(gap), envelope(ref_gap)
+    report = {
+        **v,
+        "divergence_step": first_above(gap),
+        "reference_divergence_step": first_above(ref_gap),
+        "olmax_self_divergence_step": None if self_gap is None else first_above(self_gap),
+        "divergence_threshold": DIVERGENCE,
+        "max_gap": _num(max(gap)) if gap else None,
+        "max_reference_self_gap": _num(max(ref_gap)) if ref_gap else None,
+        "max_olmax_self_gap": None if not self_gap else _num(max(self_gap)),
+        # The olmax self-gap judged the same way: a check that olmax's own noise is the reference's kind.
+        "olmax_self_gap_ratio": None if not self_gap else _num(max(gap_ratios(self_gap, ref_gap))),
+        # The strict per-step parity check (ids, lr, grad norm, skip decisions; CE at 1e-4) for reference.
+        "parity": oc.compare(olmax, ref, steps),
+    }
+    rows = []
+    for s in range(1, steps + 1):
+        i = s - 1
+        rows.append({
+            "step": s, "ce_olmax": olmax.ce.get(s), "ce_olmo_core": ref.ce.get(s),
+            "gap": _num(gap[i]), "reference_self_gap": _num(ref_gap[i]),
+            "olmax_self_gap": None if self_gap is None else _num(self_gap[i]),
+            "gap_envelope": _num(env_gap[i]), "reference_envelope": _num(env_ref[i]), "ratio": _num(ratios[i]),
+        })
+    return report, rows
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def perturbed_micro_batch(cfg: Config, world: int = 1) -> int:
+    """The maths-preserving perturbation: micro-batches of half the run's per-device (per-rank)
+    micro-batch, i.e. another summation order of the losses and gradients."""
+    if cfg.train.global_batch_size % world:
+        raise ConfigError(f"--ranks {world} must divide train.global_batch_size={cfg.train.global_batch_size}")
+    mb = cfg.train.micro_batch_size or cfg.train.global_batch_size // world
+    if mb < 2 or mb % 2:
+        raise ConfigError(f"--noise-floor splits the micro-batch in two: train.micro_batch_size (or the per-rank "
+                          f"batch) must be even, got {mb}")
+    return mb // 2
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What both sides train: ``parity_config(steps, seed, overrides)`` (rebuilt in child processes)."""
+
+    steps: int
+    seed: int | None = None
+    overrides: tuple[str, ...] = ()
+
+    def config(self, extra: list[str] | tuple[str, ...] = ()) -> Config:
+        return oc.parity_config(self.steps, self.seed, [*self.overrides, *extra])
+
+
+def _spawn(specs: list[dict[str, Any]], spec_dir: Path, env: dict[str, str]) -> list[oc.Trace]:
+    """Run ``olmax.verify._worker`` once per spec, concurrently; their traces."""
+    from olmax.verify._worker import trace_from_json
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for i, spec in enumerate(specs):
+        f = spec_dir / f"spec{i}.json"
+        f.write_text(json.dumps(spec))
+        log = open(spec_dir / f"worker{i}.log", "w", encoding="utf-8")
+        procs.append((f, log, subprocess.Popen([sys.executable, "-m", "olmax.verify._worker", str(f)],
+                                               env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)))
+    failed = []
+    for f, log, p in procs:
+        p.wait()
+        log.close()
+        if p.returncode != 0:
+            failed.append(f"{f.name}: exit {p.returncode}; see {f.parent / ('worker' + f.stem[4:] + '.log')}:\n"
+                          + (f.parent / ("worker" + f.stem[4:] + ".log")).read_text()[-2000:])
+    if failed:
+        raise RuntimeError("a verify worker failed: " + "\n".join(failed))
+    return [trace_from_json(json.loads(f.with_suffix(".trace.json").read_text())) for f, _, _ in procs]
+
+
+def run_olmo_core_ranks(recipe: Recipe, extra: list[str], paths: list[str], work: Path, hf_dir: Path | None,
+                        world: int) -> oc.Trace:
+    """OLMo-core on ``world`` processes (gloo, HSDP as the official script wraps it); the trace of
+    rank 0 with each step's ids merged back into global order (rank r holds columns r::world)."""
+    work.mkdir(parents=True, exist_ok=True)
+    store = work / "torch_dist_store"
+    store.unlink(missing_ok=True)
+    base = {"side": "olmo_core", "steps": recipe.steps, "seed": recipe.seed, "overrides": [*recipe.overrides, *extra],
+            "olmax_overrides": [], "paths": paths, "out": str(work), "work": str(work),
+            "hf_dir": None if hf_dir is None else str(hf_dir), "world": world, "store": str(store)}
+    t0 = time.perf_counter()
+    traces = _spawn([{**base, "rank": r} for r in range(world)], work / "workers", {"OMP_NUM_THREADS": "1"})
+    t = traces[0]
+    for s in t.ids:
+        shares = [tr.ids.get(s, []) for tr in traces]
+        merged: list[int] = [0] * sum(len(x) for x in shares)
+        for r, share in enumerate(shares):
+            merged[r::world] = share
+        t.ids[s] = merged
+    t.seconds = time.perf_counter() - t0
+    return t
+
+
+def run_olmax_devices(recipe: Recipe, olmax_overrides: list[str] | tuple[str, ...], out: Path, paths: list[str],
+                      hf_dir: Path, run_dir: Path, devices: int) -> oc.Trace:
+    """olmax in a child process with ``devices`` CPU devices (the default mesh shards the batch
+    and the parameters over all of them)."""
+    spec = {"side": "olmax", "steps": recipe.steps, "seed": recipe.seed, "overrides": list(recipe.overrides),
+            "olmax_overrides": list(olmax_overrides), "paths": paths, "out": str(out), "work": str(run_dir),
+            "hf_dir": str(hf_dir)}
+    t0 = time.perf_counter()
+    (t,) = _spawn([spec], run_dir.parent / f"{run_dir.name}_worker",
+                  {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
+    t.seconds = time.perf_counter() - t0
+    return t
+
+
+@dataclass
+class NoiseFloor:
+    """The four runs of a noise-floor check, kept so that more olmax variants can be judged against
+    the same reference runs (``run_olmax`` then ``judge``)."""
+
+    recipe: Recipe
+    world: int
+    out: Path
+    paths: list[str]
+    hf_dir: Path
+    ref: oc.Trace
+    ref_perturbed: oc.Trace
+    olmax: oc.Trace
+    olmax_perturbed: oc.Trace
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def run_olmax(self, olmax_overrides: list[str] | tuple[str, ...], name: str) -> oc.Trace:
+        """Train olmax from OLMo-core's initial weights with ``olmax_overrides`` into ``out/name``."""
+        if self.world == 1:
+            return oc.run_olmax(oc.olmax_config(self.recipe.config(), self.out, self.paths, self.hf_dir,
+                                                olmax_overrides), self.out / name)
+        return run_olmax_devices(self.recipe, olmax_overrides, self.out, self.paths, self.hf_dir, self.out / name,
+                                 self.world)
+
+    def judge(self, olmax: oc.Trace | None = None, factor: float = NOISE_FACTOR) -> tuple[dict[str, Any], list]:
+        """Noise-floor report of ``olmax`` (default: this check's own olmax run)."""
+        return noise_report(self.olmax if olmax is None else olmax, self.ref, self.ref_perturbed,
+                            self.olmax_perturbed, self.recipe.steps, factor)
+
+
+def measure(recipe: Recipe, out: Path, olmax_overrides: list[str] | tuple[str, ...] = (), log: Any = sys.stderr,
+            world: int = 1) -> NoiseFloor:
+    """Run OLMo-core, OLMo-core perturbed, olmax (with ``olmax_overrides``) and olmax perturbed (the
+    same overrides plus the perturbation) into ``out``; ``world`` OLMo-core ranks and olmax devices."""
+    out = Path(out)
+    cfg = recipe.config()
+    mb = perturbed_micro_batch(cfg, world)
+    pert = [f"train.micro_batch_size={mb}"]
+    paths = oc.write_corpus(out / "tokens", cfg)
+    hf_dir = out / "olmo_core_init_hf"
+    where = "1 process" if world == 1 else f"{world} ranks (gloo, HSDP) / olmax on {world} devices"
+    _say(log, f"OLMo-core: {cfg.train.steps} steps of {cfg.train.global_batch_size} x {cfg.data.sequence_length} "
+              f"tokens, lr {cfg.optim.lr:g}, {where}")
+    if world == 1:
+        ref = oc.run_olmo_core_here(cfg, paths, out / "olmo_core", hf_dir)
+    else:
+        ref = run_olmo_core_ranks(recipe, [], paths, out / "olmo_core", hf_dir, world)
+    _say(log, f"OLMo-core again, micro-batches of {mb} per rank (the reference's noise floor)")
+    if world == 1:
+        ref_p = oc.run_olmo_core_here(recipe.config(pert), paths, out / "olmo_core_perturbed", None)
+    else:
+        ref_p = run_olmo_core_ranks(recipe, pert, paths, out / "olmo_core_perturbed", None, world)
+    nf = NoiseFloor(recipe, world, out, paths, hf_dir, ref, ref_p, oc.Trace(), oc.Trace())
+    _say(log, "olmax from OLMo-core's initial weights" +
+         (f" (olmax-only overrides: {' '.join(olmax_overrides)})" if olmax_overrides else ""))
+    nf.olmax = nf.run_olmax(list(olmax_overrides), "olmax_run")
+    _say(log, f"olmax again, micro-batches of {mb} per device")
+    nf.olmax_perturbed = nf.run_olmax([*olmax_overrides, *pert], "olmax_run_perturbed")
+    nf.seconds = {k: round(t.seconds, 2) for k, t in (("olmo_core", ref), ("olmo_core_perturbed", ref_p),
+                                                       ("olmax", nf.olmax), ("olmax_perturbed", nf.olmax_perturbed))}
+    return nf
+
+
+def _say(log: Any, msg: str) -> None:
+    if log is not None:
+        print(f"[verify olmo-core --noise-floor] {msg}", file=log, flush=True)
+
+
+def run_noise_floor(steps: int = 100, seed: int | None = None, overrides: list[str] | tuple[str, ...] = (),
+                    olmax_overrides: list[str] | tuple[str, ...] = (), out: str | os.PathLike | None = None,
+                    log: Any = sys.stderr, factor: float = NOISE_FACTOR, world: int = 1) -> dict[str, Any]:
+    """The ``--noise-floor`` check. ``out`` keeps the four runs, ``report.json`` and ``steps.jsonl``
+    (new or empty folder); None: a temporary folder, removed after."""
+    if steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {steps}")
+    if world < 1:
+        raise ConfigError(f"--ranks must be >= 1, got {world}")
+    recipe = Recipe(steps, seed, tuple(overrides))
+    perturbed_micro_batch(recipe.config(), world)  # refuse before running anything
+    if out is None:
+        with tempfile.TemporaryDirectory(prefix="olmax-verify-noise-floor-") as tmp:
+            return _run(recipe, olmax_overrides, Path(tmp), log, factor, world)
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"--out {out} exists and is not an empty folder; give a new one (nothing is overwritten)")
+    out.mkdir(parents=True, exist_ok=True)
+    return _run(recipe, olmax_overrides, out, log, factor, world)
+
+
+def _run(recipe: Recipe, olmax_overrides, out: Path, log: Any, factor: float, world: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    nf = measure(recipe, out, olmax_overrides, log, world)
+    cfg = recipe.config()
+    report, rows = nf.judge(factor=factor)
+    report["steps"] = cfg.train.steps
+    report["lr"] = cfg.optim.lr
+    report["ranks"] = world
+    report["perturbation"] = (f"train.micro_batch_size={perturbed_micro_batch(cfg, world)} "
+                              f"(per {'rank/device' if world > 1 else 'process'}) on both sides")
+    report["olmax_overrides"] = list(olmax_overrides)
+    report["seconds"] = {**nf.seconds, "total": round(time.perf_counter() - t0, 2)}
+    with open(out / "steps.jsonl", "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _g(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3g}"
+
+
+def format_report(r: dict[str, Any]) -> str:
+    lines = [
+        f"olmax vs OLMo-core against OLMo-core's own noise, {r['steps']} steps at lr {r['lr']:g}, "
+        f"{r['ranks']} rank(s): "
+        f"{'WITHIN NOISE' if r['within_noise'] else 'OUTSIDE THE NOISE'}",
+        f"  max gap ratio         {_g(r['max_gap_ratio'])} at step {r['max_gap_ratio_step']} "
+        f"(within noise when <= {r['noise_factor']:g})",
+        f"  statistic             {r['statistic']}",
+        f"  perturbation          {r['perturbation']}",
+        f"  |dCE| > {r['divergence_threshold']:g} from step  olmax vs OLMo-core {r['divergence_step']}, "
+        f"OLMo-core vs itself {r['reference_divergence_step']}, olmax vs itself {r['olmax_self_divergence_step']}",
+        f"  max |dCE|             olmax vs OLMo-core {_g(r['max_gap'])}, OLMo-core vs itself "
+        f"{_g(r['max_reference_self_gap'])}, olmax vs itself {_g(r['max_olmax_self_gap'])}",
+        f"  olmax self-gap ratio  {_g(r['olmax_self_gap_ratio'])}",
+        f"  strict parity         {'OK' if r['parity']['ok'] else 'first difference ' + str(r['parity']['first_difference'])}",
+    ]
+    if r.get("seconds"):
+        lines.append("  seconds               " + ", ".join(f"{k} {v}" for k, v in r["seconds"].items()))
+    return "\n".join(lines)
