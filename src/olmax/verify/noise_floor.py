@@ -103,11 +103,18 @@ def _num(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def noise_report(olmax: oc.Trace, ref: oc.Trace, ref_perturbed: oc.Trace, olmax_perturbed: oc.Trace | None,
+def reference_self_gap(ref: oc.Trace, ref_perturbed: list[oc.Trace], steps: int) -> list[float]:
+    """Per step, the largest |delta CE| between the reference and any of its perturbed runs."""
+    if not ref_perturbed:
+        raise ValueError("the noise floor needs at least one perturbed reference run")
+    return [max(x) for x in zip(*(ce_gaps(p, ref, steps) for p in ref_perturbed))]
+
+
+def noise_report(olmax: oc.Trace, ref: oc.Trace, ref_perturbed: list[oc.Trace], olmax_perturbed: oc.Trace | None,
                  steps: int, factor: float = NOISE_FACTOR) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(report, per-step rows) of the noise-floor comparison."""
     gap = ce_gaps(olmax, ref, steps)
-    ref_gap = ce_gaps(ref_perturbed, ref, steps)
+    ref_gap = reference_self_gap(ref, ref_perturbed, steps)
     self_gap = ce_gaps(olmax_perturbed, olmax, steps) if olmax_perturbed is not None else None
     v = verdict(gap, ref_gap, factor)
     ratios = gap_ratios(gap, ref_gap)
@@ -141,16 +148,17 @@ def noise_report(olmax: oc.Trace, ref: oc.Trace, ref_perturbed: oc.Trace, olmax_
 # --------------------------------------------------------------------------- runs
 
 
-def perturbed_micro_batch(cfg: Config, world: int = 1) -> int:
-    """The maths-preserving perturbation: micro-batches of half the run's per-device (per-rank)
-    micro-batch, i.e. another summation order of the losses and gradients."""
+def perturbed_micro_batches(cfg: Config, world: int = 1) -> list[int]:
+    """The maths-preserving perturbations: micro-batches of 1/2, 1/4 and 1/8 of the run's per-device
+    (per-rank) micro-batch, as far as they divide it (at least the half), i.e. other summation
+    orders of the losses and gradients."""
     if cfg.train.global_batch_size % world:
         raise ConfigError(f"--ranks {world} must divide train.global_batch_size={cfg.train.global_batch_size}")
     mb = cfg.train.micro_batch_size or cfg.train.global_batch_size // world
     if mb < 2 or mb % 2:
         raise ConfigError(f"--noise-floor splits the micro-batch in two: train.micro_batch_size (or the per-rank "
                           f"batch) must be even, got {mb}")
-    return mb // 2
+    return [mb // k for k in (2, 4, 8) if mb % k == 0]
 
 
 @dataclass(frozen=True)
@@ -236,7 +244,7 @@ class NoiseFloor:
     paths: list[str]
     hf_dir: Path
     ref: oc.Trace
-    ref_perturbed: oc.Trace
+    ref_perturbed: list[oc.Trace]
     olmax: oc.Trace
     olmax_perturbed: oc.Trace
     seconds: dict[str, float] = field(default_factory=dict)
@@ -261,8 +269,8 @@ def measure(recipe: Recipe, out: Path, olmax_overrides: list[str] | tuple[str, .
     same overrides plus the perturbation) into ``out``; ``world`` OLMo-core ranks and olmax devices."""
     out = Path(out)
     cfg = recipe.config()
-    mb = perturbed_micro_batch(cfg, world)
-    pert = [f"train.micro_batch_size={mb}"]
+    mbs = perturbed_micro_batches(cfg, world)
+    pert = [f"train.micro_batch_size={mbs[0]}"]
     paths = oc.write_corpus(out / "tokens", cfg)
     hf_dir = out / "olmo_core_init_hf"
     where = "1 process" if world == 1 else f"{world} ranks (gloo, HSDP) / olmax on {world} devices"
@@ -272,20 +280,50 @@ def measure(recipe: Recipe, out: Path, olmax_overrides: list[str] | tuple[str, .
         ref = oc.run_olmo_core_here(cfg, paths, out / "olmo_core", hf_dir)
     else:
         ref = run_olmo_core_ranks(recipe, [], paths, out / "olmo_core", hf_dir, world)
-    _say(log, f"OLMo-core again, micro-batches of {mb} per rank (the reference's noise floor)")
-    if world == 1:
-        ref_p = oc.run_olmo_core_here(recipe.config(pert), paths, out / "olmo_core_perturbed", None)
-    else:
-        ref_p = run_olmo_core_ranks(recipe, pert, paths, out / "olmo_core_perturbed", None, world)
+    write_metrics(ref, out / "olmo_core" / "metrics.jsonl")
+    ref_p = []
+    for mb in mbs:
+        _say(log, f"OLMo-core again, micro-batches of {mb} per rank (the reference's noise floor)")
+        extra = [f"train.micro_batch_size={mb}"]
+        work = out / f"olmo_core_micro{mb}"
+        ref_p.append(oc.run_olmo_core_here(recipe.config(extra), paths, work, None) if world == 1 else
+                     run_olmo_core_ranks(recipe, extra, paths, work, None, world))
+        write_metrics(ref_p[-1], work / "metrics.jsonl")
     nf = NoiseFloor(recipe, world, out, paths, hf_dir, ref, ref_p, oc.Trace(), oc.Trace())
     _say(log, "olmax from OLMo-core's initial weights" +
          (f" (olmax-only overrides: {' '.join(olmax_overrides)})" if olmax_overrides else ""))
     nf.olmax = nf.run_olmax(list(olmax_overrides), "olmax_run")
-    _say(log, f"olmax again, micro-batches of {mb} per device")
+    _say(log, f"olmax again, micro-batches of {mbs[0]} per device")
     nf.olmax_perturbed = nf.run_olmax([*olmax_overrides, *pert], "olmax_run_perturbed")
-    nf.seconds = {k: round(t.seconds, 2) for k, t in (("olmo_core", ref), ("olmo_core_perturbed", ref_p),
-                                                       ("olmax", nf.olmax), ("olmax_perturbed", nf.olmax_perturbed))}
+    runs = [("olmo_core", ref), *((f"olmo_core_micro{mb}", t) for mb, t in zip(mbs, ref_p)),
+            ("olmax", nf.olmax), (f"olmax_micro{mbs[0]}", nf.olmax_perturbed)]
+    nf.seconds = {k: round(t.seconds, 2) for k, t in runs}
     return nf
+
+
+def write_metrics(trace: oc.Trace, path: Path) -> None:
+    """A trace as an olmax-style ``metrics.jsonl`` (OLMo-core's metric names), so that
+    ``olmax compare`` reads OLMo-core's runs like olmax's."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for s in sorted(trace.ce):
+            row = {"step": s}
+            for name, series in oc._metric_series(trace):
+                if s in series:
+                    row[name] = series[s]
+            f.write(json.dumps(row) + "\n")
+
+
+def plots(out: Path, compare_out: Path | None = None) -> dict[str, Any]:
+    """``olmax compare`` of a noise-floor folder: OLMo-core (the baseline), olmax, and OLMo-core with
+    the micro-batch split (the reference's own noise) into ``out/compare``; its summary."""
+    from olmax.eval.compare import compare
+    micro = sorted(out.glob("olmo_core_micro*/metrics.jsonl"), key=lambda p: -int(p.parent.name[len("olmo_core_micro"):]))
+    paths = [str(out / "olmo_core" / "metrics.jsonl"), str(out / "olmax_run" / "metrics.jsonl"),
+             *[str(p) for p in micro[:1]]]
+    labels = ["OLMo-core", "olmax", *[f"OLMo-core, micro-batch {p.parent.name[len('olmo_core_micro'):]}"
+                                      for p in micro[:1]]]
+    return compare(paths, labels=labels, out=compare_out or out / "compare")
 
 
 def _say(log: Any, msg: str) -> None:
@@ -295,26 +333,31 @@ def _say(log: Any, msg: str) -> None:
 
 def run_noise_floor(steps: int = 100, seed: int | None = None, overrides: list[str] | tuple[str, ...] = (),
                     olmax_overrides: list[str] | tuple[str, ...] = (), out: str | os.PathLike | None = None,
-                    log: Any = sys.stderr, factor: float = NOISE_FACTOR, world: int = 1) -> dict[str, Any]:
-    """The ``--noise-floor`` check. ``out`` keeps the four runs, ``report.json`` and ``steps.jsonl``
-    (new or empty folder); None: a temporary folder, removed after."""
+                    log: Any = sys.stderr, factor: float = NOISE_FACTOR, world: int = 1,
+                    with_plots: bool = False) -> dict[str, Any]:
+    """The ``--noise-floor`` check. ``out`` keeps the runs (OLMo-core's with a ``metrics.jsonl``),
+    ``report.json`` and ``steps.jsonl`` (new or empty folder); None: a temporary folder, removed
+    after. ``with_plots``: also ``olmax compare`` them into ``out/compare`` (needs ``out``)."""
+    if with_plots and out is None:
+        raise ConfigError("--plots needs --out (the plots are written there)")
     if steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {steps}")
     if world < 1:
         raise ConfigError(f"--ranks must be >= 1, got {world}")
     recipe = Recipe(steps, seed, tuple(overrides))
-    perturbed_micro_batch(recipe.config(), world)  # refuse before running anything
+    perturbed_micro_batches(recipe.config(), world)  # refuse before running anything
     if out is None:
         with tempfile.TemporaryDirectory(prefix="olmax-verify-noise-floor-") as tmp:
-            return _run(recipe, olmax_overrides, Path(tmp), log, factor, world)
+            return _run(recipe, olmax_overrides, Path(tmp), log, factor, world, False)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"--out {out} exists and is not an empty folder; give a new one (nothing is overwritten)")
     out.mkdir(parents=True, exist_ok=True)
-    return _run(recipe, olmax_overrides, out, log, factor, world)
+    return _run(recipe, olmax_overrides, out, log, factor, world, with_plots)
 
 
-def _run(recipe: Recipe, olmax_overrides, out: Path, log: Any, factor: float, world: int) -> dict[str, Any]:
+def _run(recipe: Recipe, olmax_overrides, out: Path, log: Any, factor: float, world: int,
+         with_plots: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     nf = measure(recipe, out, olmax_overrides, log, world)
     cfg = recipe.config()
@@ -322,15 +365,33 @@ def _run(recipe: Recipe, olmax_overrides, out: Path, log: Any, factor: float, wo
     report["steps"] = cfg.train.steps
     report["lr"] = cfg.optim.lr
     report["ranks"] = world
-    report["perturbation"] = (f"train.micro_batch_size={perturbed_micro_batch(cfg, world)} "
-                              f"(per {'rank/device' if world > 1 else 'process'}) on both sides")
+    mbs = perturbed_micro_batches(cfg, world)
+    unit = "per rank/device" if world > 1 else "per process"
+    report["perturbation"] = (f"OLMo-core: train.micro_batch_size in {mbs} ({unit}); "
+                              f"olmax: train.micro_batch_size={mbs[0]}")
     report["olmax_overrides"] = list(olmax_overrides)
     report["seconds"] = {**nf.seconds, "total": round(time.perf_counter() - t0, 2)}
+    if with_plots:
+        summary = plots(out)
+        report["plots"] = {k: summary["files"][k] for k in ("loss_png", "gap_png", "report_md", "report_html")}
+        report["milestones"] = summary["milestones"]
+    report = _json_safe(report)
     with open(out / "steps.jsonl", "w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def _json_safe(x: Any) -> Any:
+    """Non-finite floats (an infinite ratio: a NaN loss) become None, for strict JSON readers."""
+    if isinstance(x, float):
+        return _num(x)
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
 
 
 def _g(x: float | None) -> str:

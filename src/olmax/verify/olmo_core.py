@@ -551,6 +551,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ranks", type=int, default=1,
                    help="with --noise-floor: OLMo-core on this many gloo processes (HSDP, as the official script "
                         "wraps it) and olmax on this many CPU devices (default 1)")
+    p.add_argument("--plots", action="store_true",
+                   help="with --noise-floor and --out: also run `olmax compare` on OLMo-core, olmax and OLMo-core's "
+                        "micro-batch-split run (loss overlay, gap panel, milestones) into OUT/compare")
     p.add_argument("--noise-factor", type=float, default=None,
                    help="with --noise-floor: the factor of the verdict (default: noise_floor.NOISE_FACTOR)")
     p.set_defaults(func=_main)
@@ -561,11 +564,11 @@ def _main(args: argparse.Namespace) -> int:
         from olmax.verify import noise_floor
         factor = noise_floor.NOISE_FACTOR if args.noise_factor is None else args.noise_factor
         report = noise_floor.run_noise_floor(args.steps, args.seed, args.overrides, args.olmax_overrides, args.out,
-                                             factor=factor, world=args.ranks)
+                                             factor=factor, world=args.ranks, with_plots=args.plots)
         print(json.dumps(report, indent=2) if args.json else noise_floor.format_report(report))
         return 0 if report["within_noise"] else 1
-    if args.noise_factor is not None or args.ranks != 1:
-        raise ConfigError("--noise-factor and --ranks need --noise-floor")
+    if args.noise_factor is not None or args.ranks != 1 or args.plots:
+        raise ConfigError("--noise-factor, --ranks and --plots need --noise-floor")
     report = run_parity(args.steps, args.seed, args.overrides, args.olmax_overrides, args.out)
     if args.json:
         print(json.dumps(report, indent=2))
