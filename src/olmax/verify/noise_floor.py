@@ -248,6 +248,9 @@ class NoiseFloor:
     olmax: oc.Trace
     olmax_perturbed: oc.Trace
     seconds: dict[str, float] = field(default_factory=dict)
+    # bf16 compute only: OLMo-core in fp32 and its micro-batch splits (the fp32 noise floor).
+    fp32_ref: oc.Trace | None = None
+    fp32_ref_perturbed: list[oc.Trace] = field(default_factory=list)
 
     def run_olmax(self, olmax_overrides: list[str] | tuple[str, ...], name: str) -> oc.Trace:
         """Train olmax from OLMo-core's initial weights with ``olmax_overrides`` into ``out/name``."""
@@ -259,8 +262,21 @@ class NoiseFloor:
 
     def judge(self, olmax: oc.Trace | None = None, factor: float = NOISE_FACTOR) -> tuple[dict[str, Any], list]:
         """Noise-floor report of ``olmax`` (default: this check's own olmax run)."""
-        return noise_report(self.olmax if olmax is None else olmax, self.ref, self.ref_perturbed,
-                            self.olmax_perturbed, self.recipe.steps, factor)
+        olmax = self.olmax if olmax is None else olmax
+        report, rows = noise_report(olmax, self.ref, self.ref_perturbed, self.olmax_perturbed, self.recipe.steps,
+                                    factor)
+        if self.fp32_ref is not None:
+            n = self.recipe.steps
+            gap, fp32_gap = ce_gaps(olmax, self.ref, n), reference_self_gap(self.fp32_ref, self.fp32_ref_perturbed, n)
+            report["fp32_floor"] = {
+                "max_gap_ratio": _num(max(gap_ratios(gap, fp32_gap))),
+                "within_factor": max(gap_ratios(gap, fp32_gap)) <= factor,
+                "reference_divergence_step": first_above(fp32_gap),
+                "max_reference_self_gap": _num(max(fp32_gap)),
+            }
+            for row, g in zip(rows, fp32_gap):
+                row["fp32_reference_self_gap"] = _num(g)
+        return report, rows
 
 
 def measure(recipe: Recipe, out: Path, olmax_overrides: list[str] | tuple[str, ...] = (), log: Any = sys.stderr,
@@ -281,15 +297,28 @@ def measure(recipe: Recipe, out: Path, olmax_overrides: list[str] | tuple[str, .
     else:
         ref = run_olmo_core_ranks(recipe, [], paths, out / "olmo_core", hf_dir, world)
     write_metrics(ref, out / "olmo_core" / "metrics.jsonl")
-    ref_p = []
-    for mb in mbs:
-        _say(log, f"OLMo-core again, micro-batches of {mb} per rank (the reference's noise floor)")
-        extra = [f"train.micro_batch_size={mb}"]
-        work = out / f"olmo_core_micro{mb}"
-        ref_p.append(oc.run_olmo_core_here(recipe.config(extra), paths, work, None) if world == 1 else
-                     run_olmo_core_ranks(recipe, extra, paths, work, None, world))
-        write_metrics(ref_p[-1], work / "metrics.jsonl")
+
+    def reference_splits(dtype_extra: list[str], prefix: str) -> list[oc.Trace]:
+        traces = []
+        for mb in mbs:
+            _say(log, f"OLMo-core again, micro-batches of {mb} per rank (the reference's noise floor)")
+            extra = [*dtype_extra, f"train.micro_batch_size={mb}"]
+            work = out / f"{prefix}{mb}"
+            traces.append(oc.run_olmo_core_here(recipe.config(extra), paths, work, None) if world == 1 else
+                          run_olmo_core_ranks(recipe, extra, paths, work, None, world))
+            write_metrics(traces[-1], work / "metrics.jsonl")
+        return traces
+
+    ref_p = reference_splits([], "olmo_core_micro")
     nf = NoiseFloor(recipe, world, out, paths, hf_dir, ref, ref_p, oc.Trace(), oc.Trace())
+    if cfg.model.compute_dtype != "float32":
+        # bf16 compute: the verdict uses the bf16 reference's own noise; the fp32 floor is reported too.
+        _say(log, "OLMo-core in fp32 (the fp32 noise floor, reported next to the bf16 verdict)")
+        fp32 = ["model.compute_dtype=float32"]
+        work = out / "olmo_core_fp32"
+        nf.fp32_ref = (oc.run_olmo_core_here(recipe.config(fp32), paths, work, None) if world == 1 else
+                       run_olmo_core_ranks(recipe, fp32, paths, work, None, world))
+        nf.fp32_ref_perturbed = reference_splits(fp32, "olmo_core_fp32_micro")
     _say(log, "olmax from OLMo-core's initial weights" +
          (f" (olmax-only overrides: {' '.join(olmax_overrides)})" if olmax_overrides else ""))
     nf.olmax = nf.run_olmax(list(olmax_overrides), "olmax_run")
@@ -365,6 +394,7 @@ def _run(recipe: Recipe, olmax_overrides, out: Path, log: Any, factor: float, wo
     report["steps"] = cfg.train.steps
     report["lr"] = cfg.optim.lr
     report["ranks"] = world
+    report["compute_dtype"] = cfg.model.compute_dtype
     mbs = perturbed_micro_batches(cfg, world)
     unit = "per rank/device" if world > 1 else "per process"
     report["perturbation"] = (f"OLMo-core: train.micro_batch_size in {mbs} ({unit}); "
@@ -414,6 +444,13 @@ def format_report(r: dict[str, Any]) -> str:
         f"  olmax self-gap ratio  {_g(r['olmax_self_gap_ratio'])}",
         f"  strict parity         {'OK' if r['parity']['ok'] else 'first difference ' + str(r['parity']['first_difference'])}",
     ]
+    fp = r.get("fp32_floor")
+    if fp:
+        lines.append(f"  against fp32 floor    gap ratio {_g(fp['max_gap_ratio'])} (OLMo-core fp32 self-gap leaves "
+                     f"{r['divergence_threshold']:g} at step {fp['reference_divergence_step']}, max "
+                     f"{_g(fp['max_reference_self_gap'])})")
+    if r.get("plots"):
+        lines.append(f"  plots                 {r['plots']['loss_png']}, {r['plots']['gap_png']}, {r['plots']['report_md']}")
     if r.get("seconds"):
         lines.append("  seconds               " + ", ".join(f"{k} {v}" for k, v in r["seconds"].items()))
     return "\n".join(lines)

@@ -89,8 +89,9 @@ def _check_supported(cfg: Config) -> None:
     """Refuse settings this check cannot mirror in OLMo-core, naming the field."""
     m, d, o = cfg.model, cfg.data, cfg.optim
     bad = []
-    if m.param_dtype != "float32" or m.compute_dtype != "float32":
-        bad.append("model.param_dtype/compute_dtype must be float32 (the reference runs fp32 on CPU)")
+    if m.param_dtype != "float32" or m.compute_dtype not in ("float32", "bfloat16"):
+        bad.append("model.param_dtype must be float32 and model.compute_dtype float32 or bfloat16 (OLMo-core keeps "
+                   "fp32 parameters; bf16 compute is its FSDP mixed precision)")
     if m.padded_vocab_size not in (None, m.vocab_size):
         # save_hf_model keeps every embedding row and writes vocab_size = the padded count, which
         # olmax's init_from check rejects against a padded recipe; exporting only the real rows
@@ -245,19 +246,28 @@ def run_olmo_core(cfg: Config, paths: list[str], work: str | os.PathLike,
 
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
+    import olmo_core.distributed.parallel as oc_parallel
+    # One world mesh per process in OLMo-core; this process may train several runs one after another.
+    oc_parallel._WORLD_MESH = None
     dp_config = None
+    bf16 = cfg.model.compute_dtype == "bfloat16"
     if world_size == 1:
         _init_single_process_group(work)
+        if bf16:  # the data-parallel wrapper is what casts to bf16; on one process it reads torchrun's layout
+            for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
+                os.environ.setdefault(k, v)
     else:
         import torch.distributed as dist
+        if not dist.is_initialized() or dist.get_world_size() != world_size:
+            raise RuntimeError(f"run_olmo_core(world_size={world_size}) needs an initialised process group of that size")
+    if world_size > 1 or bf16:
         from olmo_core.config import DType
         from olmo_core.distributed.parallel import DataParallelType
         from olmo_core.train.train_module import (TransformerDataParallelConfig,
                                                   TransformerDataParallelWrappingStrategy)
-        if not dist.is_initialized() or dist.get_world_size() != world_size:
-            raise RuntimeError(f"run_olmo_core(world_size={world_size}) needs an initialised process group of that size")
+        # OLMo-3-1025-7B-pretrain-1.py: HSDP, bf16 parameters in compute, fp32 gradient reduction.
         dp_config = TransformerDataParallelConfig(
-            name=DataParallelType.hsdp, param_dtype=None, reduce_dtype=DType.float32,
+            name=DataParallelType.hsdp, param_dtype=DType.bfloat16 if bf16 else None, reduce_dtype=DType.float32,
             wrapping_strategy=TransformerDataParallelWrappingStrategy.blocks)
     t0 = time.perf_counter()
     m, d, o, tr = cfg.model, cfg.data, cfg.optim, cfg.train
