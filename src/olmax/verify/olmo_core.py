@@ -555,9 +555,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--noise-floor", action="store_true",
                    help="judge the gap against OLMo-core's own noise instead of the fixed 1e-4: also run OLMo-core "
-                        "and olmax each against itself with the micro-batch split in two (same maths, another "
-                        "summation order); exit 1 unless the gap stays within --noise-factor of the reference's "
-                        "smoothed self-gap at every step")
+                        "with the micro-batch split into 1/2, 1/4 and 1/8 and olmax with it split in two (same "
+                        "maths, other summation orders); exit 1 unless the gap stays within --noise-factor of the "
+                        "reference's smoothed self-gap at every step")
     p.add_argument("--ranks", type=int, default=1,
                    help="with --noise-floor: OLMo-core on this many gloo processes (HSDP, as the official script "
                         "wraps it) and olmax on this many CPU devices (default 1)")
