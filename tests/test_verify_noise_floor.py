@@ -133,6 +133,9 @@ def test_verdict_ratio_floor_and_non_finite_losses():
     assert r_nan["within_noise"] is False and r_nan["max_gap_ratio"] == math.inf
     json.dumps(rows)  # inf/nan are written as null
     assert rows[-1]["gap"] is None
+    # So is a NaN in the reference's own runs: no envelope to judge by.
+    r_ref_nan, _ = nf.noise_report(near, ref, [ref_p, nan], None, 20)
+    assert r_ref_nan["within_noise"] is False
 
 
 def test_noise_floor_refuses_an_odd_micro_batch():

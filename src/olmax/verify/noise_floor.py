@@ -85,8 +85,10 @@ def first_above(x: list[float], threshold: float = DIVERGENCE) -> int | None:
 
 
 def gap_ratios(gap: list[float], ref_gap: list[float], window: int = WINDOW, floor: float = FLOOR) -> list[float]:
-    """ratio(s) = W[gap](s) / max(W[ref_gap](s), floor)."""
-    return [g / max(r, floor) for g, r in zip(envelope(gap, window), envelope(ref_gap, window))]
+    """ratio(s) = W[gap](s) / max(W[ref_gap](s), floor); inf where either is not finite (a lost or
+    NaN loss on either side leaves nothing to judge by: outside the noise, never inside)."""
+    return [g / max(r, floor) if math.isfinite(g) and math.isfinite(r) else math.inf
+            for g, r in zip(envelope(gap, window), envelope(ref_gap, window))]
 
 
 def verdict(gap: list[float], ref_gap: list[float], factor: float = NOISE_FACTOR, window: int = WINDOW,
