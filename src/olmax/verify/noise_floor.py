@@ -109,11 +109,12 @@ def verdict(gap: list[float], ref_gap: list[float], factor: float = NOISE_FACTOR
     }
 
 
-def smoothed_milestones(olmax: oc.Trace, ref: oc.Trace, ref_perturbed: oc.Trace, steps: int,
+def smoothed_milestones(olmax: oc.Trace, ref: oc.Trace, ref_perturbed: list[oc.Trace], steps: int,
                         count: int = 10) -> list[dict[str, Any]]:
     """At ``count`` evenly spaced steps: the mean CE over the window of steps since the previous
-    milestone for OLMo-core, olmax and OLMo-core perturbed, and both differences to OLMo-core (the
-    smoothed loss curves of a long horizon, where per-step values have long decorrelated)."""
+    milestone for OLMo-core and olmax, their difference, and the reference's own spread there (the
+    largest |difference| between OLMo-core and its micro-batch splits). The smoothed loss curves of a
+    long horizon, where per-step values have long decorrelated."""
     width = max(1, steps // count)
     rows = []
     for end in range(width, steps + 1, width):
@@ -122,10 +123,11 @@ def smoothed_milestones(olmax: oc.Trace, ref: oc.Trace, ref_perturbed: oc.Trace,
         def mean(t: oc.Trace) -> float | None:
             v = [t.ce[s] for s in window if s in t.ce]
             return _num(sum(v) / len(v)) if len(v) == width else None
-        a, b, c = mean(ref), mean(olmax), mean(ref_perturbed)
-        rows.append({"step": end, "window": width, "olmo_core": a, "olmax": b, "olmo_core_perturbed": c,
+        a, b = mean(ref), mean(olmax)
+        splits = [mean(p) for p in ref_perturbed]
+        rows.append({"step": end, "window": width, "olmo_core": a, "olmax": b,
                      "delta_olmax": None if a is None or b is None else b - a,
-                     "delta_reference": None if a is None or c is None else c - a})
+                     "reference_spread": None if a is None or None in splits else max(abs(c - a) for c in splits)})
     return rows
 
 
@@ -163,7 +165,7 @@ def noise_report(olmax: oc.Trace, ref: oc.Trace, ref_perturbed: list[oc.Trace], 
         "olmax_self_gap_ratio": None if not self_gap else _num(max(gap_ratios(self_gap, ref_gap))),
         # The strict per-step parity check (ids, lr, grad norm, skip decisions; CE at 1e-4) for reference.
         "parity": oc.compare(olmax, ref, steps),
-        "milestones": smoothed_milestones(olmax, ref, ref_perturbed[0], steps),
+        "milestones": smoothed_milestones(olmax, ref, ref_perturbed, steps),
     }
     rows = []
     for s in range(1, steps + 1):
@@ -211,18 +213,23 @@ def _spawn(specs: list[dict[str, Any]], spec_dir: Path, env: dict[str, str]) -> 
     spec_dir.mkdir(parents=True, exist_ok=True)
     procs = []
     for i, spec in enumerate(specs):
-        f = spec_dir / f"spec{i}.json"
+        f, log_path = spec_dir / f"spec{i}.json", spec_dir / f"worker{i}.log"
         f.write_text(json.dumps(spec))
-        log = open(spec_dir / f"worker{i}.log", "w", encoding="utf-8")
-        procs.append((f, log, subprocess.Popen([sys.executable, "-m", "olmax.verify._worker", str(f)],
-                                               env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)))
+        with open(log_path, "w", encoding="utf-8") as log:
+            p = subprocess.Popen([sys.executable, "-m", "olmax.verify._worker", str(f)], env={**os.environ, **env},
+                                 stdout=log, stderr=subprocess.STDOUT)
+        procs.append((f, log_path, p))
+    # One rank failing leaves the others blocked in a collective: stop them (our own children).
+    while any(p.poll() is None for _, _, p in procs):
+        if any(p.returncode not in (None, 0) for _, _, p in procs):
+            for _, _, p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.2)
     failed = []
-    for f, log, p in procs:
-        p.wait()
-        log.close()
-        if p.returncode != 0:
-            failed.append(f"{f.name}: exit {p.returncode}; see {f.parent / ('worker' + f.stem[4:] + '.log')}:\n"
-                          + (f.parent / ("worker" + f.stem[4:] + ".log")).read_text()[-2000:])
+    for f, log_path, p in procs:
+        if p.wait() != 0:
+            failed.append(f"{f.name}: exit {p.returncode}; the end of {log_path}:\n{log_path.read_text()[-2000:]}")
     if failed:
         raise RuntimeError("a verify worker failed: " + "\n".join(failed))
     return [trace_from_json(json.loads(f.with_suffix(".trace.json").read_text())) for f, _, _ in procs]
@@ -475,11 +482,11 @@ def format_report(r: dict[str, Any]) -> str:
         f"  olmax self-gap ratio  {_g(r['olmax_self_gap_ratio'])}",
         f"  strict parity         {'OK' if r['parity']['ok'] else 'first difference ' + str(r['parity']['first_difference'])}",
     ]
-    ms = [m for m in r.get("milestones", []) if m["delta_olmax"] is not None and m["delta_reference"] is not None]
+    ms = [m for m in r.get("milestones", []) if m["delta_olmax"] is not None and m["reference_spread"] is not None]
     if ms:
         lines.append(f"  smoothed CE ({ms[0]['window']}-step windows)  max |olmax - OLMo-core| "
                      f"{_g(max(abs(m['delta_olmax']) for m in ms))}, max |OLMo-core split - OLMo-core| "
-                     f"{_g(max(abs(m['delta_reference']) for m in ms))}")
+                     f"{_g(max(m['reference_spread'] for m in ms))}")
     fp = r.get("fp32_floor")
     if fp:
         lines.append(f"  against fp32 floor    gap ratio {_g(fp['max_gap_ratio'])} (OLMo-core fp32 self-gap leaves "
