@@ -89,8 +89,9 @@ def _check_supported(cfg: Config) -> None:
     """Refuse settings this check cannot mirror in OLMo-core, naming the field."""
     m, d, o = cfg.model, cfg.data, cfg.optim
     bad = []
-    if m.param_dtype != "float32" or m.compute_dtype != "float32":
-        bad.append("model.param_dtype/compute_dtype must be float32 (the reference runs fp32 on CPU)")
+    if m.param_dtype != "float32" or m.compute_dtype not in ("float32", "bfloat16"):
+        bad.append("model.param_dtype must be float32 and model.compute_dtype float32 or bfloat16 (OLMo-core keeps "
+                   "fp32 parameters; bf16 compute is its FSDP mixed precision)")
     if m.padded_vocab_size not in (None, m.vocab_size):
         # save_hf_model keeps every embedding row and writes vocab_size = the padded count, which
         # olmax's init_from check rejects against a padded recipe; exporting only the real rows
@@ -224,9 +225,15 @@ def _olmo_core_scheduler(cfg: Config):
     return ConstantWithWarmup(warmup=s.warmup)
 
 
-def run_olmo_core(cfg: Config, paths: list[str], work: str | os.PathLike, hf_dir: str | os.PathLike) -> Trace:
+def run_olmo_core(cfg: Config, paths: list[str], work: str | os.PathLike,
+                  hf_dir: str | os.PathLike | None, world_size: int = 1) -> Trace:
     """Train ``cfg`` in OLMo-core on ``paths``; write its initial weights to ``hf_dir`` (HF format)
-    before the first step. Returns the per-step trace."""
+    before the first step (None: do not export). Returns the per-step trace.
+
+    ``world_size`` > 1: this process is one rank of an initialised gloo group of that size, and the
+    model is wrapped for data parallelism as ``OLMo-3-1025-7B-pretrain-1.py`` configures it (HSDP,
+    block-wise wrapping, fp32 gradient reduction; fp32 parameters here). The trace's ids are this
+    rank's share of each batch (columns ``rank::world_size``)."""
     import torch
     from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
     from olmo_core.data.types import NumpyDatasetDType
@@ -239,14 +246,38 @@ def run_olmo_core(cfg: Config, paths: list[str], work: str | os.PathLike, hf_dir
 
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
-    _init_single_process_group(work)
+    import olmo_core.distributed.parallel as oc_parallel
+    # One world mesh per process in OLMo-core; this process may train several runs one after another.
+    oc_parallel._WORLD_MESH = None
+    dp_config = None
+    bf16 = cfg.model.compute_dtype == "bfloat16"
+    if world_size == 1:
+        _init_single_process_group(work)
+        if bf16:  # the data-parallel wrapper is what casts to bf16; on one process it reads torchrun's layout
+            for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "1")):
+                os.environ.setdefault(k, v)
+    else:
+        import torch.distributed as dist
+        if not dist.is_initialized() or dist.get_world_size() != world_size:
+            raise RuntimeError(f"run_olmo_core(world_size={world_size}) needs an initialised process group of that size")
+    if world_size > 1 or bf16:
+        from olmo_core.config import DType
+        from olmo_core.distributed.parallel import DataParallelType
+        from olmo_core.train.train_module import (TransformerDataParallelConfig,
+                                                  TransformerDataParallelWrappingStrategy)
+        # OLMo-3-1025-7B-pretrain-1.py: HSDP, bf16 parameters in compute, fp32 gradient reduction.
+        dp_config = TransformerDataParallelConfig(
+            name=DataParallelType.hsdp, param_dtype=DType.bfloat16 if bf16 else None, reduce_dtype=DType.float32,
+            wrapping_strategy=TransformerDataParallelWrappingStrategy.blocks)
     t0 = time.perf_counter()
     m, d, o, tr = cfg.model, cfg.data, cfg.optim, cfg.train
     L = d.sequence_length
 
     model = olmo_core_model_config(cfg).build(init_device="cpu")
-    micro = (tr.micro_batch_size or tr.global_batch_size) * L
+    # Per rank, as olmax's micro_batch_size is per device.
+    micro = (tr.micro_batch_size or tr.global_batch_size // world_size) * L
     train_module = TransformerTrainModuleConfig(
+        dp_config=dp_config,
         rank_microbatch_size=micro,
         max_sequence_length=L,
         # OLMo-3-1025-7B-pretrain-1.py: SkipStepAdamW, embeddings excluded from weight decay.
@@ -263,8 +294,13 @@ def run_olmo_core(cfg: Config, paths: list[str], work: str | os.PathLike, hf_dir
     ).build(model, device=torch.device("cpu"))
 
     # OLMo-core's initial weights (init_weights ran in parallelize_model), in HF format.
-    save_hf_model(hf_dir, train_module.model.state_dict(), train_module.model, save_overwrite=True)
-    _patch_hf_config(Path(hf_dir), cfg)
+    if hf_dir is not None:
+        # Every rank takes part (the full tensors are gathered); rank 0 writes.
+        save_hf_model(hf_dir, train_module.model.state_dict(), train_module.model, save_overwrite=True)
+        if world_size == 1 or torch.distributed.get_rank() == 0:
+            _patch_hf_config(Path(hf_dir), cfg)
+        if world_size > 1:
+            torch.distributed.barrier()
 
     tokenizer = TokenizerConfig(vocab_size=m.vocab_size, eos_token_id=d.eos_token_id, pad_token_id=d.pad_token_id,
                                 bos_token_id=d.bos_token_id)
@@ -441,37 +477,47 @@ def run_parity(steps: int = 100, seed: int | None = None, overrides: list[str] |
     return _run(cfg, olmax_overrides, out, log)
 
 
+def run_olmo_core_here(cfg: Config, paths: list[str], work: str | os.PathLike,
+                       hf_dir: str | os.PathLike | None) -> Trace:
+    """``run_olmo_core`` in this process: one torch thread, a single-process gloo group created for
+    the run (and destroyed after it, unless one existed before)."""
+    import torch
+    import torch.distributed as dist
+    # One thread: on a shared 2-core machine torch's default OpenMP pool is ~10x slower at this size.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    created_pg = not dist.is_initialized()
+    try:
+        return run_olmo_core(cfg, paths, work, hf_dir)
+    finally:
+        torch.set_num_threads(threads)
+        if created_pg and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def olmax_config(cfg: Config, out: Path, paths: list[str], hf_dir: str | os.PathLike,
+                 olmax_overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The olmax side of ``cfg``: OLMo-core's initial weights, the token files, then ``olmax_overrides``."""
+    from olmax.config import validate
+    return validate(cfg.override([f"train.init_from=hf:{hf_dir}", "data.paths=" + ",".join(paths),
+                                  f"data.cache_dir={out / 'olmax_order_cache'}", *olmax_overrides]))
+
+
 def _say(log: Any, msg: str) -> None:
     if log is not None:
         print(f"[verify olmo-core] {msg}", file=log, flush=True)
 
 
 def _run(cfg: Config, olmax_overrides: list[str] | tuple[str, ...], out: Path, log: Any) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-
-    from olmax.config import validate
-
     t0 = time.perf_counter()
     paths = write_corpus(out / "tokens", cfg)
     hf_dir = out / "olmo_core_init_hf"
-    # One thread: on a shared 2-core machine torch's default OpenMP pool is ~10x slower at this size.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    created_pg = not dist.is_initialized()
-    try:
-        _say(log, f"OLMo-core: {cfg.train.steps} steps of {cfg.train.global_batch_size} x "
-                  f"{cfg.data.sequence_length} tokens")
-        ref = run_olmo_core(cfg, paths, out / "olmo_core", hf_dir)
-    finally:
-        torch.set_num_threads(threads)
-        if created_pg and dist.is_initialized():
-            dist.destroy_process_group()
-    ocfg = validate(cfg.override([f"train.init_from=hf:{hf_dir}", "data.paths=" + ",".join(paths),
-                                  f"data.cache_dir={out / 'olmax_order_cache'}", *olmax_overrides]))
+    _say(log, f"OLMo-core: {cfg.train.steps} steps of {cfg.train.global_batch_size} x "
+              f"{cfg.data.sequence_length} tokens")
+    ref = run_olmo_core_here(cfg, paths, out / "olmo_core", hf_dir)
     _say(log, "olmax: same recipe, from OLMo-core's initial weights" +
          (f" (olmax-only overrides: {' '.join(olmax_overrides)})" if olmax_overrides else ""))
-    mine = run_olmax(ocfg, out / "olmax_run")
+    mine = run_olmax(olmax_config(cfg, out, paths, hf_dir, olmax_overrides), out / "olmax_run")
     report = compare(mine, ref, cfg.train.steps)
     report["seconds"] = {"olmo_core": round(ref.seconds, 2), "olmax": round(mine.seconds, 2),
                          "total": round(time.perf_counter() - t0, 2)}
@@ -507,10 +553,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="keep tokens, HF export, both runs, report.json and steps.jsonl here "
                                                "(a new or empty folder; default: a temporary one)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--noise-floor", action="store_true",
+                   help="judge the gap against OLMo-core's own noise instead of the fixed 1e-4: also run OLMo-core "
+                        "with the micro-batch split into 1/2, 1/4 and 1/8 and olmax with it split in two (same "
+                        "maths, other summation orders); exit 1 unless the gap stays within --noise-factor of the "
+                        "reference's smoothed self-gap at every step")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="with --noise-floor: OLMo-core on this many gloo processes (HSDP, as the official script "
+                        "wraps it) and olmax on this many CPU devices (default 1)")
+    p.add_argument("--plots", action="store_true",
+                   help="with --noise-floor and --out: also run `olmax compare` on OLMo-core, olmax and OLMo-core's "
+                        "micro-batch-split run (loss overlay, gap panel, milestones) into OUT/compare")
+    p.add_argument("--noise-factor", type=float, default=None,
+                   help="with --noise-floor: the factor of the verdict (default: noise_floor.NOISE_FACTOR)")
     p.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.noise_floor:
+        from olmax.verify import noise_floor
+        factor = noise_floor.NOISE_FACTOR if args.noise_factor is None else args.noise_factor
+        report = noise_floor.run_noise_floor(args.steps, args.seed, args.overrides, args.olmax_overrides, args.out,
+                                             factor=factor, world=args.ranks, with_plots=args.plots)
+        print(json.dumps(report, indent=2) if args.json else noise_floor.format_report(report))
+        return 0 if report["within_noise"] else 1
+    if args.noise_factor is not None or args.ranks != 1 or args.plots:
+        raise ConfigError("--noise-factor, --ranks and --plots need --noise-floor")
     report = run_parity(args.steps, args.seed, args.overrides, args.olmax_overrides, args.out)
     if args.json:
         print(json.dumps(report, indent=2))

@@ -1,0 +1,59 @@
+"""Child processes of ``olmax verify olmo-core --ranks N``: one OLMo-core rank, or olmax on N devices.
+
+``python -m olmax.verify._worker SPEC.json``; SPEC holds the run's recipe (steps, seed, overrides),
+the token files, the folders and, for OLMo-core, this process's rank. The trace is written as JSON
+next to SPEC (``<SPEC stem>.trace.json``). The parent (``noise_floor.run_olmo_core_ranks`` /
+``run_olmax_devices``) launches and merges.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+
+def trace_to_json(trace: Any) -> dict[str, Any]:
+    return asdict(trace)
+
+
+def trace_from_json(d: dict[str, Any]) -> Any:
+    from olmax.verify.olmo_core import Trace
+    t = Trace(seconds=float(d.get("seconds", 0.0)))
+    for name in ("ce", "grad_norm", "lr", "z_loss", "skipped", "ids"):
+        setattr(t, name, {int(k): v for k, v in d.get(name, {}).items()})
+    return t
+
+
+def main(spec_path: str) -> int:
+    spec_file = Path(spec_path)
+    spec = json.loads(spec_file.read_text())
+    from olmax.verify import olmo_core as oc
+    cfg = oc.parity_config(spec["steps"], spec["seed"], spec["overrides"])
+    out = Path(spec["out"])
+    if spec["side"] == "olmo_core":
+        import torch
+        import torch.distributed as dist
+        torch.set_num_threads(1)
+        rank, world = spec["rank"], spec["world"]
+        # What torchrun sets on one node (OLMo-core's HSDP reads the node layout from them).
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                           "LOCAL_WORLD_SIZE": str(world)})
+        dist.init_process_group("gloo", init_method=f"file://{spec['store']}", world_size=world, rank=rank)
+        try:
+            trace = oc.run_olmo_core(cfg, spec["paths"], Path(spec["work"]),  # shared, as on one node
+                                     spec["hf_dir"], world_size=world)
+        finally:
+            dist.destroy_process_group()
+    else:
+        trace = oc.run_olmax(oc.olmax_config(cfg, out, spec["paths"], spec["hf_dir"], spec["olmax_overrides"]),
+                             Path(spec["work"]))
+    spec_file.with_suffix(".trace.json").write_text(json.dumps(trace_to_json(trace)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
