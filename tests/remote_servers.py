@@ -79,10 +79,10 @@ class RangeServer:
                     self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
                 self.send_header("Accept-Ranges", "bytes")
+                with server._lock:  # counted before sending: the client may look as soon as it has the bytes
+                    server.served[path] += len(body)
                 self.end_headers()
                 self.wfile.write(body)
-                with server._lock:
-                    server.served[path] += len(body)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"

@@ -91,14 +91,21 @@ def test_each_process_reads_only_its_share_by_range_requests(http, local_paths):
     L, item = cfg.data.sequence_length, 2
     for r in range(2):
         http.served.clear()
+        http.requests.clear()
         loader = DataLoader(cfg, process_index=r, process_count=2, validate="none")
         ref = DataLoader(_cfg(local_paths), process_index=r, process_count=2, validate="none")
+        expected = set()
         for step in range(STEPS):
             got, want = loader.batch(step), ref.batch(step)
             np.testing.assert_array_equal(got["input_ids"], want["input_ids"])
-        # Exactly this process's instances, nothing else: half of each global batch.
-        assert sum(http.served.values()) == STEPS * cfg.train.global_batch_size // 2 * L * item
-        assert all(rng is not None for m, _, rng in http.requests if m == "GET")
+            for i in loader.source.ids(step):
+                f = next(f for f in loader.dataset.files if f.start <= i < f.start + f.instances)
+                a = (int(i) - f.start) * L * item
+                expected.add((f"/{f.path.rsplit('/', 1)[1]}", f"bytes={a}-{a + L * item - 1}"))
+        # Exactly this process's instances (half of each global batch), one range request each.
+        gets = [(p, rng) for m, p, rng in http.requests if m == "GET"]
+        assert set(gets) == expected and len(expected) == STEPS * cfg.train.global_batch_size // 2
+        assert sum(http.served.values()) == len(gets) * L * item
 
 
 def test_local_cache_dir_serves_a_second_read_without_requests(http, tmp_path):
@@ -178,28 +185,20 @@ def test_remote_data_and_run_dir_resume_bitwise(s3, reference, tmp_path, monkeyp
     # keep_last=2 on the remote too (the tiny recipe keeps the last 2).
     assert Checkpointer(run, cfg.checkpoint, read_only=True).all_steps() == [2, 4]
 
-
-def test_a_half_written_remote_checkpoint_is_never_the_newest(s3, tmp_path):
-    run = "s3://olmax-test/runs/half"
-    cfg = _cfg(["s3://olmax-test/data/part-000.npy", "s3://olmax-test/data/part-001.npy"], "train.steps=2")
-    train(cfg, run, progress=False)
+    # An upload of checkpoint 9 cut short (some files, no commit marker) is never the newest.
     client = s3.client()
-    # An upload of checkpoint 9 cut short: some files, no commit marker.
-    for key in s3.keys("runs/half/checkpoints/2/")[:3]:
-        if not key.endswith("_OLMAX_COMMITTED"):
-            client.copy_object(Bucket=s3.BUCKET, Key=key.replace("/2/", "/9/"),
-                               CopySource={"Bucket": s3.BUCKET, "Key": key})
+    for key in [k for k in s3.keys("runs/a/checkpoints/4/") if not k.endswith("_OLMAX_COMMITTED")][:3]:
+        client.copy_object(Bucket=s3.BUCKET, Key=key.replace("/4/", "/9/"), CopySource={"Bucket": s3.BUCKET, "Key": key})
+    assert any(k.startswith("runs/a/checkpoints/9/") for k in s3.keys("runs/a/"))
     ck = Checkpointer(run, cfg.checkpoint)
-    assert ck.all_steps() == [2] and ck.latest_step() == 2
+    assert ck.all_steps() == [2, 4] and ck.latest_step() == 4
     ck.close()
-    meta = Checkpointer.read_meta(run)
-    assert meta["step"] == 2
-    # The local staging copy of an uncommitted step is dropped too.
-    local = Path(os.environ["OLMAX_STAGING_DIR"])
-    staged = next(local.iterdir()) / "checkpoints"
-    shutil.copytree(staged / "2", staged / "7")
+    assert Checkpointer.read_meta(run)["step"] == 4
+    # Nor is a staged local copy whose upload never committed: it is dropped.
+    staged = next((tmp_path / "other_machine").iterdir()) / "checkpoints"
+    shutil.copytree(staged / "4", staged / "9")
     Checkpointer(run, cfg.checkpoint).close()
-    assert not (staged / "7").exists()
+    assert not (staged / "9").exists() and (staged / "4").exists()
 
 
 def test_http_run_directories_are_refused(http):

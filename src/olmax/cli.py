@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "olmax.verify.parity",
     "olmax.verify.commands",
     "olmax.eval.commands",
+    "olmax.launch.commands",
 ]
 
 
