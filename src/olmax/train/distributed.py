@@ -48,7 +48,8 @@ def initialise(coordinator: str | None = None, num_processes: int | None = None,
         _initialised = True
     elif slurm or env.get("OLMAX_DISTRIBUTED") == "auto":
         # JAX's cluster detection fills in the rest (Slurm variables; TPU VM / GKE metadata for
-        # `olmax launch tpu`, which sets OLMAX_DISTRIBUTED=auto).
+        # `olmax launch tpu`, which sets OLMAX_DISTRIBUTED=auto). gloo: CPU-only Slurm jobs.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize()
         _initialised = True
     return jax.process_index(), jax.process_count()
