@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -21,6 +22,7 @@ from olmax.data.dataset import TokenDataset
 from olmax.data.loader import DataLoader
 from olmax.recipes import get_recipe
 from olmax.train.checkpoint import Checkpointer
+from olmax.train.load import load_params, restore_train_state
 from olmax.train.loop import train
 from olmax.verify.resume import read_metrics
 
@@ -83,6 +85,14 @@ def test_remote_files_have_the_local_fingerprint_and_instances(s3, http, local_p
         assert ds.fingerprint == local.fingerprint and len(ds) == len(local)
         np.testing.assert_array_equal(ds.read(ids), local.read(ids))
     assert [f.label for f in s3_ds.files] == ["a", "b"]  # mix labels survive, relative paths resolved
+
+
+def test_heldout_paths_read_remote_files_like_local_ones(http, s3, local_paths):
+    from olmax.eval.heldout import heldout_windows
+    want = heldout_windows(local_paths, "uint16", 16, 20)
+    np.testing.assert_array_equal(heldout_windows(["s3://olmax-test/data/mix.txt"], "uint16", 16, 20), want)
+    np.testing.assert_array_equal(heldout_windows([f"{http.url}/part-000.npy"], "uint16", 16, 20), want)
+    assert sum(http.served.values()) == 20 * 16 * 2  # the 20 windows, not the file
 
 
 def test_each_process_reads_only_its_share_by_range_requests(http, local_paths):
@@ -184,6 +194,13 @@ def test_remote_data_and_run_dir_resume_bitwise(s3, reference, tmp_path, monkeyp
                                                             for s in range(1, STEPS + 1)]
     # keep_last=2 on the remote too (the tiny recipe keeps the last 2).
     assert Checkpointer(run, cfg.checkpoint, read_only=True).all_steps() == [2, 4]
+
+    # Tools take remote checkpoints (RUN or RUN/checkpoints/N) like local ones.
+    remote_params, _ = load_params(f"{run}/checkpoints/4")
+    local_params, _ = load_params(Path(reference.run_dir) / "checkpoints" / "4")
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((np.asarray(a) == np.asarray(b)).all()),
+                                     remote_params, local_params))
+    assert restore_train_state(run)[3]["step"] == 4
 
     # An upload of checkpoint 9 cut short (some files, no commit marker) is never the newest.
     client = s3.client()

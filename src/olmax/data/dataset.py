@@ -276,12 +276,19 @@ class TokenDataset:
         self._starts = np.array([f.start for f in files] + [start], dtype=np.int64)
         self._maps: dict[int, np.ndarray] = {}
         if validate != "none":
-            for f in files:
+            def check(f: TokenFile) -> None:
                 try:
                     validate_tokens(f.path, self.dtype, vocab_size, full=validate == "full", nbytes=f.size,
                                     cache_dir=remote_cache_dir)
                 except io.RemoteError as e:
                     raise DataError(f"token file {e}") from None
+            if any(io.is_remote(f.path) for f in files):  # network latency: check files concurrently
+                from concurrent.futures import ThreadPoolExecutor
+                with ThreadPoolExecutor(16) as pool:
+                    list(pool.map(check, files))
+            else:
+                for f in files:
+                    check(f)
 
     @classmethod
     def from_config(cls, cfg: Config, *, validate: Validate = "sample") -> TokenDataset:

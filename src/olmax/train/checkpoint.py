@@ -82,7 +82,7 @@ class Checkpointer:
             check_multiprocess(jax.process_count(), str(run_dir))
             self.remote = RemoteCheckpoints(str(run_dir))
             self.remote.local.mkdir(parents=True, exist_ok=True)
-            if not read_only:  # a reader must not touch a live run's uploads in flight
+            if not read_only and jax.process_index() == 0:  # a reader must not touch a live run's uploads
                 self.remote.drop_uncommitted_local(self.remote.committed_steps())
             self.directory = self.remote.local
         else:
@@ -164,7 +164,14 @@ class Checkpointer:
         return True
 
     def _ensure_local(self, step: int) -> None:
-        if self.remote is not None and self.remote.fetch(step):
+        """Download a remote checkpoint into the staging folder (process 0; the folder is shared)."""
+        if self.remote is None:
+            return
+        fetched = self.remote.fetch(step) if jax.process_index() == 0 else True
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"olmax fetch checkpoint {step}")
+        if fetched:
             self._manager.reload()
 
     def wait(self) -> None:
