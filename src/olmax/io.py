@@ -9,8 +9,9 @@ readers already sit on, and its HTTP filesystem (aiohttp) does range requests. F
 ``gs://`` the usual fsspec backends (s3fs, gcsfs) cannot be installed beside this project's pinned
 botocore and fsspec (s3fs needs an aiobotocore that pins an older botocore; gcsfs pins fsspec to
 its own release), so we use Apache Arrow's C++ S3 and GCS clients (``pyarrow.fs``, already
-installed through ``datasets``) behind fsspec's own ``ArrowFSWrapper``. If s3fs or gcsfs is
-installed, etils (Orbax) keeps using it; we register the Arrow wrappers only when they are absent.
+installed through ``datasets``) behind fsspec's own ``ArrowFSWrapper``, registered as fsspec's
+``s3`` / ``gs`` implementations only when s3fs / gcsfs are absent (if installed, they are used).
+Checkpoints do not go through Orbax's remote paths: see :mod:`olmax.train.remote`.
 
 Endpoints and credentials come from the standard variables: ``AWS_ENDPOINT_URL`` (or
 ``AWS_ENDPOINT_URL_S3``) for S3-compatible stores, ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``

@@ -13,7 +13,6 @@ Progress is read from the run directory without JAX (:func:`latest_checkpoint`).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 
@@ -41,6 +40,3 @@ def train_command(recipe: str, run_dir: str, overrides: list[str], python: str =
         cmd += ["--set", o]
     return cmd + list(extra or [])
 
-
-def env_flag(name: str, default: str = "") -> str:
-    return os.environ.get(name, default)

@@ -171,7 +171,7 @@ class Checkpointer:
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices(f"olmax fetch checkpoint {step}")
-        if fetched:
+        if fetched or step not in self._manager.all_steps():  # e.g. fetched by another reader
             self._manager.reload()
 
     def wait(self) -> None:

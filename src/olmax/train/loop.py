@@ -308,6 +308,11 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
                         print(msg, file=sys.stderr, flush=True)
                         logger.log(done, {"eval/memorisation alarm": float(alarm.status == ALARM)})
             if ckpt.should_save(done) or done == total or stop_now:
+                # Log step `done` before its checkpoint exists: a process killed right after the
+                # save would otherwise resume past a metrics line that was never written.
+                if pending is not None:
+                    emit(*pending)
+                    pending = None
                 meta = {"step": done, "data_state": loader.state(done).to_dict(),
                         "fingerprint": loader.fingerprint, **run_meta}
                 saved = ckpt.save(done, {"params": params, "opt_state": opt_state}, meta, force=stop_now or done == total)
