@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow bench
+.PHONY: setup demo test test-slow test-slurm bench
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m slow
+
+# A real single-node Slurm started by the test (root; `apt-get install slurm-wlm munge` first).
+test-slurm: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m slow tests/test_slurm.py
 
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/run_all.py

@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "olmax.verify.parity",
     "olmax.verify.commands",
     "olmax.eval.commands",
+    "olmax.launch.commands",
 ]
 
 

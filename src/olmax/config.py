@@ -123,6 +123,9 @@ class DataConfig:
     repetition_max_count: int = 32
     # Where the cached global order is written (default: beside the run directory).
     cache_dir: str | None = None
+    # Optional local cache of remote (s3://, gs://, http(s)://) token files, in 16 MiB blocks
+    # fetched on first use; None reads every instance with a range request.
+    remote_cache_dir: str | None = None
 
 
 @dataclass(frozen=True)

@@ -108,8 +108,7 @@ def test_bad_files(tmp_path: Path) -> None:
         TokenDataset(paths, sequence_length=512, **{**KW}, dtype="uint16")
     with pytest.raises(DataError, match="data.paths is empty"):
         TokenDataset([], sequence_length=32, **KW)
-    with pytest.raises(DataError, match="remote token files are not supported"):
-        TokenDataset(["s3://bucket/x.npy"], sequence_length=32, **KW)
+    # Remote paths (s3://, gs://, http(s)://) are read, not refused: tests/test_remote.py.
 
 
 def test_token_ids_beyond_vocab(tmp_path: Path) -> None:

@@ -21,13 +21,14 @@ from typing import TYPE_CHECKING, Literal, Sequence
 
 import numpy as np
 
+from olmax import io
 from olmax.data import DataError
 
 if TYPE_CHECKING:
     from olmax.config import Config
 
 Validate = Literal["none", "sample", "full"]
-_REMOTE = ("s3://", "gs://", "gcs://", "r2://", "weka://", "http://", "https://")
+_REMOTE = io.REMOTE_PREFIXES
 
 
 @dataclass(frozen=True)
@@ -51,11 +52,20 @@ def read_mix(mix_path: str | Path, mix_root: str | None = None,
     (OLMo-core ``DataMix.build`` writes ``dolma2-tokenizer`` for dolma2); other relative paths
     are taken relative to ``mix_root`` (``build`` prefixes ``base_dir``) or else the mix file's folder.
     """
-    mix_path = Path(mix_path)
-    if not mix_path.is_file():
-        raise DataError(f"mix file not found: {mix_path} (data.paths)")
+    remote_mix = io.is_remote(mix_path)
+    if remote_mix:
+        try:
+            text = io.read_text(str(mix_path))
+        except io.RemoteError as e:
+            raise DataError(f"mix file {e}") from None
+        mix_dir = io.parent(str(mix_path))
+    else:
+        mix_path = Path(mix_path)
+        if not mix_path.is_file():
+            raise DataError(f"mix file not found: {mix_path} (data.paths)")
+        text, mix_dir = mix_path.read_text(), str(mix_path.parent)
     out = []
-    for n, line in enumerate(mix_path.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
@@ -76,17 +86,20 @@ def read_mix(mix_path: str | Path, mix_root: str | None = None,
             raise DataError(f"{mix_path}:{n}: unresolved placeholder in {path!r} (only {{root}} and {{TOKENIZER}} "
                             "are substituted)")
         if not os.path.isabs(path) and not path.startswith(_REMOTE):
-            path = os.path.join(mix_root if mix_root is not None else str(mix_path.parent), path)
+            path = io.join(mix_root if mix_root is not None else mix_dir, path)
         if not path.startswith(_REMOTE) and not os.path.isfile(path):
             raise DataError(f"{mix_path}:{n}: token file {path} (label {label!r}) not found")
         out.append((label, path))
     return out
 
 
-def _read_manifest(path: Path) -> tuple[dict, list[tuple[str, None]]]:
+def _read_manifest(path: Path | str) -> tuple[dict, list[tuple[str, None]]]:
     try:
-        m = json.loads(path.read_text())
-        files = [(str(path.parent / f["path"]), int(f["tokens"])) for f in m["files"]]
+        m = json.loads(io.read_text(str(path)))
+        files = [(io.join(io.parent(str(path)) if io.is_remote(path) else str(Path(path).parent), f["path"]),
+                  int(f["tokens"])) for f in m["files"]]
+    except io.RemoteError as e:
+        raise DataError(f"manifest {e}") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DataError(f"{path}: not a readable token manifest ({e})") from None
     for f, tokens in files:
@@ -106,10 +119,14 @@ def resolve_paths(paths: Sequence[str], mix_root: str | None = None, *, dtype: s
     """
     out: list[tuple[str, str | None]] = []
     for p in paths:
-        if p.startswith(_REMOTE):
-            raise DataError(f"remote token files are not supported ({p}); copy them to a local disk")
         if p.endswith(".txt"):
             out += [(path, label) for label, path in read_mix(p, mix_root, mix_tokenizer)]
+        elif io.is_remote(p) and (p.endswith("/") or p.endswith(".json")):
+            # A remote `olmax tokenize` folder is named by its trailing slash (object stores have no folders).
+            mpath = p if p.endswith(".json") else io.join(p, "manifest.json")
+            m, files = _read_manifest(mpath)
+            _check_manifest(mpath, m, dtype, eos_token_id, vocab_size)
+            out += files
         elif os.path.isdir(p) or p.endswith(".json"):
             mpath = Path(p) / "manifest.json" if os.path.isdir(p) else Path(p)
             if not mpath.is_file():
@@ -117,35 +134,64 @@ def resolve_paths(paths: Sequence[str], mix_root: str | None = None, *, dtype: s
                 raise DataError(f"{p}: no manifest.json (data.paths takes token files, mix files or "
                                 f"folders written by `olmax tokenize`){hint}")
             m, files = _read_manifest(mpath)
-            if dtype is not None and m.get("dtype") != dtype:
-                raise DataError(f"{mpath}: tokens are {m.get('dtype')} but data.dtype is {dtype}")
-            if eos_token_id is not None and m.get("eos_token_id") != eos_token_id:
-                raise DataError(f"{mpath}: eos id is {m.get('eos_token_id')} but data.eos_token_id is {eos_token_id}")
-            if vocab_size is not None and m.get("vocab_size", 0) > vocab_size:
-                raise DataError(f"{mpath}: tokenizer vocabulary {m['vocab_size']} is larger than model.vocab_size "
-                                f"{vocab_size}")
+            _check_manifest(mpath, m, dtype, eos_token_id, vocab_size)
             out += files
         else:
             out.append((p, None))
     for path, label in out:
-        if path.startswith(_REMOTE):
-            raise DataError(f"remote token files are not supported ({path}); copy them to a local disk")
-        if not os.path.isfile(path):
+        # Remote files are checked when their sizes are read (one metadata request each).
+        if not io.is_remote(path) and not os.path.isfile(path):
             raise DataError(f"token file not found: {path} (data.paths)")
     return out
+
+
+def _check_manifest(mpath: Path | str, m: dict, dtype: str | None, eos_token_id: int | None,
+                    vocab_size: int | None) -> None:
+    if dtype is not None and m.get("dtype") != dtype:
+        raise DataError(f"{mpath}: tokens are {m.get('dtype')} but data.dtype is {dtype}")
+    if eos_token_id is not None and m.get("eos_token_id") != eos_token_id:
+        raise DataError(f"{mpath}: eos id is {m.get('eos_token_id')} but data.eos_token_id is {eos_token_id}")
+    if vocab_size is not None and m.get("vocab_size", 0) > vocab_size:
+        raise DataError(f"{mpath}: tokenizer vocabulary {m['vocab_size']} is larger than model.vocab_size "
+                        f"{vocab_size}")
+
+
+def file_sizes(paths: Sequence[str]) -> list[int]:
+    """Sizes in bytes from metadata; remote ones fetched concurrently (mixes list thousands of files)."""
+    remote = [p for p in paths if io.is_remote(p)]
+    sizes: dict[str, int] = {}
+    if remote:
+        from concurrent.futures import ThreadPoolExecutor
+        try:
+            with ThreadPoolExecutor(16) as pool:
+                sizes = dict(zip(remote, pool.map(io.size, remote)))
+        except io.RemoteError as e:
+            raise DataError(f"token file {e}") from None
+    return [sizes[p] if p in sizes else os.path.getsize(p) for p in paths]
+
+
+def open_tokens(path: str, dtype: np.dtype | str, nbytes: int | None = None,
+                cache_dir: str | None = None) -> np.ndarray | io.RemoteArray:
+    """A 1-D token array: a memory map of a local file, or range reads of a remote one."""
+    dtype = np.dtype(dtype)
+    if io.is_remote(path):
+        return io.RemoteArray(path, dtype, io.size(path) if nbytes is None else nbytes, cache_dir=cache_dir)
+    n = (os.path.getsize(path) if nbytes is None else nbytes) // dtype.itemsize
+    return np.memmap(path, dtype=dtype.newbyteorder("<"), mode="r", shape=(n,))
 
 
 # --------------------------------------------------------------------------- validation
 
 
 def validate_tokens(path: str, dtype: np.dtype | str, vocab_size: int, *, full: bool = False,
-                    windows: int = 8, window: int = 1 << 14) -> None:
+                    windows: int = 8, window: int = 1 << 14, nbytes: int | None = None,
+                    cache_dir: str | None = None) -> None:
     """Raise if a token id >= ``vocab_size``: a full scan, or (cheap) ``windows`` spread windows."""
     dtype = np.dtype(dtype)
-    n = os.path.getsize(path) // dtype.itemsize
+    mm = open_tokens(path, dtype, nbytes, cache_dir)
+    n = len(mm)
     if n == 0:
         return
-    mm = np.memmap(path, dtype=dtype.newbyteorder("<"), mode="r", shape=(n,))
     if full:
         starts = range(0, n, 1 << 24)
         span = 1 << 24
@@ -198,7 +244,8 @@ class TokenDataset:
 
     def __init__(self, paths: Sequence[str], *, sequence_length: int, vocab_size: int, eos_token_id: int,
                  pad_token_id: int, bos_token_id: int | None = None, dtype: str = "uint32",
-                 mix_root: str | None = None, mix_tokenizer: str | None = None, validate: Validate = "sample"):
+                 mix_root: str | None = None, mix_tokenizer: str | None = None, validate: Validate = "sample",
+                 remote_cache_dir: str | None = None):
         if not paths:
             raise DataError("data.paths is empty: give token files, mix files or `olmax tokenize` folders")
         if sequence_length <= 0:
@@ -207,10 +254,11 @@ class TokenDataset:
         self.eos_token_id, self.pad_token_id, self.bos_token_id = eos_token_id, pad_token_id, bos_token_id
         self.dtype = np.dtype(dtype)
         item = self.dtype.itemsize
+        self.remote_cache_dir = remote_cache_dir
         files, start = [], 0
-        for path, label in resolve_paths(paths, mix_root, dtype=self.dtype.name, eos_token_id=eos_token_id,
-                                         vocab_size=vocab_size, mix_tokenizer=mix_tokenizer):
-            size = os.path.getsize(path)
+        resolved = resolve_paths(paths, mix_root, dtype=self.dtype.name, eos_token_id=eos_token_id,
+                                 vocab_size=vocab_size, mix_tokenizer=mix_tokenizer)
+        for (path, label), size in zip(resolved, file_sizes([p for p, _ in resolved])):
             if size % item:
                 raise DataError(f"{path}: size {size} bytes is not a multiple of {item} ({self.dtype.name}, "
                                 "data.dtype); wrong dtype or a truncated file")
@@ -228,15 +276,27 @@ class TokenDataset:
         self._starts = np.array([f.start for f in files] + [start], dtype=np.int64)
         self._maps: dict[int, np.ndarray] = {}
         if validate != "none":
-            for f in files:
-                validate_tokens(f.path, self.dtype, vocab_size, full=validate == "full")
+            def check(f: TokenFile) -> None:
+                try:
+                    validate_tokens(f.path, self.dtype, vocab_size, full=validate == "full", nbytes=f.size,
+                                    cache_dir=remote_cache_dir)
+                except io.RemoteError as e:
+                    raise DataError(f"token file {e}") from None
+            if any(io.is_remote(f.path) for f in files):  # network latency: check files concurrently
+                from concurrent.futures import ThreadPoolExecutor
+                with ThreadPoolExecutor(16) as pool:
+                    list(pool.map(check, files))
+            else:
+                for f in files:
+                    check(f)
 
     @classmethod
     def from_config(cls, cfg: Config, *, validate: Validate = "sample") -> TokenDataset:
         d = cfg.data
         return cls(d.paths, sequence_length=d.sequence_length, vocab_size=cfg.model.vocab_size,
                    eos_token_id=d.eos_token_id, pad_token_id=d.pad_token_id, bos_token_id=d.bos_token_id,
-                   dtype=d.dtype, mix_root=d.mix_root, mix_tokenizer=d.mix_tokenizer, validate=validate)
+                   dtype=d.dtype, mix_root=d.mix_root, mix_tokenizer=d.mix_tokenizer, validate=validate,
+                   remote_cache_dir=getattr(d, "remote_cache_dir", None))
 
     def __len__(self) -> int:
         return self.num_instances
@@ -274,7 +334,7 @@ class TokenDataset:
     def _map(self, i: int) -> np.ndarray:
         if i not in self._maps:
             f = self.files[i]
-            self._maps[i] = np.memmap(f.path, dtype=self.dtype.newbyteorder("<"), mode="r", shape=(f.tokens,))
+            self._maps[i] = open_tokens(f.path, self.dtype, f.size, getattr(self, "remote_cache_dir", None))
         return self._maps[i]
 
     def read(self, ids: np.ndarray) -> np.ndarray:

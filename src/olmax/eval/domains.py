@@ -178,7 +178,7 @@ class DomainEvaluator:
     def __init__(self, cfg: Config, domains: Sequence[Domain], *, seq_len: int | None = None,
                  batch_size: int | None = None, batches: int | None = None, dtype: str | None = None,
                  mesh: jax.sharding.Mesh | None = None, prefix: str = "eval/domains"):
-        from olmax.data.dataset import resolve_paths
+        from olmax.data.dataset import file_sizes, resolve_paths
         from olmax.sharding import batch_sharding, make_mesh
         self.cfg, self.prefix = cfg, prefix
         self.seq_len = seq_len or cfg.data.sequence_length
@@ -194,7 +194,7 @@ class DomainEvaluator:
             n = self.max_batches * self.batch_size if self.max_batches else None
             windows = heldout_windows(files, self.dtype, self.seq_len, n)
             b = fixed_batches(windows, self.batch_size, cfg.model.vocab_size, f"domain {d.name!r}")
-            tokens_total = sum(os.path.getsize(f) // itemsize for f in files)
+            tokens_total = sum(s // itemsize for s in file_sizes(files))
             self.domains.append((d, files, b, tokens_total))
         mesh = mesh or make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1))
         check_batch_divides(self.batch_size, mesh)

@@ -18,7 +18,6 @@ the batch-difficulty variance).
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any, Sequence
 
 import jax
@@ -36,15 +35,14 @@ def heldout_windows(paths: tuple[str, ...] | list[str], dtype: str, seq_len: int
 
     ``paths`` are what ``data.paths`` takes (token files, `olmax tokenize` folders or manifests,
     mix files), expanded by the data pipeline's own ``resolve_paths``."""
-    from olmax.data.dataset import resolve_paths
+    from olmax.data.dataset import file_sizes, open_tokens, resolve_paths
     out, have = [], 0
-    for p, _ in resolve_paths(list(paths), dtype=dtype):
-        path = Path(p)
+    resolved = [p for p, _ in resolve_paths(list(paths), dtype=dtype)]
+    for p, size in zip(resolved, file_sizes(resolved)):  # remote files: sizes from metadata
         item = np.dtype(dtype).itemsize
-        size = path.stat().st_size
         if size % item:
             raise ConfigError(f"held-out token file {p} has {size} bytes, not a multiple of {dtype} ({item} bytes)")
-        arr = np.memmap(path, dtype=np.dtype(dtype).newbyteorder("<"), mode="r") if size else np.zeros(0, dtype)
+        arr = open_tokens(p, dtype, size) if size else np.zeros(0, dtype)
         k = len(arr) // seq_len
         if n is not None:
             k = min(k, n - have)

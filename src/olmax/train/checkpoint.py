@@ -37,6 +37,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from olmax import io
 from olmax.config import CheckpointConfig, Config, ConfigError, model_differences
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,20 @@ class Checkpointer:
         if ckpt_cfg.keep_every is not None and ckpt_cfg.keep_every <= 0:
             raise CheckpointError(f"checkpoint.keep_every must be positive or null, got {ckpt_cfg.keep_every}")
         self.cfg = ckpt_cfg
-        self.directory = Path(run_dir).absolute() / CHECKPOINT_DIR
+        # s3:// and gs:// run directories: Orbax writes a local staging copy, committed checkpoints
+        # are uploaded with a marker written last (olmax.train.remote).
+        self.remote = None
+        if io.is_remote(run_dir):
+            from olmax.train.remote import RemoteCheckpoints, check_multiprocess
+            check_multiprocess(jax.process_count(), str(run_dir))
+            self.remote = RemoteCheckpoints(str(run_dir))
+            self.remote.local.mkdir(parents=True, exist_ok=True)
+            if not read_only and jax.process_index() == 0:  # a reader must not touch a live run's uploads
+                self.remote.drop_uncommitted_local(self.remote.committed_steps())
+            self.directory = self.remote.local
+        else:
+            self.directory = Path(run_dir).absolute() / CHECKPOINT_DIR
+        self.where = self.remote.root if self.remote is not None else str(self.directory)  # for messages
         pp = ocp.checkpoint_managers
         # Orbax's policies express "last K plus every M-th" exactly: a step survives if any keeps it.
         policies = [pp.LatestN(ckpt_cfg.keep_last)]
@@ -109,7 +123,10 @@ class Checkpointer:
 
     def all_steps(self) -> list[int]:
         """Steps of complete checkpoints, ascending. Includes this process's saves still in
-        flight (they are committed or fail; ``restore`` waits for them)."""
+        flight (they are committed or fail; ``restore`` waits for them). For a remote run
+        directory: the checkpoints whose upload was committed."""
+        if self.remote is not None:
+            return self.remote.committed_steps()
         return sorted(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
@@ -131,7 +148,7 @@ class Checkpointer:
         if not force and not self.should_save(step):
             return False
         if step in self.all_steps():
-            log.warning("checkpoint %d already exists in %s; not overwriting it", step, self.directory)
+            log.warning("checkpoint %d already exists in %s; not overwriting it", step, self.where)
             return False
         if META_STEP in meta and meta[META_STEP] != step:
             raise ValueError(f"meta[{META_STEP!r}]={meta[META_STEP]!r} disagrees with the checkpoint step {step}")
@@ -139,7 +156,23 @@ class Checkpointer:
         _check_json(meta, "meta")  # fail here, not in a background thread
         self._manager.save(step, args=ocp.args.Composite(
             **{_STATE: ocp.args.StandardSave(dict(state)), _META: ocp.args.JsonSave(meta)}), force=True)
+        if self.remote is not None:
+            self._manager.wait_until_finished()  # the upload copies the committed local checkpoint
+            if jax.process_index() == 0:
+                self.remote.upload(step)
+                self.remote.prune(self.cfg.keep_last, self.cfg.keep_every)
         return True
+
+    def _ensure_local(self, step: int) -> None:
+        """Download a remote checkpoint into the staging folder (process 0; the folder is shared)."""
+        if self.remote is None:
+            return
+        fetched = self.remote.fetch(step) if jax.process_index() == 0 else True
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"olmax fetch checkpoint {step}")
+        if fetched or step not in self._manager.all_steps():  # e.g. fetched by another reader
+            self._manager.reload()
 
     def wait(self) -> None:
         """Block until asynchronous saves are committed (re-raises their errors)."""
@@ -168,7 +201,8 @@ class Checkpointer:
         self.wait()
         steps = self.all_steps()
         if step not in steps:
-            raise CheckpointError(f"no complete checkpoint {step} in {self.directory} (available: {steps or 'none'})")
+            raise CheckpointError(f"no complete checkpoint {step} in {self.where} (available: {steps or 'none'})")
+        self._ensure_local(step)
         stored = self._manager.item_metadata(step)[_STATE]
         _check_against_metadata(step, stored.tree if stored is not None else None, abstract_state)
         target = jax.tree.map(_with_sharding, dict(abstract_state))
@@ -184,10 +218,11 @@ class Checkpointer:
             steps = ckpt.all_steps()
             if step is None:
                 if not steps:
-                    raise CheckpointError(f"no complete checkpoint in {ckpt.directory}")
+                    raise CheckpointError(f"no complete checkpoint in {ckpt.where}")
                 step = steps[-1]
             if step not in steps:
-                raise CheckpointError(f"no complete checkpoint {step} in {ckpt.directory} (available: {steps or 'none'})")
+                raise CheckpointError(f"no complete checkpoint {step} in {ckpt.where} (available: {steps or 'none'})")
+            ckpt._ensure_local(step)
             out = ckpt._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
             return dict(out[_META] or {})
         finally:

@@ -46,7 +46,10 @@ def initialise(coordinator: str | None = None, num_processes: int | None = None,
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                    process_id=process_id, **kwargs)
         _initialised = True
-    elif slurm:
-        jax.distributed.initialize()  # JAX's Slurm cluster detection fills in the rest
+    elif slurm or env.get("OLMAX_DISTRIBUTED") == "auto":
+        # JAX's cluster detection fills in the rest (Slurm variables; TPU VM / GKE metadata for
+        # `olmax launch tpu`, which sets OLMAX_DISTRIBUTED=auto). gloo: CPU-only Slurm jobs.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize()
         _initialised = True
     return jax.process_index(), jax.process_count()

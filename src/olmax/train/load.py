@@ -18,6 +18,18 @@ from olmax.config import CheckpointConfig, Config, ConfigError, MeshConfig
 def resolve_checkpoint(path: str | Path) -> tuple[Path, int]:
     """(run directory, step) for a run directory or a ``checkpoints/N`` directory."""
     from olmax.train.checkpoint import CHECKPOINT_DIR, Checkpointer
+    from olmax import io
+    if io.is_remote(path):  # s3:// or gs:// run directory, or RUN/checkpoints/N
+        url = str(path).rstrip("/")
+        head, _, last = url.rpartition("/")
+        if last.isdigit() and head.endswith("/" + CHECKPOINT_DIR):
+            return head[: -len(CHECKPOINT_DIR) - 1], int(last)  # type: ignore[return-value]
+        ck = Checkpointer(url, CheckpointConfig(), read_only=True)
+        step = ck.latest_step()
+        ck.close()
+        if step is None:
+            raise ConfigError(f"{url} holds no committed checkpoint (checkpoints/N/_OLMAX_COMMITTED)")
+        return url, step  # type: ignore[return-value]
     p = Path(path)
     if p.parent.name == CHECKPOINT_DIR and p.name.isdigit():
         return p.parent.parent, int(p.name)
@@ -54,6 +66,12 @@ def load_params(path: str | Path, dtype: str | None = None) -> tuple[Any, Config
     if s.startswith("hf:"):
         from olmax.compat.hf import load_hf_params
         return load_hf_params(s[3:], dtype=dtype)
+    from olmax import io
+    if io.is_remote(s):
+        params, _, cfg, _ = restore_train_state(s)
+        if dtype is not None:
+            params = jax.tree.map(lambda a: a.astype(dtype), params)
+        return params, cfg
     p = Path(s)
     if not p.exists():
         raise FileNotFoundError(f"checkpoint {p} does not exist")

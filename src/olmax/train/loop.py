@@ -162,6 +162,20 @@ def _any_process(flag: bool) -> bool:
     return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
 
 
+def _remote_mirror(run_dir: str | os.PathLike):
+    from olmax import io
+    if not io.is_remote(run_dir):
+        return None
+    if not str(run_dir).startswith(("s3://", "gs://", "gcs://")):
+        raise ConfigError(f"run directory {run_dir}: remote run directories must be s3:// or gs:// "
+                          "(http(s) is read-only)")
+    from olmax.train.remote import RunMirror
+    mirror = RunMirror(str(run_dir))
+    if jax.process_index() == 0:
+        mirror.pull()
+    return mirror
+
+
 def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch: bool = False,
           max_steps_this_run: int | None = None, progress: bool = True) -> TrainResult:
     """Train ``cfg`` in ``run_dir``, resuming from its newest complete checkpoint if any.
@@ -171,7 +185,9 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
     from olmax.train.checkpoint import Checkpointer, StopSignal
     from olmax.eval.heldout import HeldoutEvaluator
 
-    run = Path(run_dir)
+    # An s3:// or gs:// run directory is written through a local mirror (olmax.train.remote).
+    mirror = _remote_mirror(run_dir)
+    run = mirror.local if mirror is not None else Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
     is_main = jax.process_index() == 0
     mesh = make_mesh(cfg.mesh)
@@ -183,11 +199,11 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
     # -- state: resume, or initialise (from scratch or converted weights) -------------------------
     abstract = abstract_train_state(cfg, mesh)
     pshard, oshard = shardings(abstract["params"]), shardings(abstract["opt_state"])
-    ckpt = Checkpointer(run, cfg.checkpoint)
+    ckpt = Checkpointer(run_dir if mirror is not None else run, cfg.checkpoint)
     start = ckpt.latest_step()
     data_state = None
     if start is not None:
-        meta = ckpt.read_meta(run, start)
+        meta = ckpt.read_meta(run_dir if mirror is not None else run, start)
         ckpt.check_compatible(meta, cfg)
         data_state = meta["data_state"]
 
@@ -288,9 +304,17 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
                         print(msg, file=sys.stderr, flush=True)
                         logger.log(done, {"eval/memorisation alarm": float(alarm.status == ALARM)})
             if ckpt.should_save(done) or done == total or stop_now:
+                # Log step `done` before its checkpoint exists: a process killed right after the
+                # save would otherwise resume past a metrics line that was never written.
+                if pending is not None:
+                    emit(*pending)
+                    pending = None
                 meta = {"step": done, "data_state": loader.state(done).to_dict(),
                         "fingerprint": loader.fingerprint, **run_meta}
-                ckpt.save(done, {"params": params, "opt_state": opt_state}, meta, force=stop_now or done == total)
+                saved = ckpt.save(done, {"params": params, "opt_state": opt_state}, meta, force=stop_now or done == total)
+                if saved and mirror is not None and is_main:
+                    logger.flush()
+                    mirror.push()
             if stop_now:
                 stopped = done < total
                 step = done
@@ -305,4 +329,6 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
     if bar:
         bar.close()
     loader.close()
-    return TrainResult(str(run), start, step, losses, stopped)
+    if mirror is not None and is_main:
+        mirror.push()
+    return TrainResult(str(run_dir) if mirror is not None else str(run), start, step, losses, stopped)

@@ -1,0 +1,203 @@
+"""``olmax launch``: the local supervisor with real training children killed by SIGKILL, the Slurm
+script (generated, and run by bash against stub srun/scontrol), the TPU commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from signal import SIGKILL
+
+import pytest
+
+from trainlib import small_overrides
+from olmax.launch import latest_checkpoint
+from olmax.recipes import get_recipe
+from olmax.train.loop import train
+from olmax.verify.resume import read_metrics
+
+STEPS = 8
+# Timing-dependent columns differ between any two runs.
+VOLATILE = ("throughput/device/TPS", "throughput/MFU")
+
+
+def _sets(paths, *extra):
+    return [a for o in small_overrides(paths, f"train.steps={STEPS}", *extra) for a in ("--set", o)]
+
+
+def _launch(args, tmp_path, **kw):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.Popen([sys.executable, "-m", "olmax.cli", "launch", "local", "tiny", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **kw)
+
+
+def _read_status(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def test_a_run_that_never_progresses_stops_after_n_restarts(tmp_path, corpus):
+    status = tmp_path / "status.json"
+    proc = _launch(["--run-dir", str(tmp_path / "run"), "--max-restarts", "2", "--backoff", "0.05",
+                    "--status-file", str(status), "--json", *_sets(corpus)], tmp_path)
+    killed: set[int] = set()
+
+    def killer():  # every child dies at once, before it can write a checkpoint
+        while proc.poll() is None:
+            st = _read_status(status)
+            if st and st["pid"] not in killed:
+                try:
+                    os.kill(st["pid"], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                killed.add(st["pid"])
+            time.sleep(0.01)
+
+    t = threading.Thread(target=killer)
+    t.start()
+    out, err = proc.communicate(timeout=600)
+    t.join()
+    assert proc.returncode == 1, err
+    report = json.loads(out)
+    assert not report["ok"] and "3 attempts in a row made no progress" in report["reason"]
+    assert [a["signal"] for a in report["attempts"]] == ["SIGKILL"] * 3 and report["restarts"] == 2
+    assert "gave up" in err and "--max-restarts 2" in err
+    assert latest_checkpoint(str(tmp_path / "run")) is None
+
+
+def test_bad_input_is_not_retried(tmp_path):
+    proc = _launch(["--run-dir", str(tmp_path / "run"), "--backoff", "0.05", "--json",
+                    *_sets([str(tmp_path / "missing.npy")])], tmp_path)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 2, err
+    report = json.loads(out)
+    assert len(report["attempts"]) == 1 and "status 2" in report["reason"]
+    assert "missing.npy" in err
+
+
+@pytest.mark.slow  # four training processes (about 1-2 minutes on 2 cores)
+def test_children_killed_at_random_points_finish_with_the_uninterrupted_metrics(tmp_path, corpus):
+    ref = train(get_recipe("tiny", small_overrides(corpus, f"train.steps={STEPS}")), tmp_path / "ref", progress=False)
+    assert ref.end_step == STEPS
+    run, status = tmp_path / "run", tmp_path / "status.json"
+    proc = _launch(["--run-dir", str(run), "--max-restarts", "2", "--backoff", "0.05", "--status-file", str(status),
+                    "--json", *_sets(corpus)], tmp_path)
+    rng = random.Random(1234)
+    kills = []
+
+    def kill(pid: int) -> None:
+        try:
+            os.kill(pid, SIGKILL)
+            kills.append(pid)
+        except ProcessLookupError:
+            pass
+
+    def killer():
+        # Kill 1: the first child, a random moment after a randomly chosen checkpoint appeared.
+        k1 = rng.choice([2, 4])
+        while proc.poll() is None and (latest_checkpoint(str(run)) or 0) < k1:
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.05))
+        kill(_read_status(status)["pid"])
+        # Kill 2: the restarted child, at a random point of its start-up (import, restore, compile).
+        while proc.poll() is None and (_read_status(status) or {}).get("attempt") != 2:
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.5, 3.0))
+        kill(_read_status(status)["pid"])
+
+    t = threading.Thread(target=killer)
+    t.start()
+    out, err = proc.communicate(timeout=900)
+    t.join()
+    assert proc.returncode == 0, err
+    report = json.loads(out)
+    assert report["ok"] and report["last_checkpoint"] == STEPS
+    sigs = [a["signal"] for a in report["attempts"]]
+    assert sigs.count("SIGKILL") == len(kills) == 2 and sigs[-1] is None
+    a, b = read_metrics(tmp_path / "ref"), read_metrics(run)
+    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+    for step in a:
+        for k in a[step]:
+            if k not in VOLATILE:
+                assert b[step][k] == a[step][k], (step, k)
+
+
+# --------------------------------------------------------------------------- Slurm and TPU
+
+
+def test_slurm_dry_run_prints_a_requeueing_sbatch_script(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-m", "olmax.cli", "launch", "slurm", "tiny", "--nodes", "4",
+                        "--gpus-per-node", "8", "--partition", "h100", "--time", "48:00:00", "--run-dir",
+                        "s3://bucket/runs/x", "--log-dir", str(tmp_path / "logs"), "--dry-run"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    s = r.stdout
+    for line in ("#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=h100",
+                 "#SBATCH --time=48:00:00", "#SBATCH --requeue", "#SBATCH --signal=B:TERM@120",
+                 "#SBATCH --ntasks-per-node=1"):
+        assert line in s.splitlines(), line
+    assert "srun --kill-on-bad-exit=1" in s and "train tiny --run-dir s3://bucket/runs/x" in s
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in s and "TOTAL_STEPS=500" in s
+    assert not (tmp_path / "logs").exists()  # a dry run writes nothing
+
+
+def test_slurm_script_requeues_on_a_crash_and_gives_up_without_progress(tmp_path):
+    """Run the generated script with bash against stub srun/scontrol (a real Slurm is in the
+    slow test): a crash without progress requeues with a doubled backoff; past --max-restarts it
+    gives up; a finished run exits 0."""
+    from olmax.launch.slurm import sbatch_script
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "srun").write_text("#!/bin/bash\nshift\nexec \"$@\"\n")  # drop --kill-on-bad-exit
+    (bin_ / "scontrol").write_text(f"#!/bin/bash\necho \"$@\" >> {tmp_path}/scontrol.log\n")
+    for f in bin_.iterdir():
+        f.chmod(0o755)
+    run = tmp_path / "run"
+    train_cmd = ["bash", "-c", f"mkdir -p {run}/checkpoints/$STEP_TO_WRITE; exit $TRAIN_RC"]
+    script = sbatch_script(train_cmd, run_dir=str(run), total_steps=4, nodes=1, gpus_per_node=0, job_name="t",
+                           log_dir=str(tmp_path), max_restarts=1, backoff=5, python=sys.executable)
+    (tmp_path / "job.sh").write_text(script)
+    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n1"}
+
+    def job(step: int, rc: int) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(tmp_path / "job.sh")], env={**env, "STEP_TO_WRITE": str(step),
+                              "TRAIN_RC": str(rc)}, capture_output=True, text=True, timeout=300)
+
+    def log() -> list[str]:
+        p = tmp_path / "scontrol.log"
+        return p.read_text().splitlines() if p.exists() else []
+
+    r = job(2, 137)  # progress to checkpoint 2, then a crash: requeue after the base backoff
+    assert r.returncode == 0 and log() == ["requeue 77", "update JobId=77 StartTime=now+5"], r.stdout + r.stderr
+    r = job(2, 137)  # no progress: requeue, the next backoff doubles
+    assert log()[-1] == "update JobId=77 StartTime=now+5" and "FAILS=1; DELAY=10" in (tmp_path / "olmax-launch-77.state").read_text()
+    r = job(2, 137)  # a second failure in a row without progress: past --max-restarts 1
+    assert r.returncode == 1 and "gave up" in r.stdout and len(log()) == 4
+    r = job(4, 0)
+    assert r.returncode == 0 and "done, checkpoint 4" in r.stdout and len(log()) == 4
+
+
+def test_tpu_prints_the_host_command_and_a_jobset(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-m", "olmax.cli", "launch", "tpu", "olmo3_7b_stage1", "--run-dir",
+                        "gs://bucket/runs/s1", "--tpu-name", "v5p-64", "--hosts", "8", "--topology", "4x4x4"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    s = r.stdout
+    assert "OLMAX_DISTRIBUTED=auto python3 -m olmax.cli train olmo3_7b_stage1 --run-dir gs://bucket/runs/s1" in s
+    assert "gcloud compute tpus tpu-vm ssh v5p-64" in s and "--worker=all" in s
+    assert "kind: JobSet" in s and "parallelism: 8" in s and "cloud.google.com/gke-tpu-topology: 4x4x4" in s
+    import yaml
+    manifest = yaml.safe_load(s[s.index("# Generated by `olmax launch tpu`"):])
+    job = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert job["completions"] == 8 and manifest["spec"]["failurePolicy"]["maxRestarts"] == 3
+    assert job["template"]["spec"]["containers"][0]["command"][:4] == ["python3", "-m", "olmax.cli", "train"]
