@@ -8,6 +8,7 @@ import importlib
 import json
 import os
 import sys
+import threading
 import traceback
 
 from olmax.config import ConfigError
@@ -60,6 +61,13 @@ def _quiet_background_errors() -> None:
     import logging
     for name in ("absl", "orbax", "jax._src.distributed", "grain"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    # TensorStore's callbacks into an asyncio loop that a failed save already closed ("Event loop
+    # is closed") arrive as unraisable exceptions and thread exceptions: one per pending write.
+    def closed_loop(exc: BaseException | None) -> bool:
+        return isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc)
+
+    sys.unraisablehook = lambda u: None if closed_loop(u.exc_value) else sys.__unraisablehook__(u)
+    threading.excepthook = lambda a: None if closed_loop(a.exc_value) else threading.__excepthook__(a)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import threading
 import zlib
@@ -146,8 +147,11 @@ class Checkpointer:
         _check_json(meta, "meta")  # fail here, not in a background thread
         if self.cfg.checksums:
             self.wait()  # seal the previous save (Orbax would wait for it here anyway)
-        self._manager.save(step, args=ocp.args.Composite(
-            **{_STATE: ocp.args.StandardSave(dict(state)), _META: ocp.args.JsonSave(meta)}), force=True)
+        try:
+            self._manager.save(step, args=ocp.args.Composite(
+                **{_STATE: ocp.args.StandardSave(dict(state)), _META: ocp.args.JsonSave(meta)}), force=True)
+        except Exception as e:
+            raise self._save_error(e, step) from e
         self._unsealed.append(step)
         if not self.cfg.async_save:
             self._seal()
@@ -156,8 +160,23 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until asynchronous saves are committed (re-raises their errors), then write
         their checksums."""
-        self._manager.wait_until_finished()
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            raise self._save_error(e, self._unsealed[-1] if self._unsealed else None) from e
         self._seal()
+
+    def _save_error(self, e: Exception, step: int | None) -> CheckpointError:
+        """One line for a failed save (a full disk, a quota, permissions): what, where, and that
+        the older checkpoints are untouched (Orbax commits by renaming a finished tmp folder)."""
+        self._unsealed = []
+        msg = str(e)
+        known = re.search(r"No space left on device|Disk quota exceeded|File too large|Permission denied|"
+                          r"Read-only file system", msg)
+        reason = known.group(0) if known else _short(e)
+        what = f"checkpoint {step}" if step is not None else "a checkpoint"
+        return CheckpointError(f"could not write {what} in {self.directory}: {reason}. The older checkpoints are "
+                               "intact; free space (or fix the folder) and run the same command to resume")
 
     def close(self) -> None:
         self.wait()

@@ -295,8 +295,8 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
                 f"update {what} ({len(nonfinite_run)} in a row; the run stops at {max_nonfinite})")
         if bad and len(nonfinite_run) >= max_nonfinite and failure is None:
             failure = (f"{len(nonfinite_run)} consecutive updates had a non-finite loss or gradient norm (steps "
-                       f"{nonfinite_run[0]}..{nonfinite_run[-1]}); stopped without saving them. The last checkpoint "
-                       f"in {run / 'checkpoints'} is finite: lower optim.lr or check the data, then resume "
+                       f"{nonfinite_run[0]}..{nonfinite_run[-1]}); none of them was checkpointed (the "
+                       f"checkpoints in {run / 'checkpoints'} hold finite states): lower optim.lr or check the data, then resume "
                        f"(optim.skip_step.max_nonfinite_steps={max_nonfinite})")
         if step % cfg.train.log_interval == 0 or step == total or bad:
             logger.log(step, row)
@@ -333,7 +333,16 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
                         logger.log(done, {"eval/memorisation alarm": float(alarm.status == ALARM)})
             if failure is not None:
                 break
-            if ckpt.should_save(done) or done == total or stop_now:
+            forced = done == total or stop_now
+            if (ckpt.should_save(done) or forced) and pending is not None:
+                emit(*pending)  # know whether step ``done`` was non-finite before saving it
+                pending = None
+                if failure is not None:
+                    break
+            if ckpt.should_save(done) and nonfinite_run and not forced:
+                say(f"olmax: WARNING not saving checkpoint {done} in the middle of {len(nonfinite_run)} non-finite "
+                    "steps; the next checkpoint after a finite step will be saved")
+            elif ckpt.should_save(done) or forced:
                 if not bool(all_finite((params, opt_state.mu, opt_state.nu))):
                     # Never write a non-finite state: it would rotate finite checkpoints away.
                     failure = (f"the parameters or Adam moments are non-finite after step {done}; not saving "
