@@ -22,7 +22,7 @@ from olmax import cli
 from olmax.config import ConfigError, OptimConfig, ScheduleConfig, SkipStepConfig
 from olmax.data import DataError
 from olmax.data.dataset import CONTENT_RANGE_BYTES, CONTENT_RANGES, TokenDataset, validate_tokens
-from olmax.data.loader import DataLoader
+from olmax.data.loader import DataLoader, DataState
 from olmax.optim import apply_update, init_opt_state
 from olmax.recipes import get_recipe
 from olmax.train.checkpoint import Checkpointer
@@ -38,6 +38,26 @@ def cfg_for(paths, *extra):
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "olmax.cli", *args], capture_output=True, text=True,
                           env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})})
+
+
+@pytest.fixture
+def olmax_main(monkeypatch, capsys):
+    """``olmax ARGS`` in this process: (exit status, stdout, stderr). The hooks and log levels the
+    CLI sets are put back afterwards."""
+    import logging
+    import threading
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    monkeypatch.setattr(threading, "excepthook", threading.excepthook)
+    levels = {n: logging.getLogger(n).level for n in ("absl", "orbax", "jax._src.distributed", "grain", "asyncio")}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        rc = cli.main(list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, rc, out, err)
+    yield run
+    for n, level in levels.items():
+        logging.getLogger(n).setLevel(level)
 
 
 def sets(overrides: list[str]) -> list[str]:
@@ -172,22 +192,26 @@ def test_item3_non_finite_is_skipped_from_step_1_whatever_min_history():
 def test_item6_yaml_syntax_error_is_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  d_model: [1,\n")
+    # In a real process once: exit status, stderr and no traceback as a user sees them.
     assert_one_line_error(run_cli("print-config", str(bad)), str(bad), "not valid YAML at line")
 
 
 @pytest.mark.parametrize("override", ["train.log_interval=0", "eval.interval=0"])
-def test_item6_zero_intervals_fail_before_compiling(override, tmp_path, corpus):
-    r = run_cli("train", "tiny", "--run-dir", str(tmp_path / "run"), *sets(small_overrides(corpus, override)))
+def test_item6_zero_intervals_fail_before_compiling(override, tmp_path, corpus, olmax_main):
+    r = olmax_main("train", "tiny", "--run-dir", str(tmp_path / "run"), *sets(small_overrides(corpus, override)))
     assert_one_line_error(r, override.split("=")[0], "must be positive")
     assert not (tmp_path / "run").exists()
 
 
-def test_item6_debug_shows_the_traceback_and_bugs_keep_theirs(tmp_path, monkeypatch, capsys):
+def test_item6_debug_shows_the_traceback_and_bugs_keep_theirs(tmp_path, monkeypatch, olmax_main):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [\n")
-    r = run_cli("print-config", str(bad), env={"OLMAX_DEBUG": "1"})
+    monkeypatch.setenv("OLMAX_DEBUG", "1")
+    r = olmax_main("print-config", str(bad))
     assert r.returncode == 2 and "Traceback" in r.stderr and "error: " in r.stderr
-    r = run_cli("--debug", "print-config", str(bad))
+    monkeypatch.delenv("OLMAX_DEBUG")
+    assert "Traceback" not in olmax_main("print-config", str(bad)).stderr
+    r = olmax_main("--debug", "print-config", str(bad))
     assert r.returncode == 2 and "Traceback" in r.stderr
 
     # An internal bug (not a user error) is not turned into a one-liner.
@@ -200,8 +224,8 @@ def test_item6_debug_shows_the_traceback_and_bugs_keep_theirs(tmp_path, monkeypa
         cli.main(["print-config", "tiny"])
 
 
-def test_item6_json_errors(tmp_path):
-    r = run_cli("eval", "loss", "--checkpoint", str(tmp_path / "nope"), "--data", str(tmp_path / "x.npy"), "--json")
+def test_item6_json_errors(tmp_path, olmax_main):
+    r = olmax_main("eval", "loss", "--checkpoint", str(tmp_path / "nope"), "--data", str(tmp_path / "x.npy"), "--json")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "error" in json.loads(r.stdout)
 
@@ -248,9 +272,15 @@ def test_item8_same_size_edit_is_caught_on_resume_and_names_the_file_and_flag(tm
     res = train(cfg, tmp_path / "run", progress=False, allow_fingerprint_mismatch=True)
     assert res.end_step == 4
     # The content fingerprint can be switched off (names and sizes only, as OLMo-core).
-    train(cfg_for(corpus, "train.steps=2", "data.content_fingerprint=false"), tmp_path / "off", progress=False)
+    off = cfg_for(corpus, "train.steps=4", "data.content_fingerprint=false")
+    state = DataLoader(off, cache_dir=tmp_path / "cache").state()
+    assert state.content == []
     _edit_same_size(Path(corpus[0]), 10)
-    train(cfg_for(corpus, "train.steps=4", "data.content_fingerprint=false"), tmp_path / "off", progress=False)
+    assert DataLoader(off, resume=state, cache_dir=tmp_path / "cache").start_step == 0
+    # ... while on (the default) the same state with recorded contents is checked.
+    recorded = DataState(**{**state.to_dict(), "content": [[os.path.basename(p), "0" * 64] for p in corpus]})
+    with pytest.raises(DataError, match="contents changed"):
+        DataLoader(cfg, resume=recorded, cache_dir=tmp_path / "cache")
 
 
 def test_item8_large_files_are_sampled(tmp_path):
@@ -275,12 +305,13 @@ def test_item8_large_files_are_sampled(tmp_path):
 # --------------------------------------------------------------------------- item 9
 
 
-def test_item9_compare_refuses_a_non_empty_out(tmp_path, corpus):
-    train(cfg_for(corpus, "train.steps=2"), tmp_path / "run", progress=False)
+def test_item9_compare_refuses_a_non_empty_out(tmp_path, olmax_main):
+    run = tmp_path / "metrics.jsonl"
+    run.write_text("".join(json.dumps({"step": s, "train/CE loss": 5.0 - 0.1 * s}) + "\n" for s in range(1, 9)))
     out = tmp_path / "report"
     out.mkdir()
     (out / "report.md").write_text("an earlier report\n")
-    r = run_cli("compare", str(tmp_path / "run"), "--out", str(out))
+    r = olmax_main("compare", str(tmp_path / "run"), "--out", str(out))
     assert_one_line_error(r, str(out), "not empty")
     assert (out / "report.md").read_text() == "an earlier report\n" and len(list(out.iterdir())) == 1
 
@@ -300,22 +331,22 @@ def test_item9_binary_metrics_file_is_named_and_left_untouched(tmp_path, corpus)
 # --------------------------------------------------------------------------- item 10
 
 
-def test_item10_messages(tmp_path, corpus):
+def test_item10_messages(tmp_path, corpus, olmax_main):
     # The fingerprint error names the flag, not the Python keyword.
     cfg = cfg_for(corpus, "train.steps=4")
     train(cfg, tmp_path / "run", progress=False, max_steps_this_run=2)
     extra = write_corpus(tmp_path / "more", n_files=1, seed=3)
-    r = run_cli("train", "tiny", "--run-dir", str(tmp_path / "run"), "--no-progress",
-                *sets(small_overrides(corpus + extra, "train.steps=4")))
+    r = olmax_main("train", "tiny", "--run-dir", str(tmp_path / "run"), "--no-progress",
+                   *sets(small_overrides(corpus + extra, "train.steps=4")))
     line = assert_one_line_error(r, "--allow-fingerprint-mismatch")
     assert "allow_fingerprint_mismatch=True" not in line
     # An unreadable checkpoint meta JSON is named (and, being the only one, a one-line error).
     (tmp_path / "run" / "checkpoints" / "2" / "meta" / "metadata").write_text("{not json")
-    r = run_cli("eval", "loss", "--checkpoint", str(tmp_path / "run" / "checkpoints" / "2"), "--data", corpus[0])
+    r = olmax_main("eval", "loss", "--checkpoint", str(tmp_path / "run" / "checkpoints" / "2"), "--data", corpus[0])
     assert_one_line_error(r, str(tmp_path / "run" / "checkpoints" / "2"), "meta")
     # A run directory that is a file.
     f = tmp_path / "file"
     f.write_text("x")
-    r = run_cli("train", "tiny", "--run-dir", str(f), *sets(small_overrides(corpus)))
+    r = olmax_main("train", "tiny", "--run-dir", str(f), *sets(small_overrides(corpus)))
     line = assert_one_line_error(r, str(f), "is a file, not a directory")
     assert "Errno" not in line

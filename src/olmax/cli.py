@@ -59,7 +59,7 @@ def _quiet_background_errors() -> None:
     """Orbax and Grain log the traceback of an error in their threads (ENOSPC in an async save
     came with dozens); the error itself reaches the main thread, which reports it in one line."""
     import logging
-    for name in ("absl", "orbax", "jax._src.distributed", "grain"):
+    for name in ("absl", "orbax", "jax._src.distributed", "grain", "asyncio"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     # TensorStore's callbacks into an asyncio loop that a failed save already closed ("Event loop
     # is closed") arrive as unraisable exceptions and thread exceptions: one per pending write.
