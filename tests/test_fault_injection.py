@@ -107,9 +107,10 @@ def _kill_and_resume(tmp_path: Path, corpus: list[str], kills: int, steps: int) 
     run = tmp_path / "killed"
     hits = _kill_during_saves(run, ov, kills, random.Random(0))
     assert hits >= 1, "no kill landed while a save was in flight"
-    res = train(get_recipe("tiny", ov), run, progress=False)
-    assert res.start_step == 2 and res.end_step == steps
-    assert sorted(read_metrics(run)) == list(range(1, steps + 1))
+    r = subprocess.run(train_cmd(run, ov), env=ENV, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    train(get_recipe("tiny", ov), tmp_path / "straight", progress=False)
+    assert_same_run(run, tmp_path / "straight", steps)
 
 
 def test_kill9_during_async_saves_then_resume_is_bitwise(tmp_path, corpus):
@@ -118,7 +119,7 @@ def test_kill9_during_async_saves_then_resume_is_bitwise(tmp_path, corpus):
 
 @pytest.mark.slow
 def test_kill9_twenty_times_during_async_saves_then_resume_is_bitwise(tmp_path, corpus):
-    _kill_and_resume(tmp_path, corpus, kills=20, steps=400)
+    _kill_and_resume(tmp_path, corpus, kills=20, steps=200)
 
 
 # --------------------------------------------------------------------------- damaged checkpoints
@@ -134,6 +135,8 @@ def _flip_bit(path: Path) -> None:
     path.write_bytes(bytes(b))
 
 
+# Orbax's restore of a truncated file leaves coroutines whose errors Python reports as unraisable.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_damaged_newest_checkpoints_fall_back_and_resume_bitwise(tmp_path, corpus, capfd):
     """Checkpoints 4, 3 and 2 damaged three ways: a flipped bit (caught by its checksum), a
     truncated data file and a removed ``state/`` (checksums gone too, as when a run is killed
@@ -273,7 +276,8 @@ def _file_size_limit(limit: int):
 def test_full_disk_during_a_save_is_one_line_and_keeps_older_checkpoints(tmp_path, corpus):
     """A write that fails mid-save (a per-file size limit stands in for a full disk: the write
     fails with EFBIG instead of ENOSPC, through the same code): one line, exit 2, no traceback
-    from the background writers, older checkpoints intact and resumable, bitwise."""
+    from the background writers, older checkpoints intact and resumable (bitwise: see the kill
+    -9 test)."""
     steps = 6
     ov = small_overrides(corpus, f"train.steps={steps}", "checkpoint.async_save=true", "checkpoint.keep_last=5")
     run = tmp_path / "run"

@@ -253,7 +253,8 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ restore
 
-    def restore(self, step: int, abstract_state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    def restore(self, step: int, abstract_state: Mapping[str, Any], *, verify: bool = True
+                ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Restore checkpoint ``step`` into the shapes, dtypes and shardings of ``abstract_state``.
 
         ``abstract_state`` is a pytree of ``jax.ShapeDtypeStruct`` whose ``.sharding`` may use a
@@ -265,7 +266,7 @@ class Checkpointer:
         steps = self.all_steps()
         if step not in steps:
             raise CheckpointError(f"no complete checkpoint {step} in {self.directory} (available: {steps or 'none'})")
-        if self.cfg.checksums:
+        if self.cfg.checksums and verify:  # verify=False: the caller has just verified it
             self.verify(step)
         where = self.directory / str(step)
         try:

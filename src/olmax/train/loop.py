@@ -207,7 +207,7 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
                 "seed": cfg.train.seed}
     while start is not None:
         try:
-            state, meta = ckpt.restore(start, abstract)
+            state, meta = ckpt.restore(start, abstract, verify=False)  # _pick_checkpoint verified it
             break
         except CorruptCheckpointError as e:
             _warn_damaged(e, damaged)
@@ -296,8 +296,8 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
         if bad and len(nonfinite_run) >= max_nonfinite and failure is None:
             failure = (f"{len(nonfinite_run)} consecutive updates had a non-finite loss or gradient norm (steps "
                        f"{nonfinite_run[0]}..{nonfinite_run[-1]}); none of them was checkpointed (the "
-                       f"checkpoints in {run / 'checkpoints'} hold finite states): lower optim.lr or check the data, then resume "
-                       f"(optim.skip_step.max_nonfinite_steps={max_nonfinite})")
+                       f"checkpoints in {run / 'checkpoints'} hold finite states): lower optim.lr or check the "
+                       f"data, then resume (optim.skip_step.max_nonfinite_steps={max_nonfinite})")
         if step % cfg.train.log_interval == 0 or step == total or bad:
             logger.log(step, row)
         if alarm is not None:
