@@ -89,7 +89,7 @@ def test_item1_out_of_vocab_ids_deep_in_a_file_stop_before_the_update(tmp_path):
     path = tmp_path / "oov.npy"
     x.tofile(path)
     validate_tokens(str(path), "uint16", vocab)                   # the construction-time sample misses it
-    cfg = cfg_for([str(path)], "train.steps=200", "checkpoint.interval=1")
+    cfg = cfg_for([str(path)], "train.steps=200")
     # The first step whose batch holds a bad instance, from the data order itself.
     loader = DataLoader(cfg, cache_dir=tmp_path / "cache")
     def bad(i: int) -> bool:
