@@ -6,9 +6,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
+import threading
+import traceback
 
 from olmax.config import ConfigError
+
+# Exceptions that are the user's to fix (their messages name the field, file or flag). OSError
+# covers a full disk, a missing permission or a run directory that is a file.
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ValueError, OSError)
 
 # Modules that add subcommands, in help order.
 COMMAND_MODULES = [
@@ -41,15 +48,52 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _user_error_message(e: BaseException) -> str:
+    """One line for a user's error (bad config, data, checkpoint, disk); OSError names the path."""
+    if isinstance(e, OSError) and not isinstance(e, (ConfigError,)) and e.strerror:
+        where = f": {e.filename}" if e.filename else ""
+        return f"{e.strerror}{where}"
+    msg = str(e) or type(e).__name__
+    return " ".join(msg.split()) if "\n" in msg else msg
+
+
+def _quiet_background_errors() -> None:
+    """Orbax and Grain log the traceback of an error in their threads (ENOSPC in an async save
+    came with dozens); the error itself reaches the main thread, which reports it in one line."""
+    import logging
+    for name in ("absl", "orbax", "jax._src.distributed", "grain", "asyncio"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    # TensorStore's callbacks into an asyncio loop that a failed save already closed ("Event loop
+    # is closed") arrive as unraisable exceptions and thread exceptions: one per pending write.
+    def closed_loop(exc: BaseException | None) -> bool:
+        return isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc)
+
+    sys.unraisablehook = lambda u: None if closed_loop(u.exc_value) else sys.__unraisablehook__(u)
+    threading.excepthook = lambda a: None if closed_loop(a.exc_value) else threading.__excepthook__(a)
+
+
 def main(argv: list[str] | None = None) -> int:
+    # Error contract: a user error (config, data, checkpoint, full disk) is one line on stderr
+    # (and {"error": ...} on stdout with --json), exit status 2, no traceback unless --debug or
+    # OLMAX_DEBUG=1. Anything else is a bug in olmax and keeps its traceback.
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = os.environ.get("OLMAX_DEBUG", "") not in ("", "0")
+    if "--debug" in argv:
+        argv.remove("--debug")
+        debug = True
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not debug:
+        _quiet_background_errors()
     try:
         rc = args.func(args)
-    except (ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:
+    except USER_ERRORS as e:
+        if debug:
+            traceback.print_exc()
+        msg = _user_error_message(e)
         if getattr(args, "json", False):
-            print(json.dumps({"error": str(e)}))
-        print(f"error: {e}", file=sys.stderr)
+            print(json.dumps({"error": msg}))
+        print(f"error: {msg}", file=sys.stderr)
         return 2
     return int(rc or 0)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -126,6 +127,10 @@ class DataConfig:
     # Optional local cache of remote (s3://, gs://, http(s)://) token files, in 16 MiB blocks
     # fetched on first use; None reads every instance with a range request.
     remote_cache_dir: str | None = None
+    # Also hash sampled byte ranges of every token file (whole files up to 1 MiB) into the data
+    # state, so a file edited in place with the same size is caught on resume (the fingerprint,
+    # like OLMo-core's, hashes names and sizes only).
+    content_fingerprint: bool = True
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,15 @@ class SkipStepConfig:
     sigma_factor: float = 6.0
     window: int = 128
     min_history: int = 64
+    # A non-finite CE loss or grad norm always skips its update (from step 1, whatever
+    # min_history says) and stays out of the history, so one bad batch cannot skip the next
+    # ``window`` updates. True replays OLMo-core 3.0.0 exactly instead: the value enters the
+    # history (every later test compares with a NaN mean: skipped until it leaves the window) and
+    # before min_history a non-finite update is applied.
+    olmo_core_nonfinite: bool = False
+    # The run stops (exit status 2, no checkpoint of the bad state) after this many consecutive
+    # updates skipped for a non-finite loss or grad norm.
+    max_nonfinite_steps: int = 5
 
 
 @dataclass(frozen=True)
@@ -208,6 +222,9 @@ class CheckpointConfig:
     keep_last: int = 3
     keep_every: int | None = None
     async_save: bool = True
+    # Write a CRC32 of every file of a checkpoint (each process its own files) and verify it on
+    # restore; a mismatching checkpoint is skipped for the previous complete one. Off for speed.
+    checksums: bool = True
 
 
 @dataclass(frozen=True)
@@ -245,7 +262,13 @@ class Config:
 
     @classmethod
     def from_yaml(cls, text: str, where: str = "config") -> Config:
-        d = yaml.safe_load(text)
+        try:
+            d = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or type(e).__name__
+            raise ConfigError(f"{where}: not valid YAML{at}: {problem}") from None
         if not isinstance(d, dict):
             raise ConfigError(f"{where}: expected a YAML mapping of config sections")
         try:
@@ -341,7 +364,54 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"train.{name} must be positive or null, got {v}")
     if s.warmup < 0:
         raise ConfigError(f"optim.schedule.warmup must be >= 0, got {s.warmup}")
+    _validate_ranges(cfg)
     return cfg
+
+
+def _validate_ranges(cfg: Config) -> None:
+    """Values that are accepted by their type but mean nothing (or NaN) for training."""
+    o, s, sk = cfg.optim, cfg.optim.schedule, cfg.optim.skip_step
+
+    def number(name: str, v: float | None, lo: float = 0.0, *, strict: bool = False, hi: float | None = None,
+               optional: bool = False) -> None:
+        if v is None and optional:
+            return
+        ok = v is not None and math.isfinite(v) and (v > lo if strict else v >= lo) and (hi is None or v < hi)
+        if not ok:
+            rng = (f"> {lo:g}" if strict else f">= {lo:g}") + (f" and < {hi:g}" if hi is not None else "")
+            raise ConfigError(f"{name} must be a finite number {rng}{' or null' if optional else ''}, got {v!r}")
+
+    number("optim.lr", o.lr)
+    number("optim.beta1", o.beta1, hi=1.0)
+    number("optim.beta2", o.beta2, hi=1.0)
+    number("optim.eps", o.eps, strict=True)
+    number("optim.weight_decay", o.weight_decay)
+    number("optim.max_grad_norm", o.max_grad_norm, strict=True, optional=True)
+    number("optim.z_loss", o.z_loss, optional=True)
+    number("optim.schedule.alpha_f", s.alpha_f)
+    number("optim.skip_step.sigma_factor", sk.sigma_factor, strict=True)
+    ints = {
+        "optim.schedule.t_max": (s.t_max, 1, True), "optim.schedule.t_max_2": (s.t_max_2, 1, True),
+        "optim.schedule.switch_step": (s.switch_step, 0, True), "optim.schedule.part2_warmup": (s.part2_warmup, 0, True),
+        "optim.skip_step.window": (sk.window, 1, False), "optim.skip_step.min_history": (sk.min_history, 0, False),
+        "optim.skip_step.max_nonfinite_steps": (sk.max_nonfinite_steps, 1, False),
+        "train.micro_batch_size": (cfg.train.micro_batch_size, 1, True),
+        "train.log_interval": (cfg.train.log_interval, 1, False),
+        "data.workers": (cfg.data.workers, 0, False), "data.prefetch": (cfg.data.prefetch, 0, False),
+        "data.repetition_min_period": (cfg.data.repetition_min_period, 1, False),
+        "data.repetition_max_period": (cfg.data.repetition_max_period, 1, False),
+        "data.repetition_max_count": (cfg.data.repetition_max_count, 1, False),
+        "checkpoint.keep_last": (cfg.checkpoint.keep_last, 1, False),
+        "checkpoint.keep_every": (cfg.checkpoint.keep_every, 1, True),
+        "eval.interval": (cfg.eval.interval, 1, False), "eval.batches": (cfg.eval.batches, 1, False),
+        "eval.batch_size": (cfg.eval.batch_size, 1, False),
+    }
+    for name, (v, lo, optional) in ints.items():
+        if v is None and optional:
+            continue
+        if v is None or v < lo:
+            what = "positive" if lo == 1 else f">= {lo}"
+            raise ConfigError(f"{name} must be {what}{' or null' if optional else ''}, got {v!r}")
 
 
 # --------------------------------------------------------------------------- machinery

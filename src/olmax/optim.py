@@ -258,6 +258,12 @@ def apply_update(params: Any, grads: Any, opt_state: OptState, ce_loss: jax.Arra
         g32, coef = clip_by_global_norm(g32, optim_cfg.max_grad_norm, grad_norm)
 
     skipped = skip_decision(opt_state, loss, grad_norm, optim_cfg)
+    # A non-finite loss or grad norm (the pre-clip norm, whether or not clipping is on) never
+    # becomes an update and never enters the history, unless olmo_core_nonfinite replays
+    # OLMo-core (see SkipStepConfig).
+    nonfinite = jnp.logical_not(jnp.logical_and(jnp.isfinite(loss), jnp.isfinite(grad_norm)))
+    if not optim_cfg.skip_step.olmo_core_nonfinite:
+        skipped = jnp.logical_or(skipped, nonfinite)
 
     # foreach_adamw_step, written for step_factor = 1; a skip then selects the old values, which is
     # what step_factor = 0 yields there for finite grads (and stays clean for non-finite ones).
@@ -286,18 +292,26 @@ def apply_update(params: Any, grads: Any, opt_state: OptState, ce_loss: jax.Arra
     new_params, mu, nu = (treedef.unflatten([o[i] for o in out]) for i in range(3))
 
     window = optim_cfg.skip_step.window
+    loss_history = _push(opt_state.loss_history, loss)
+    norm_history = _push(opt_state.norm_history, grad_norm)
+    history_count = jnp.minimum(opt_state.history_count + 1, window)
+    if not optim_cfg.skip_step.olmo_core_nonfinite:
+        loss_history = jnp.where(nonfinite, opt_state.loss_history, loss_history)
+        norm_history = jnp.where(nonfinite, opt_state.norm_history, norm_history)
+        history_count = jnp.where(nonfinite, opt_state.history_count, history_count)
     new_state = OptState(
         step=step,
         adam_step=opt_state.adam_step + jnp.where(skipped, 0, 1).astype(jnp.int32),
         mu=mu, nu=nu,
-        loss_history=_push(opt_state.loss_history, loss),
-        norm_history=_push(opt_state.norm_history, grad_norm),
-        history_count=jnp.minimum(opt_state.history_count + 1, window),
+        loss_history=loss_history,
+        norm_history=norm_history,
+        history_count=history_count,
     )
     metrics = {
         "lr": lr,
         "grad_norm": grad_norm,
         "clipped_grad_norm": grad_norm * coef,
         "step_skipped": skipped.astype(f32),
+        "nonfinite": nonfinite.astype(f32),
     }
     return new_params, new_state, metrics

@@ -206,6 +206,31 @@ def validate_tokens(path: str, dtype: np.dtype | str, vocab_size: int, *, full: 
                             f"{vocab_size} (model.vocab_size); wrong data.dtype or a file from another tokenizer?")
 
 
+# --------------------------------------------------------------------------- content fingerprint
+
+CONTENT_WHOLE_FILE = 1 << 20   # files up to 1 MiB are hashed whole
+CONTENT_RANGES = 32            # else this many ranges, evenly spread, first and last included
+CONTENT_RANGE_BYTES = 1 << 12  # of 4 KiB each: 128 KiB read per file, whatever its size
+
+
+def content_hash(path: str) -> str:
+    """SHA-256 of a file's size and sampled byte ranges (the whole file up to 1 MiB).
+
+    Cheap for terabytes (128 KiB read per file) and catches what a names-and-sizes fingerprint
+    cannot: a file rewritten in place with the same size (a re-tokenization, a different shard).
+    An edit that touches none of the sampled ranges of a large file goes unnoticed."""
+    size = os.path.getsize(path)
+    h = hashlib.sha256(f"size={size},".encode())
+    with open(path, "rb") as f:
+        if size <= CONTENT_WHOLE_FILE:
+            h.update(f.read())
+        else:
+            for off in np.linspace(0, size - CONTENT_RANGE_BYTES, CONTENT_RANGES).astype(np.int64):
+                f.seek(int(off))
+                h.update(f.read(CONTENT_RANGE_BYTES))
+    return h.hexdigest()
+
+
 # --------------------------------------------------------------------------- repetition filter
 
 
@@ -331,14 +356,24 @@ class TokenDataset:
             h.update(f"path={os.path.basename(f.path)},size={f.size},".encode())
         return h.hexdigest()
 
+    @functools.cached_property
+    def content_hashes(self) -> list[list[str]]:
+        """``[basename, sha256]`` per file over sampled byte ranges (:func:`content_hash`)."""
+        return [[os.path.basename(f.path), content_hash(f.path)] for f in self.files]
+
     def _map(self, i: int) -> np.ndarray:
         if i not in self._maps:
             f = self.files[i]
             self._maps[i] = open_tokens(f.path, self.dtype, f.size, getattr(self, "remote_cache_dir", None))
         return self._maps[i]
 
-    def read(self, ids: np.ndarray) -> np.ndarray:
-        """Tokens of instances ``ids`` as int32 ``[len(ids), L]``."""
+    def read(self, ids: np.ndarray, step: int | None = None) -> np.ndarray:
+        """Tokens of instances ``ids`` as int32 ``[len(ids), L]``.
+
+        Every instance is checked as it is read (a max over its tokens, cheap next to the read):
+        an id >= ``vocab_size`` is a ``DataError`` naming the file, the token offset and ``step``
+        (the global step being assembled), so it never reaches an update. The construction-time
+        check only samples windows of each file."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if len(ids) and (ids.min() < 0 or ids.max() >= self.num_instances):
             raise IndexError(f"instance ids outside [0, {self.num_instances})")
@@ -347,5 +382,13 @@ class TokenDataset:
         file_idx = np.searchsorted(self._starts, ids, side="right") - 1
         for row, (i, fi) in enumerate(zip(ids, file_idx)):
             local = int(i - self._starts[fi])
-            out[row] = self._map(int(fi))[local * L:(local + 1) * L]
+            raw = self._map(int(fi))[local * L:(local + 1) * L]
+            if raw.max() >= self.vocab_size:
+                pos = int(np.argmax(raw >= self.vocab_size))
+                at = f" in global batch {step} (the batch of update {step + 1})" if step is not None else ""
+                raise DataError(
+                    f"{self.files[fi].path}: token id {int(raw[pos])} at token offset {local * L + pos} (instance "
+                    f"{int(i)}) is >= the vocabulary size {self.vocab_size} (model.vocab_size){at}; no update used it. "
+                    "Wrong data.dtype, or a file from another tokenizer?")
+            out[row] = raw
         return out

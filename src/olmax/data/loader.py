@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
@@ -43,6 +44,8 @@ class DataState:
     fingerprint: str
     global_batch_size: int
     dataset: dict = field(default_factory=dict)
+    # [basename, sha256 of sampled byte ranges] per file (data.content_fingerprint); empty when off.
+    content: list = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -96,7 +99,7 @@ class StepSource:
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         ids = self.ids(int(step))
-        tokens = self.dataset.read(ids)
+        tokens = self.dataset.read(ids, step=int(step))
         mask = np.ones(tokens.shape, dtype=bool)
         if self.repetition_filter is not None:
             lo, hi, count = self.repetition_filter
@@ -155,9 +158,19 @@ class DataLoader:
             raise DataError(f"data.seed={d.seed} but the saved data state used seed {s.seed}; "
                             f"set data.seed={s.seed} to resume the same order")
         changes = state_mismatches(s, self.dataset)
+        if not changes and s.content and self.cfg.data.content_fingerprint:
+            now = self.dataset.content_hashes
+            if len(now) == len(s.content):
+                edited = [n for (n, h), (_, h2) in zip(s.content, now) if h != h2]
+                if edited:
+                    files = {os.path.basename(f.path): f.path for f in self.dataset.files}
+                    changes.append("contents changed (same name and size, sampled bytes differ): "
+                                   + ", ".join(files.get(n, n) for n in edited[:5])
+                                   + (f" and {len(edited) - 5} more" if len(edited) > 5 else ""))
         if changes and not allow:
             raise DataError("the dataset differs from the one in the saved data state: " + "; ".join(changes)
-                            + " (pass allow_fingerprint_mismatch=True to resume anyway, with a different order)")
+                            + ". Restore the original files, start a new --run-dir, or pass "
+                            "--allow-fingerprint-mismatch to resume anyway (the data order may differ)")
         if s.global_batch_size != B:
             raise DataError(f"train.global_batch_size={B} but the saved data state used {s.global_batch_size} "
                             f"instances per batch; step {s.batches_processed} would skip or repeat data")
@@ -167,7 +180,8 @@ class DataLoader:
         B, L = self.cfg.train.global_batch_size, self.cfg.data.sequence_length
         return DataState(seed=self.cfg.data.seed, epoch=self.order.locate(self._next)[0],
                          batches_processed=self._next, tokens_processed=self._next * B * L,
-                         fingerprint=self.dataset.fingerprint, global_batch_size=B, dataset=self.dataset.describe())
+                         fingerprint=self.dataset.fingerprint, global_batch_size=B, dataset=self.dataset.describe(),
+                         content=self.dataset.content_hashes if self.cfg.data.content_fingerprint else [])
 
     def batch(self, step: int) -> dict[str, np.ndarray]:
         """Batch of global step ``step``, read in this process (random access, no state change)."""

@@ -128,6 +128,13 @@ def _build(label: str, source: str, rows: list[tuple[int, float | None, dict[str
 
 
 def _read_jsonl(path: Path, label: str) -> Run:
+    try:
+        return _read_jsonl_text(path, label)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a JSON-lines text file (byte {e.start} is not UTF-8)") from None
+
+
+def _read_jsonl_text(path: Path, label: str) -> Run:
     rows = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -553,6 +560,9 @@ def compare(paths: Sequence[str], reference: str | None = None, *, labels: Seque
             alarm: AlarmConfig = AlarmConfig(), heldout_metric: str | None = None,
             reference_label: str = "reference") -> dict[str, Any]:
     """Read, align, plot and report; returns the summary (keys in the module docstring)."""
+    if Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())):
+        # Reports never overwrite (like convert and tokenize): an earlier report may be the one cited.
+        raise ValueError(f"output directory {str(out)!r} already exists and is not empty; choose another --out")
     runs, ref = load_inputs(paths, reference, labels, reference_label)
     base = ref or runs[0]
     if len(base.steps) == 0:

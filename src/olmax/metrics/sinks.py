@@ -82,6 +82,7 @@ class JsonlSink:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._check_text()
         self._drop_partial_tail()
         self._f: TextIO | None = open(self.path, "a", encoding="utf-8")
 
@@ -105,6 +106,18 @@ class JsonlSink:
                     os.fsync(f.fileno())
                 os.replace(tmp, self.path)
         self._f = open(self.path, "a", encoding="utf-8")
+
+    def _check_text(self) -> None:
+        # Before anything is truncated: a file that is not UTF-8 text is not ours to rewrite.
+        if not self.path.exists():
+            return
+        if self.path.is_dir():
+            raise ValueError(f"{self.path} is a directory, not a metrics file; move it aside to resume")
+        try:
+            self.path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{self.path}: not a JSON-lines text file (byte {e.start} is not UTF-8); it was left "
+                             "untouched: move it aside (or restore it) to resume") from None
 
     def _drop_partial_tail(self) -> None:
         # A crash mid-write leaves an unterminated last line; appending to it would corrupt the

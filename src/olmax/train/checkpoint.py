@@ -25,8 +25,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import threading
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
@@ -62,6 +64,11 @@ class CheckpointError(ConfigError):
     """A checkpoint that cannot be used for this run; the message names the field or parameter."""
 
 
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint whose files are unreadable, missing, truncated or fail their checksums (the
+    trainer then falls back to the previous complete checkpoint)."""
+
+
 class Checkpointer:
     """Saves and restores ``RUN_DIR/checkpoints/<N>`` with Orbax (see the module docstring)."""
 
@@ -88,6 +95,7 @@ class Checkpointer:
         else:
             self.directory = Path(run_dir).absolute() / CHECKPOINT_DIR
         self.where = self.remote.root if self.remote is not None else str(self.directory)  # for messages
+        self._unsealed: list[int] = []  # committed (or in flight) here, checksums not yet written
         pp = ocp.checkpoint_managers
         # Orbax's policies express "last K plus every M-th" exactly: a step survives if any keeps it.
         policies = [pp.LatestN(ckpt_cfg.keep_last)]
@@ -154,13 +162,19 @@ class Checkpointer:
             raise ValueError(f"meta[{META_STEP!r}]={meta[META_STEP]!r} disagrees with the checkpoint step {step}")
         meta = {META_STEP: step, **meta}
         _check_json(meta, "meta")  # fail here, not in a background thread
-        self._manager.save(step, args=ocp.args.Composite(
-            **{_STATE: ocp.args.StandardSave(dict(state)), _META: ocp.args.JsonSave(meta)}), force=True)
-        if self.remote is not None:
-            self._manager.wait_until_finished()  # the upload copies the committed local checkpoint
-            if jax.process_index() == 0:
-                self.remote.upload(step)
-                self.remote.prune(self.cfg.keep_last, self.cfg.keep_every)
+        if self.cfg.checksums:
+            self.wait()  # seal the previous save (Orbax would wait for it here anyway)
+        try:
+            self._manager.save(step, args=ocp.args.Composite(
+                **{_STATE: ocp.args.StandardSave(dict(state)), _META: ocp.args.JsonSave(meta)}), force=True)
+        except Exception as e:
+            raise self._save_error(e, step) from e
+        self._unsealed.append(step)
+        if not self.cfg.async_save or self.remote is not None:
+            self.wait()  # commit and seal: the upload copies the committed, checksummed checkpoint
+        if self.remote is not None and jax.process_index() == 0:
+            self.remote.upload(step)
+            self.remote.prune(self.cfg.keep_last, self.cfg.keep_every)
         return True
 
     def _ensure_local(self, step: int) -> None:
@@ -175,12 +189,92 @@ class Checkpointer:
             self._manager.reload()
 
     def wait(self) -> None:
-        """Block until asynchronous saves are committed (re-raises their errors)."""
-        self._manager.wait_until_finished()
+        """Block until asynchronous saves are committed (re-raises their errors), then write
+        their checksums."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            raise self._save_error(e, self._unsealed[-1] if self._unsealed else None) from e
+        self._seal()
+
+    def _save_error(self, e: Exception, step: int | None) -> CheckpointError:
+        """One line for a failed save (a full disk, a quota, permissions): what, where, and that
+        the older checkpoints are untouched (Orbax commits by renaming a finished tmp folder)."""
+        self._unsealed = []
+        msg = str(e)
+        known = re.search(r"No space left on device|Disk quota exceeded|File too large|Permission denied|"
+                          r"Read-only file system", msg)
+        reason = known.group(0) if known else _short(e)
+        what = f"checkpoint {step}" if step is not None else "a checkpoint"
+        return CheckpointError(f"could not write {what} in {self.directory}: {reason}. The older checkpoints are "
+                               "intact; free space (or fix the folder) and run the same command to resume")
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
+        self.wait()
         self._manager.close()
+
+    # ------------------------------------------------------------------ integrity
+
+    def _seal(self) -> None:
+        """Write ``checksums.p<r>.json`` (CRC32 and size of each file this process owns) into each
+        checkpoint this Checkpointer committed. Written after Orbax's commit and atomically (tmp
+        file + rename): a checkpoint killed in between has no checksums and is restored unverified."""
+        steps, self._unsealed = self._unsealed, []
+        if not self.cfg.checksums:
+            return
+        for step in steps:
+            d = self.directory / str(step)
+            if not d.is_dir():
+                continue  # already rotated away
+            sums = {str(f.relative_to(d)): [f.stat().st_size, _crc32(f)] for f in _owned_files(d)}
+            path = d / _checksum_name()
+            tmp = path.with_name(path.name + ".tmp")
+            with open(tmp, "w") as fh:
+                json.dump({"format": "olmax-checksums-v1", "algorithm": "crc32", "files": sums}, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+
+    def set_aside(self, step: int) -> Path | None:
+        """Rename damaged checkpoint ``step`` to ``<step>.damaged[-k]`` (process 0; nothing is
+        deleted), so the resumed run can write that step again and rotation counts only good ones."""
+        src = self.directory / str(step)
+        dst = None
+        if jax.process_index() == 0 and src.exists():
+            dst = self.directory / f"{step}.damaged"
+            k = 1
+            while dst.exists():
+                k += 1
+                dst = self.directory / f"{step}.damaged-{k}"
+            os.replace(src, dst)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"olmax_set_aside_{step}")
+        self._manager.reload()
+        return dst
+
+    def verify(self, step: int) -> bool:
+        """Check this process's files of checkpoint ``step`` against its checksums. Returns False
+        when the checkpoint has none (written with ``checksums`` off, or killed before they were
+        written); raises ``CorruptCheckpointError`` naming the first bad file."""
+        d = self.directory / str(step)
+        path = d / _checksum_name()
+        if not path.exists():
+            return False
+        try:
+            files = json.loads(path.read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CorruptCheckpointError(f"checkpoint {d}: its checksum file {path.name} is unreadable ({e})") from None
+        for rel, (size, crc) in files.items():
+            f = d / rel
+            if not f.is_file():
+                raise CorruptCheckpointError(f"checkpoint {d}: file {rel} is missing")
+            if f.stat().st_size != size:
+                raise CorruptCheckpointError(f"checkpoint {d}: file {rel} has {f.stat().st_size} bytes, "
+                                             f"{size} when written (truncated?)")
+            if _crc32(f) != crc:
+                raise CorruptCheckpointError(f"checkpoint {d}: file {rel} fails its CRC32 checksum (corrupted on disk)")
+        return True
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -190,7 +284,8 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ restore
 
-    def restore(self, step: int, abstract_state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    def restore(self, step: int, abstract_state: Mapping[str, Any], *, verify: bool = True
+                ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Restore checkpoint ``step`` into the shapes, dtypes and shardings of ``abstract_state``.
 
         ``abstract_state`` is a pytree of ``jax.ShapeDtypeStruct`` whose ``.sharding`` may use a
@@ -203,11 +298,22 @@ class Checkpointer:
         if step not in steps:
             raise CheckpointError(f"no complete checkpoint {step} in {self.where} (available: {steps or 'none'})")
         self._ensure_local(step)
-        stored = self._manager.item_metadata(step)[_STATE]
-        _check_against_metadata(step, stored.tree if stored is not None else None, abstract_state)
+        if self.cfg.checksums and verify:  # verify=False: the caller has just verified it
+            self.verify(step)
+        where = self.directory / str(step)
+        try:
+            stored = self._manager.item_metadata(step)[_STATE]
+        except Exception as e:  # Orbax/TensorStore raise many types for missing or damaged files
+            raise CorruptCheckpointError(f"checkpoint {where} is unreadable: {_short(e)}") from e
+        if stored is None:
+            raise CorruptCheckpointError(f"checkpoint {where} is unreadable: its state/ item is missing")
+        _check_against_metadata(step, stored.tree, abstract_state)
         target = jax.tree.map(_with_sharding, dict(abstract_state))
-        out = self._manager.restore(step, args=ocp.args.Composite(
-            **{_STATE: ocp.args.StandardRestore(target), _META: ocp.args.JsonRestore()}))
+        try:
+            out = self._manager.restore(step, args=ocp.args.Composite(
+                **{_STATE: ocp.args.StandardRestore(target), _META: ocp.args.JsonRestore()}))
+        except Exception as e:
+            raise CorruptCheckpointError(f"checkpoint {where} is unreadable: {_short(e)}") from e
         return dict(out[_STATE]), dict(out[_META] or {})
 
     @staticmethod
@@ -223,8 +329,17 @@ class Checkpointer:
             if step not in steps:
                 raise CheckpointError(f"no complete checkpoint {step} in {ckpt.where} (available: {steps or 'none'})")
             ckpt._ensure_local(step)
-            out = ckpt._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
-            return dict(out[_META] or {})
+            try:
+                out = ckpt._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
+                meta = out[_META]
+            except Exception as e:  # a damaged or missing meta/metadata file
+                raise CorruptCheckpointError(
+                    f"checkpoint {ckpt.directory / str(step)}: its meta item (meta/metadata) is unreadable: "
+                    f"{_short(e)}") from e
+            if not isinstance(meta, dict) or not meta:
+                raise CorruptCheckpointError(
+                    f"checkpoint {ckpt.directory / str(step)}: its meta item (meta/metadata) is missing or empty")
+            return dict(meta)
         finally:
             ckpt.close()
 
@@ -261,6 +376,41 @@ def config_from_meta(meta: Mapping[str, Any]) -> Config:
         raise CheckpointError(f"checkpoint {step} has no resolved config (meta[{META_CONFIG!r}]); "
                               "cannot check that it belongs to this model")
     return Config.from_yaml(meta[META_CONFIG], where=f"checkpoint {step}'s config")
+
+
+def _checksum_name() -> str:
+    return f"checksums.p{jax.process_index()}.json"
+
+
+def _owner(rel: Path) -> int:
+    """The process that wrote a file of a checkpoint: ``ocdbt.process_K`` and
+    ``array_metadatas/process_K`` are process K's, everything else the primary's."""
+    for part in rel.parts:
+        for prefix in ("ocdbt.process_", "process_"):
+            if part.startswith(prefix) and part[len(prefix):].isdigit():
+                return int(part[len(prefix):])
+    return 0
+
+
+def _owned_files(d: Path) -> list[Path]:
+    me = jax.process_index()
+    return sorted(f for f in d.rglob("*") if f.is_file() and not f.name.startswith("checksums.p")
+                  and _owner(f.relative_to(d)) == me)
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _short(e: BaseException) -> str:
+    """The first line of an exception's message (TensorStore's run to many lines)."""
+    msg = str(e).strip().splitlines()
+    first = msg[0].split(" See full TensorStore details")[0][:300] if msg else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
 def _with_sharding(leaf: Any) -> Any:

@@ -182,12 +182,16 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
 
     ``max_steps_this_run`` stops early (after a checkpoint) — used by the resume A/B."""
     from olmax.metrics.sinks import JsonlSink, MetricsLogger, ProgressBar, TensorBoardSink, named
-    from olmax.train.checkpoint import Checkpointer, StopSignal
+    from olmax.train.checkpoint import Checkpointer, CorruptCheckpointError, StopSignal
     from olmax.eval.heldout import HeldoutEvaluator
 
+    if max_steps_this_run is not None and max_steps_this_run <= 0:
+        raise ConfigError(f"--max-steps-this-run must be positive, got {max_steps_this_run}")
     # An s3:// or gs:// run directory is written through a local mirror (olmax.train.remote).
     mirror = _remote_mirror(run_dir)
     run = mirror.local if mirror is not None else Path(run_dir)
+    if run.exists() and not run.is_dir():
+        raise ConfigError(f"run directory {run} is a file, not a directory; choose another --run-dir")
     run.mkdir(parents=True, exist_ok=True)
     is_main = jax.process_index() == 0
     mesh = make_mesh(cfg.mesh)
@@ -199,13 +203,12 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
     # -- state: resume, or initialise (from scratch or converted weights) -------------------------
     abstract = abstract_train_state(cfg, mesh)
     pshard, oshard = shardings(abstract["params"]), shardings(abstract["opt_state"])
-    ckpt = Checkpointer(run_dir if mirror is not None else run, cfg.checkpoint)
-    start = ckpt.latest_step()
-    data_state = None
-    if start is not None:
-        meta = ckpt.read_meta(run_dir if mirror is not None else run, start)
-        ckpt.check_compatible(meta, cfg)
-        data_state = meta["data_state"]
+    ckpt_root = run_dir if mirror is not None else run  # where the checkpoints live (remote or local)
+    ckpt = Checkpointer(ckpt_root, cfg.checkpoint)
+    # Newest first; a damaged checkpoint is named and skipped for the previous complete one.
+    candidates = list(reversed(ckpt.all_steps()))
+    damaged: list[str] = []
+    start, data_state = _pick_checkpoint(ckpt, ckpt_root, cfg, candidates, damaged)
 
     # -- data first: a bad path or a changed dataset fails before anything is allocated or compiled.
     # The order is a pure function of the step; resume checks the fingerprint.
@@ -220,8 +223,24 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
     # Written into every checkpoint; computed once (git runs a subprocess).
     run_meta = {"config_yaml": cfg.to_yaml(), "versions": versions(), "git_commit": git_commit(),
                 "seed": cfg.train.seed}
+    while start is not None:
+        try:
+            state, meta = ckpt.restore(start, abstract, verify=False)  # _pick_checkpoint verified it
+            break
+        except CorruptCheckpointError as e:
+            _warn_damaged(e, damaged)
+            loader.close()
+            candidates = [c for c in candidates if c < start]
+            start, data_state = _pick_checkpoint(ckpt, ckpt_root, cfg, candidates, damaged)
+            loader = TrainData(cfg, start or 0, data_state, allow_fingerprint_mismatch, mesh,
+                               cache_dir=run / "order_cache", trace_dir=run)
+    # Damaged checkpoints newer than the one resumed are renamed (never deleted): the run will
+    # write those steps again, and rotation must not count them as good ones.
+    for bad in [c for c in ckpt.all_steps() if start is None or c > start]:
+        moved = ckpt.set_aside(bad)
+        if moved is not None:
+            print(f"olmax: moved the damaged checkpoint {bad} aside to {moved}", file=sys.stderr, flush=True)
     if start is not None:
-        state, meta = ckpt.restore(start, abstract)
         params, opt_state = state["params"], state["opt_state"]
         if int(meta["step"]) != start or int(opt_state.step) != start:
             raise ConfigError(f"checkpoint {start} in {run} is inconsistent: meta step {meta['step']}, "
@@ -261,16 +280,38 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
     pending: tuple[int, dict, float] | None = None
     stopped = False
     last_time = time.perf_counter()
+    max_nonfinite = cfg.optim.skip_step.max_nonfinite_steps
+    nonfinite_run: list[int] = []     # steps of the current run of consecutive non-finite updates
+    failure: str | None = None        # set when the run must stop with an error
+
+    def say(msg: str) -> None:
+        if bar:
+            bar.write(msg)
+        else:
+            print(msg, file=sys.stderr, flush=True)
 
     def emit(step: int, metrics: dict, dt: float) -> None:
+        nonlocal failure
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         losses[step] = m["ce_loss"]
         tps_dev = tokens_per_step / dt / jax.device_count() if dt > 0 else 0.0
         # OLMo-core names, plus the MaxText run's counterparts that ``named`` adds.
         row = named({"ce_loss": m["ce_loss"], "z_loss": m["z_loss"], "grad_norm": m["grad_norm"], "lr": m["lr"],
                      "step_skipped": m["step_skipped"], "total_tokens": step * tokens_per_step,
-                     "tps_device": tps_dev, "mfu": mfu(fl_tok, tps_dev, peak)})
-        if step % cfg.train.log_interval == 0 or step == total:
+                     "tps_device": tps_dev, "mfu": mfu(fl_tok, tps_dev, peak),
+                     NONFINITE_METRIC: m["nonfinite"]})
+        bad = m["nonfinite"] > 0
+        nonfinite_run[:] = nonfinite_run + [step] if bad else []
+        if bad and is_main:
+            what = "skipped" if m["step_skipped"] else "APPLIED (optim.skip_step.olmo_core_nonfinite)"
+            say(f"olmax: WARNING step {step}: non-finite CE loss {m['ce_loss']} / grad norm {m['grad_norm']}; "
+                f"update {what} ({len(nonfinite_run)} in a row; the run stops at {max_nonfinite})")
+        if bad and len(nonfinite_run) >= max_nonfinite and failure is None:
+            failure = (f"{len(nonfinite_run)} consecutive updates had a non-finite loss or gradient norm (steps "
+                       f"{nonfinite_run[0]}..{nonfinite_run[-1]}); none of them was checkpointed (the "
+                       f"checkpoints in {run / 'checkpoints'} hold finite states): lower optim.lr or check the "
+                       f"data, then resume (optim.skip_step.max_nonfinite_steps={max_nonfinite})")
+        if step % cfg.train.log_interval == 0 or step == total or bad:
             logger.log(step, row)
         if alarm is not None:
             alarm.update(step, m["ce_loss"])
@@ -303,12 +344,24 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
                     if msg:
                         print(msg, file=sys.stderr, flush=True)
                         logger.log(done, {"eval/memorisation alarm": float(alarm.status == ALARM)})
-            if ckpt.should_save(done) or done == total or stop_now:
-                # Log step `done` before its checkpoint exists: a process killed right after the
-                # save would otherwise resume past a metrics line that was never written.
-                if pending is not None:
-                    emit(*pending)
-                    pending = None
+            if failure is not None:
+                break
+            forced = done == total or stop_now
+            if (ckpt.should_save(done) or forced) and pending is not None:
+                emit(*pending)  # know whether step ``done`` was non-finite before saving it
+                pending = None
+                if failure is not None:
+                    break
+            if ckpt.should_save(done) and nonfinite_run and not forced:
+                say(f"olmax: WARNING not saving checkpoint {done} in the middle of {len(nonfinite_run)} non-finite "
+                    "steps; the next checkpoint after a finite step will be saved")
+            elif ckpt.should_save(done) or forced:
+                if not bool(all_finite((params, opt_state.mu, opt_state.nu))):
+                    # Never write a non-finite state: it would rotate finite checkpoints away.
+                    failure = (f"the parameters or Adam moments are non-finite after step {done}; not saving "
+                               f"checkpoint {done} (the newest one in {run / 'checkpoints'} is finite). Lower "
+                               "optim.lr or check the data, then resume")
+                    break
                 meta = {"step": done, "data_state": loader.state(done).to_dict(),
                         "fingerprint": loader.fingerprint, **run_meta}
                 saved = ckpt.save(done, {"params": params, "opt_state": opt_state}, meta, force=stop_now or done == total)
@@ -331,4 +384,61 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
     loader.close()
     if mirror is not None and is_main:
         mirror.push()
+    if failure is not None:
+        raise NonFiniteError(failure)
     return TrainResult(str(run_dir) if mirror is not None else str(run), start, step, losses, stopped)
+
+
+NONFINITE_METRIC = "optim/non-finite step"
+
+
+class NonFiniteError(ValueError):
+    """The run stopped because its loss, gradients or state went non-finite (nothing bad saved)."""
+
+
+@jax.jit
+def all_finite(tree: Any) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def _warn_damaged(e: Exception, damaged: list[str]) -> None:
+    damaged.append(str(e))
+    if jax.process_index() == 0:
+        print(f"olmax: WARNING {e}; falling back to the previous complete checkpoint", file=sys.stderr, flush=True)
+
+
+def _pick_checkpoint(ckpt: Any, run: str | os.PathLike, cfg: Config, candidates: list[int], damaged: list[str]
+                     ) -> tuple[int | None, dict | None]:
+    """The newest of ``candidates`` (descending) whose meta is readable and whose files pass their
+    checksums, and its data state; damaged ones are named on stderr and skipped. With none left
+    after a damaged one: a one-line error (never a silent fresh start over a damaged run)."""
+    from olmax.train.checkpoint import CheckpointError, CorruptCheckpointError
+    for step in candidates:
+        problem: CorruptCheckpointError | None = None
+        try:
+            meta = ckpt.read_meta(run, step)
+            verified = ckpt.verify(step) if cfg.checkpoint.checksums else True
+        except CorruptCheckpointError as e:
+            problem = e
+        # Each process verifies its own files: all must agree before anyone restores.
+        if _any_process(problem is not None):
+            _warn_damaged(problem or CorruptCheckpointError(
+                f"checkpoint {ckpt.directory / str(step)} failed its checksums on another process"), damaged)
+            continue
+        ckpt.check_compatible(meta, cfg)
+        if not verified and jax.process_index() == 0:
+            print(f"olmax: note: checkpoint {ckpt.directory / str(step)} has no checksums (written with "
+                  "checkpoint.checksums=false, or stopped before they were written); restoring it unverified",
+                  file=sys.stderr, flush=True)
+        if int(meta.get("step", step)) > cfg.train.steps:
+            raise CheckpointError(f"train.steps={cfg.train.steps} is below checkpoint {step} in {run}: the run "
+                                  f"already trained {step} steps. Set train.steps >= {step} or use another --run-dir")
+        if "data_state" not in meta:
+            _warn_damaged(CorruptCheckpointError(f"checkpoint {ckpt.directory / str(step)} has no data state"), damaged)
+            continue
+        return step, meta["data_state"]
+    if damaged:
+        raise CheckpointError(f"no usable checkpoint in {ckpt.directory}: " + " | ".join(damaged)
+                              + ". Move the damaged checkpoints aside (or start a new --run-dir)")
+    return None, None
