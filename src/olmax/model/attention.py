@@ -85,9 +85,11 @@ def _splash_kernel(heads: int, t: int, window: int | None, block_q: int, block_k
     else:
         # Keys q-(W-1)..q: W keys including the query itself, as OLMo-core and HF.
         mask = sm.LocalMask(shape=(t, t), window_size=(window - 1, 0), offset=0)
+    # Separate dq and dkv backward kernels: the fused one writes dq once per key block, an array
+    # (s / block_kv) times the size of q (64 GiB per sequence at 65,536 tokens).
     blocks = sk.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
                            block_q_dkv=block_q, block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv,
-                           use_fused_bwd_kernel=True)
+                           block_q_dq=block_q, block_kv_dq=block_kv, use_fused_bwd_kernel=False)
     return sk.make_splash_mha(sm.MultiHeadMask([mask] * heads), block_sizes=blocks, head_shards=1,
                               q_seq_shards=1, interpret=interpret)
 
