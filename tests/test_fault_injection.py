@@ -24,7 +24,7 @@ import pytest
 from trainlib import small_overrides
 from olmax.config import CheckpointConfig
 from olmax.recipes import get_recipe
-from olmax.train import loop as loop_module
+from olmax.train import step as step_module  # the train step takes its optimizer update from here
 from olmax.train.checkpoint import CheckpointError, Checkpointer
 from olmax.train.loop import NONFINITE_METRIC, NonFiniteError, all_finite, train
 from olmax.train.load import restore_train_state
@@ -207,7 +207,7 @@ def test_no_good_checkpoint_is_a_one_line_error_everywhere(tmp_path, corpus):
 
 def _nan_at(step: int):
     """apply_update whose gradients and loss are NaN at update ``step`` (a NaN batch)."""
-    real = loop_module.apply_update
+    real = step_module.apply_update
 
     def update(params, grads, opt_state, ce_loss, **kw):
         hit = opt_state.step + 1 == step
@@ -219,7 +219,7 @@ def _nan_at(step: int):
 def test_nan_batch_is_skipped_logged_and_forgotten(tmp_path, corpus, monkeypatch, capfd):
     steps, bad = 20, 8
     common = ["optim.skip_step.window=8", "optim.skip_step.min_history=4", f"train.steps={steps}"]
-    monkeypatch.setattr(loop_module, "apply_update", _nan_at(bad))
+    monkeypatch.setattr(step_module, "apply_update", _nan_at(bad))
     train(cfg_for(corpus, *common), tmp_path / "ours", progress=False)
     assert f"WARNING step {bad}: non-finite" in capfd.readouterr().err
     ours = read_metrics(tmp_path / "ours")
@@ -237,7 +237,7 @@ def test_nan_batch_is_skipped_logged_and_forgotten(tmp_path, corpus, monkeypatch
 
 
 def test_nan_batch_before_min_history_is_skipped_not_applied(tmp_path, corpus, monkeypatch):
-    monkeypatch.setattr(loop_module, "apply_update", _nan_at(2))
+    monkeypatch.setattr(step_module, "apply_update", _nan_at(2))
     res = train(cfg_for(corpus, "train.steps=4"), tmp_path / "run", progress=False)   # min_history 64
     rows = read_metrics(tmp_path / "run")
     assert rows[2]["optim/step skipped"] == 1.0 and rows[2][NONFINITE_METRIC] == 1.0 and res.end_step == 4

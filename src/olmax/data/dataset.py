@@ -357,9 +357,10 @@ class TokenDataset:
         return h.hexdigest()
 
     @functools.cached_property
-    def content_hashes(self) -> list[list[str]]:
-        """``[basename, sha256]`` per file over sampled byte ranges (:func:`content_hash`)."""
-        return [[os.path.basename(f.path), content_hash(f.path)] for f in self.files]
+    def content_hashes(self) -> list[list[str | None]]:
+        """``[basename, sha256]`` per file over sampled byte ranges (:func:`content_hash`); the hash
+        is None for a remote file (s3://, gs://, http(s)://), whose object-store metadata stands in."""
+        return [[os.path.basename(f.path), None if io.is_remote(f.path) else content_hash(f.path)] for f in self.files]
 
     def _map(self, i: int) -> np.ndarray:
         if i not in self._maps:

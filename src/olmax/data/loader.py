@@ -161,7 +161,8 @@ class DataLoader:
         if not changes and s.content and self.cfg.data.content_fingerprint:
             now = self.dataset.content_hashes
             if len(now) == len(s.content):
-                edited = [n for (n, h), (_, h2) in zip(s.content, now) if h != h2]
+                # A file read remotely on either side has no content hash to compare.
+                edited = [n for (n, h), (_, h2) in zip(s.content, now) if h is not None and h2 is not None and h != h2]
                 if edited:
                     files = {os.path.basename(f.path): f.path for f in self.dataset.files}
                     changes.append("contents changed (same name and size, sampled bytes differ): "
