@@ -158,7 +158,8 @@ def param_shardings(logical: Any, mesh: Mesh) -> Any:
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+    axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)  # meshes built by hand may lack some
+    return NamedSharding(mesh, P(axes, *([None] * (ndim - 1))))
 
 
 @dataclass(frozen=True)
