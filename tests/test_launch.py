@@ -61,16 +61,22 @@ def test_a_run_that_never_progresses_stops_after_n_restarts(tmp_path, corpus):
                 killed.add(st["pid"])
             time.sleep(0.01)
 
-    t = threading.Thread(target=killer)
-    t.start()
-    out, err = proc.communicate(timeout=600)
-    t.join()
+    out, err = _communicate_while(proc, killer, timeout=600)
     assert proc.returncode == 1, err
     report = json.loads(out)
     assert not report["ok"] and "3 attempts in a row made no progress" in report["reason"]
     assert [a["signal"] for a in report["attempts"]] == ["SIGKILL"] * 3 and report["restarts"] == 2
     assert "gave up" in err and "--max-restarts 2" in err
     assert latest_checkpoint(str(tmp_path / "run")) is None
+
+
+def _communicate_while(proc: subprocess.Popen, killer, timeout: float) -> tuple[str, str]:
+    """The launcher's output, with ``killer`` running beside it in a thread."""
+    t = threading.Thread(target=killer)
+    t.start()
+    out, err = proc.communicate(timeout=timeout)
+    t.join()
+    return out, err
 
 
 def test_bad_input_is_not_retried(tmp_path):
@@ -113,10 +119,7 @@ def test_children_killed_at_random_points_finish_with_the_uninterrupted_metrics(
         time.sleep(rng.uniform(0.5, 3.0))
         kill(_read_status(status)["pid"])
 
-    t = threading.Thread(target=killer)
-    t.start()
-    out, err = proc.communicate(timeout=900)
-    t.join()
+    out, err = _communicate_while(proc, killer, timeout=900)
     assert proc.returncode == 0, err
     report = json.loads(out)
     assert report["ok"] and report["last_checkpoint"] == STEPS
