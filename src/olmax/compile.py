@@ -35,8 +35,8 @@ class Family:
     host_bounds: tuple[int, int, int] | None = None
 
 
-# HBM per device as libtpu 0.0.42's compiler reports it in its out-of-memory message
-# ("exceeds available HBM (95.74G)"): what a step may use, a little under the datasheet figure.
+# HBM per device as libtpu 0.0.42's compiler budgets it, read from its out-of-memory message
+# ("exceeds available HBM (95.74G)"): what a compiled step may use.
 FAMILIES = {
     "v5p": Family("v5p", 3, 2, 1, 95.74, "megacore", (2, 2, 1)),
     "v5e": Family("v5e", 2, 1, 1, 15.75),
@@ -215,6 +215,9 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
                 raise
             report["eval"] = {"batch_size": bs, "per_device_gib": oom[0], "fits": False,
                               "compile_seconds": time.perf_counter() - t1}
+        if not report["eval"]["fits"]:
+            report["verdict"] += (f"; the eval step at batch {bs} does not fit "
+                                  f"({report['eval']['per_device_gib']:.1f} GiB): lower eval.batch_size")
         report["fits"] = report["fits"] and report["eval"]["fits"]
     return report
 

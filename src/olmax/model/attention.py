@@ -72,8 +72,8 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None
 def _block(requested: int, t: int, what: str) -> int:
     size = min(requested, t)
     if t % size or size % 128:
-        raise ConfigError(f"model.{what}={requested} does not tile the sequence length {t} "
-                          f"(splash attention needs the sequence to be a multiple of the block, and blocks of 128k positions)")
+        raise ConfigError(f"model.{what}={requested} does not tile the sequence length {t} (splash attention "
+                          "needs blocks of a multiple of 128 positions that divide the sequence)")
     return size
 
 
