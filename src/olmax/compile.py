@@ -145,7 +145,7 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
     import jax
     import jax.numpy as jnp
 
-    from olmax.sharding import batch_sharding, data_parallel_size, make_mesh, plan_batch
+    from olmax.sharding import batch_sharding, make_mesh, plan_batch
     from olmax.train.loop import abstract_train_state, shardings
     from olmax.train.step import jit_train_step, make_eval_step
 
@@ -194,10 +194,9 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
     report.update(argument_gib=arg / GiB, output_gib=out / GiB, alias_gib=alias / GiB, temp_gib=temp / GiB,
                   code_gib=code / GiB, **_verdict(need=total / GiB, hbm=topology.family.hbm_gib))
     if eval_step:
+        from olmax.eval.heldout import check_batch_divides
         bs = cfg.eval.batch_size
-        dp = data_parallel_size(sizes)
-        if bs % dp:
-            bs = dp * max(1, -(-bs // dp))
+        check_batch_divides(bs, mesh)  # the run would stop on this before training
         ev_batch = jax.ShapeDtypeStruct((bs, L), jnp.int32, sharding=bshard)
         ev_mask = jax.ShapeDtypeStruct((bs, L), jnp.bool_, sharding=bshard)
         t1 = time.perf_counter()
