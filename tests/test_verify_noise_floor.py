@@ -19,6 +19,7 @@ import olmo_core  # noqa: F401  (the test extras: ai2-olmo-core; a missing insta
 
 import olmax.optim
 from olmax.verify import noise_floor as nf
+from olmax.verify import commands as verify_commands
 from olmax.verify import olmo_core as oc
 
 LR = "optim.lr=3e-3"   # the tiny recipe's own peak lr (the parity recipe's default is 1e-3)
@@ -79,8 +80,8 @@ def test_small_real_bugs_are_outside_the_noise(floor, bug, monkeypatch):
 
 def test_cli_noise_floor_json_and_exit_code(tmp_path, capsys):
     parser = argparse.ArgumentParser()
-    oc.register(parser.add_subparsers())
-    args = parser.parse_args(["olmo-core", "--noise-floor", "--steps", "40", "--set", LR,
+    verify_commands.register(parser.add_subparsers())
+    args = parser.parse_args(["verify", "olmo-core", "--noise-floor", "--steps", "40", "--set", LR,
                               "--olmax-set", "optim.decay_embeddings=true", "--json", "--out", str(tmp_path / "nf")])
     assert args.func(args) == 1
     r = json.loads(capsys.readouterr().out)

@@ -112,7 +112,7 @@ def quiet_libtpu(topology: Topology | None = None) -> None:
 
 def abstract_devices(topology: Topology) -> list:
     try:
-        import libtpu  # noqa: F401
+        import libtpu  # noqa: F401  (only to say clearly when it is missing)
     except ImportError:
         raise ConfigError("olmax compile needs the libtpu wheel: pip install 'olmax[tpu]'") from None
     from jax.experimental import topologies

@@ -11,21 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import asdict
 from pathlib import Path
-from typing import Any
-
-
-def trace_to_json(trace: Any) -> dict[str, Any]:
-    return asdict(trace)
-
-
-def trace_from_json(d: dict[str, Any]) -> Any:
-    from olmax.verify.olmo_core import Trace
-    t = Trace(seconds=float(d.get("seconds", 0.0)))
-    for name in ("ce", "grad_norm", "lr", "z_loss", "skipped", "ids"):
-        setattr(t, name, {int(k): v for k, v in d.get(name, {}).items()})
-    return t
 
 
 def main(spec_path: str) -> int:
@@ -51,7 +37,7 @@ def main(spec_path: str) -> int:
     else:
         trace = oc.run_olmax(oc.olmax_config(cfg, out, spec["paths"], spec["hf_dir"], spec["olmax_overrides"]),
                              Path(spec["work"]))
-    spec_file.with_suffix(".trace.json").write_text(json.dumps(trace_to_json(trace)))
+    spec_file.with_suffix(".trace.json").write_text(json.dumps(oc.trace_to_json(trace)))
     return 0
 
 

@@ -11,4 +11,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     vs.required = True
     from olmax.verify import olmo_core, resume
     resume.register(vs)
-    olmo_core.register(vs)
+    olmo_core.register(vs, func=_olmo_core)
+
+
+def _olmo_core(args: argparse.Namespace) -> int:
+    """``olmax verify olmo-core``: the fixed-tolerance parity, or with ``--noise-floor`` the verdict
+    against OLMo-core's own noise."""
+    import json
+
+    from olmax.verify import noise_floor, olmo_core
+    if not args.noise_floor:
+        return olmo_core._main(args)
+    factor = noise_floor.NOISE_FACTOR if args.noise_factor is None else args.noise_factor
+    report = noise_floor.run_noise_floor(args.steps, args.seed, args.overrides, args.olmax_overrides, args.out,
+                                         factor=factor, world=args.ranks, with_plots=args.plots)
+    print(json.dumps(report, indent=2) if args.json else noise_floor.format_report(report))
+    return 0 if report["within_noise"] else 1

@@ -209,7 +209,6 @@ class Recipe:
 
 def _spawn(specs: list[dict[str, Any]], spec_dir: Path, env: dict[str, str]) -> list[oc.Trace]:
     """Run ``olmax.verify._worker`` once per spec, concurrently; their traces."""
-    from olmax.verify._worker import trace_from_json
     spec_dir.mkdir(parents=True, exist_ok=True)
     procs = []
     for i, spec in enumerate(specs):
@@ -232,7 +231,7 @@ def _spawn(specs: list[dict[str, Any]], spec_dir: Path, env: dict[str, str]) -> 
             failed.append(f"{f.name}: exit {p.returncode}; the end of {log_path}:\n{log_path.read_text()[-2000:]}")
     if failed:
         raise RuntimeError("a verify worker failed: " + "\n".join(failed))
-    return [trace_from_json(json.loads(f.with_suffix(".trace.json").read_text())) for f, _, _ in procs]
+    return [oc.trace_from_json(json.loads(f.with_suffix(".trace.json").read_text())) for f, _, _ in procs]
 
 
 def run_olmo_core_ranks(recipe: Recipe, extra: list[str], paths: list[str], work: Path, hf_dir: Path | None,

@@ -33,7 +33,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -534,10 +534,25 @@ def _run(cfg: Config, olmax_overrides: list[str] | tuple[str, ...], out: Path, l
     return report
 
 
+
+def trace_to_json(trace: Trace) -> dict[str, Any]:
+    """A trace as JSON (the noise-floor worker processes hand theirs back this way)."""
+    return asdict(trace)
+
+
+def trace_from_json(d: dict[str, Any]) -> Trace:
+    t = Trace(seconds=float(d.get("seconds", 0.0)))
+    for name in ("ce", "grad_norm", "lr", "z_loss", "skipped", "ids"):
+        setattr(t, name, {int(k): v for k, v in d.get(name, {}).items()})
+    return t
+
+
 # --------------------------------------------------------------------------- command line
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction, func: Any = None) -> None:
+    """Add ``olmax verify olmo-core``; ``func`` (default ``_main``) runs it (``olmax.verify.commands``
+    passes one that also handles ``--noise-floor``, which builds on this module)."""
     p = subparsers.add_parser(
         "olmo-core", help="per-step training parity with OLMo-core (the PyTorch reference)",
         description="Train the same tiny OLMo 3 in OLMo-core and in olmax from OLMo-core's initial weights, on "
@@ -566,17 +581,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "micro-batch-split run (loss overlay, gap panel, milestones) into OUT/compare")
     p.add_argument("--noise-factor", type=float, default=None,
                    help="with --noise-floor: the factor of the verdict (default: noise_floor.NOISE_FACTOR)")
-    p.set_defaults(func=_main)
+    p.set_defaults(func=func or _main)
 
 
 def _main(args: argparse.Namespace) -> int:
-    if args.noise_floor:
-        from olmax.verify import noise_floor
-        factor = noise_floor.NOISE_FACTOR if args.noise_factor is None else args.noise_factor
-        report = noise_floor.run_noise_floor(args.steps, args.seed, args.overrides, args.olmax_overrides, args.out,
-                                             factor=factor, world=args.ranks, with_plots=args.plots)
-        print(json.dumps(report, indent=2) if args.json else noise_floor.format_report(report))
-        return 0 if report["within_noise"] else 1
+    if args.noise_floor:  # olmax.verify.commands dispatches it; this module does not build on noise_floor
+        raise RuntimeError("--noise-floor is run by olmax.verify.commands (register this parser through it)")
     if args.noise_factor is not None or args.ranks != 1 or args.plots:
         raise ConfigError("--noise-factor, --ranks and --plots need --noise-floor")
     report = run_parity(args.steps, args.seed, args.overrides, args.olmax_overrides, args.out)
