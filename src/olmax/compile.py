@@ -146,7 +146,7 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
     import jax.numpy as jnp
 
     from olmax.sharding import batch_sharding, make_mesh, plan_batch
-    from olmax.train.loop import abstract_train_state, shardings
+    from olmax.train.state import abstract_train_state, shardings
     from olmax.train.step import jit_train_step, make_eval_step
 
     if topology.slices > 1 and cfg.mesh.slice == 1:

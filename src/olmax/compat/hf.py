@@ -32,7 +32,7 @@ import numpy as np
 
 from olmax.config import Config, ConfigError, ModelConfig, RopeScaling, validate
 from olmax.model.weights_io import (DEFAULT_SHARD_BYTES, DTYPES, INDEX_NAME, TensorReader, WeightsError,
-                                    atomic_dir, dtype_name, flatten_tree, is_weights_dir, iter_weights, load_config,
+                                    atomic_dir, dtype_name, iter_weights, load_config,
                                     named_specs, np_dtype, save_weights, unflatten, write_shards)
 
 ARCHITECTURE = "Olmo3ForCausalLM"
@@ -459,31 +459,10 @@ def olmax_to_hf(weights_dir: str | os.PathLike, out_dir: str | os.PathLike, dtyp
                 shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Any = None) -> Path:
     """Export an olmax weights directory as a HF ``Olmo3ForCausalLM`` directory (safetensors, one
     file or sharded with an index, config.json, generation_config.json), atomically.
-
-    A training run directory or ``RUN/checkpoints/N`` is accepted too: its parameters are
-    restored (in memory) and written as a temporary weights directory first."""
+    (``olmax convert olmax-to-hf`` also takes training checkpoints: ``olmax.compat.commands``.)"""
     weights_dir = Path(weights_dir)
     if not weights_dir.exists():
         raise ConversionError(f"checkpoint {str(weights_dir)!r} does not exist")
-    if weights_dir.is_dir() and not is_weights_dir(weights_dir):
-        import tempfile
-
-        from olmax.train.load import load_params, resolve_checkpoint
-        if Path(out_dir).exists() and any(Path(out_dir).iterdir()):  # before any restore work
-            raise ConversionError(f"output directory {str(out_dir)!r} already exists and is not empty")
-        try:
-            resolve_checkpoint(weights_dir)
-        except ConfigError:
-            raise ConversionError(f"{str(weights_dir)!r} is not an olmax weights directory (config.yaml + "
-                                  "safetensors) nor a run or checkpoint directory") from None
-        params, cfg = load_params(weights_dir)
-        Path(out_dir).parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=Path(out_dir).parent, prefix=".olmax-export-") as t:
-            tmp_weights = Path(t) / "weights"
-            save_weights(tmp_weights, ((n, np.asarray(a)) for n, a in flatten_tree(params)), cfg,
-                         shard_bytes=shard_bytes)
-            del params
-            return olmax_to_hf(tmp_weights, out_dir, dtype=dtype, shard_bytes=shard_bytes, progress=progress)
     try:
         cfg = load_config(weights_dir)
         reader = TensorReader(weights_dir)

@@ -226,7 +226,7 @@ class MemorisationAlarm:
                  min_points: int = 3, label: str = "this run", reference: str = "the reference",
                  heldout_metric: str = "eval/heldout/CE loss"):
         if isinstance(reference_curve, str) or hasattr(reference_curve, "__fspath__"):
-            from olmax.eval.compare import read_run
+            from olmax.eval.runs import read_run
             ref = read_run(str(reference_curve))
             reference_curve = ref.train_points()
             if reference_heldout is None:

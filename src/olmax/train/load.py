@@ -47,7 +47,7 @@ def restore_train_state(path: str | Path, mesh: jax.sharding.Mesh | None = None)
     """(params, opt_state, config, meta) of a training checkpoint, replicated or on ``mesh``."""
     from olmax.sharding import make_mesh
     from olmax.train.checkpoint import Checkpointer, config_from_meta
-    from olmax.train.loop import abstract_train_state
+    from olmax.train.state import abstract_train_state
     run, step = resolve_checkpoint(path)
     meta = Checkpointer.read_meta(run, step)
     cfg = config_from_meta(meta)

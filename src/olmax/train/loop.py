@@ -25,9 +25,10 @@ import numpy as np
 
 from olmax.config import Config, ConfigError, model_differences
 from olmax.metrics.flops import device_peak_flops, flops_per_token, mfu
-from olmax.model.params import init_params, logical_axes
+from olmax.model.params import init_params
 from olmax.optim import init_opt_state
-from olmax.sharding import make_mesh, param_shardings, plan_batch
+from olmax.sharding import make_mesh, plan_batch
+from olmax.train.state import abstract_train_state, shardings
 from olmax.train.step import jit_train_step
 
 
@@ -58,23 +59,6 @@ def git_commit() -> str | None:
         return r.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-def abstract_train_state(cfg: Config, mesh: jax.sharding.Mesh) -> dict[str, Any]:
-    """``{"params", "opt_state"}`` as ``jax.ShapeDtypeStruct``s carrying their shardings on ``mesh``
-    (nothing allocated): the target of a restore and the source of the step's shardings. Adam's
-    moments are sharded like the parameters; counters and the skip-step history are replicated."""
-    pshard = param_shardings(logical_axes(cfg.model), mesh)
-    p_abs = jax.eval_shape(partial(init_params, cfg.model), jax.random.key(0))
-    o_abs = jax.eval_shape(partial(init_opt_state, optim_cfg=cfg.optim), p_abs)
-    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    oshard = jax.tree.map(lambda _: rep, o_abs)._replace(mu=pshard, nu=pshard)
-    sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-    return {"params": jax.tree.map(sds, p_abs, pshard), "opt_state": jax.tree.map(sds, o_abs, oshard)}
-
-
-def shardings(abstract: Any) -> Any:
-    return jax.tree.map(lambda a: a.sharding, abstract)
 
 
 def load_initial_state(cfg: Config, init_from: str, mesh: jax.sharding.Mesh, pshard: Any, oshard: Any

@@ -1,0 +1,185 @@
+"""Runs as the comparison tools read them: olmax run directories and ``metrics.jsonl``, TSV and
+W&B CSV exports, each parsed into a :class:`Run` of per-step training loss and other metrics.
+Used by ``olmax compare`` and by the memorisation alarm's reference curve."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TRAIN_KEY = "train/CE loss"
+HELDOUT_KEY = "eval/heldout/CE loss"
+STEP_COLUMNS = ("step", "_step", "Step", "global_step", "trainer/global_step")
+_PER_BATCH = re.compile(r"^(.*) \[batch (\d+)\]$")
+_WANDB_SUFFIX = ("__MIN", "__MAX", "__min", "__max")
+
+
+@dataclass
+class Run:
+    label: str
+    source: str
+    steps: np.ndarray                                     # int64, sorted, unique
+    loss: np.ndarray                                      # float64, training CE loss
+    evals: dict[str, dict[int, float]] = field(default_factory=dict)
+    per_batch: dict[str, dict[int, list[float]]] = field(default_factory=dict)
+
+    def train_points(self) -> list[tuple[int, float]]:
+        return [(int(s), float(v)) for s, v in zip(self.steps, self.loss)]
+
+    def eval_points(self, metric: str | None) -> list[tuple[int, float]]:
+        return sorted(self.evals.get(metric, {}).items()) if metric else []
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _num(x: Any) -> float | None:
+    if x is None or isinstance(x, bool):
+        return None
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _is_loss_name(name: str) -> bool:
+    n = name.split(" - ")[-1]
+    if n.endswith(_WANDB_SUFFIX) or "eval/" in n:
+        return False
+    return "CE loss" in n or "train/loss" in n or n.strip().lower() == "loss"
+
+
+def _loss_rank(name: str) -> int:
+    n = name.split(" - ")[-1]
+    return 0 if n == TRAIN_KEY else 1 if "CE loss" in n else 2 if "train/loss" in n else 3
+
+
+def _build(label: str, source: str, rows: list[tuple[int, float | None, dict[str, float]]]) -> Run:
+    """Rows of (step, loss or None, {eval metric: value}); a repeated step keeps its last row."""
+    train: dict[int, float] = {}
+    evals: dict[str, dict[int, float]] = {}
+    per: dict[str, dict[int, dict[int, float]]] = {}
+    for step, loss, ev in rows:
+        if loss is not None:
+            train[step] = loss
+        for k, v in ev.items():
+            m = _PER_BATCH.match(k)
+            if m:
+                per.setdefault(m.group(1), {}).setdefault(step, {})[int(m.group(2))] = v
+            else:
+                evals.setdefault(k, {})[step] = v
+    if not train and not evals:
+        raise ValueError(f"{source}: no training loss ({TRAIN_KEY}) and no eval/... metrics found")
+    steps = np.array(sorted(train), dtype=np.int64)
+    return Run(label, source, steps, np.array([train[s] for s in steps], dtype=np.float64), evals,
+               {m: {s: [d[i] for i in sorted(d)] for s, d in by.items()} for m, by in per.items()})
+
+
+def _read_jsonl(path: Path, label: str) -> Run:
+    try:
+        return _read_jsonl_text(path, label)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a JSON-lines text file (byte {e.start} is not UTF-8)") from None
+
+
+def _read_jsonl_text(path: Path, label: str) -> Run:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                if not line.endswith("\n"):
+                    continue   # a crashed writer's partial last line
+                raise ValueError(f"{path}:{n}: not a JSON object") from None
+            step = _num(row.get("step")) if isinstance(row, dict) else None
+            if step is None:
+                continue
+            loss = _num(row.get(TRAIN_KEY))
+            ev = {k: v for k, v in ((k, _num(v)) for k, v in row.items() if k.startswith("eval/")) if v is not None}
+            rows.append((int(step), loss, ev))
+    return _build(label, str(path), rows)
+
+
+def _read_table(path: Path, label: str | None, default: str, delimiter: str) -> list[Run]:
+    with open(path, encoding="utf-8", newline="") as f:
+        lines = [r for r in csv.reader(f, delimiter=delimiter) if r and any(c.strip() for c in r)]
+    if not lines:
+        raise ValueError(f"{path}: empty file")
+    head = [c.strip() for c in lines[0]]
+    if all(_num(c) is not None for c in head):   # headerless "step<TAB>loss"
+        if len(head) < 2:
+            raise ValueError(f"{path}: expected step and loss columns")
+        rows = [(int(float(r[0])), _num(r[1]), {}) for r in lines if len(r) > 1 and _num(r[0]) is not None]
+        return [_build(label or default, str(path), rows)]
+    step_col = next((head.index(c) for c in STEP_COLUMNS if c in head), None)
+    if step_col is None:
+        raise ValueError(f"{path}: no step column (one of {', '.join(STEP_COLUMNS)}) in header {head}")
+    loss_cols = sorted((i for i, c in enumerate(head) if _is_loss_name(c)), key=lambda i: _loss_rank(head[i]))
+    eval_cols = [i for i, c in enumerate(head) if "eval/" in c and not c.endswith(_WANDB_SUFFIX)]
+    if not loss_cols and not eval_cols:
+        raise ValueError(f"{path}: no loss column (a name containing 'CE loss' or 'train/loss', or 'loss') "
+                         f"in header {head}")
+    # W&B puts several runs side by side as "RUN - metric"; one run per prefix.
+    prefixes: dict[str, list[int]] = {}
+    for i in loss_cols:
+        prefixes.setdefault(head[i].split(" - ")[0] if " - " in head[i] else "", []).append(i)
+    if not prefixes:
+        prefixes[""] = []
+    runs = []
+    for pre, cols in prefixes.items():
+        lc = cols[0] if cols else None
+        ecols = [i for i in eval_cols if (head[i].split(" - ")[0] if " - " in head[i] else "") == pre]
+        rows = []
+        for r in lines[1:]:
+            step = _num(r[step_col]) if step_col < len(r) else None
+            if step is None:
+                continue
+            loss = _num(r[lc]) if lc is not None and lc < len(r) else None
+            ev = {head[i][head[i].index("eval/"):]: _num(r[i]) for i in ecols if i < len(r)}
+            rows.append((int(step), loss, {k: v for k, v in ev.items() if v is not None}))
+        if len(prefixes) > 1:
+            name = f"{label}/{pre}" if label else pre
+        else:
+            name = label or pre or default
+        runs.append(_build(name, str(path), rows))
+    return runs
+
+
+def read_runs(path: str | Path, label: str | None = None) -> list[Run]:
+    """Every run in ``path`` (a run directory, ``metrics.jsonl``, a TSV or a W&B CSV)."""
+    p = Path(path)
+    if p.is_dir():
+        if not (p / "metrics.jsonl").is_file():
+            raise FileNotFoundError(f"{p}: no metrics.jsonl (expected an olmax run directory)")
+        return [_read_jsonl(p / "metrics.jsonl", label or p.name)]
+    if not p.is_file():
+        raise FileNotFoundError(f"{p} does not exist")
+    default = p.parent.name if p.name == "metrics.jsonl" else p.stem
+    with open(p, encoding="utf-8", errors="replace") as f:
+        first = f.readline().lstrip()
+    if p.suffix in (".jsonl", ".json") or first.startswith("{"):
+        return [_read_jsonl(p, label or default)]
+    if p.suffix == ".csv":
+        return _read_table(p, label, default, ",")
+    return _read_table(p, label, default, "\t" if "\t" in first else ",")
+
+
+def read_run(path: str | Path, label: str | None = None) -> Run:
+    runs = read_runs(path, label)
+    if len(runs) != 1:
+        raise ValueError(f"{path} holds {len(runs)} runs ({', '.join(r.label for r in runs)}); expected one")
+    return runs[0]
+
+
+# --------------------------------------------------------------------------- alignment and gaps
