@@ -13,6 +13,7 @@ unrolled after the scan.
 
 from __future__ import annotations
 
+import typing
 from functools import partial
 from typing import Any, Callable
 
@@ -27,7 +28,7 @@ from olmax.sharding import constrain
 
 # Tensors a remat policy may keep (names given with ``checkpoint_name`` below).
 PROJECTION_NAMES = ("query", "key", "value", "attn_out", "attn_proj", "mlp_gate", "mlp_up", "mlp_out")
-REMAT_NAMES = ("none", "full", "minimal", "save_attn_out", "save_proj", "offload_proj")
+REMAT_NAMES = typing.get_args(typing.get_type_hints(ModelConfig)["remat"])  # the config's Literal, one list
 
 
 def remat_policy(name: str) -> Callable | None:
