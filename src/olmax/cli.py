@@ -10,6 +10,7 @@ import os
 import sys
 import threading
 import traceback
+import warnings
 
 from olmax.config import ConfigError
 
@@ -69,6 +70,9 @@ def _quiet_background_errors() -> None:
         return isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc)
 
     sys.unraisablehook = lambda u: None if closed_loop(u.exc_value) else sys.__unraisablehook__(u)
+    # The writes those callbacks would have awaited are garbage-collected at exit unawaited, and
+    # Python warns once per coroutine ("coroutine 'async_serialize_from_host...' was never awaited").
+    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
     threading.excepthook = lambda a: None if closed_loop(a.exc_value) else threading.__excepthook__(a)
 
 
