@@ -1,5 +1,6 @@
 """The production path computes what the simple one does: splash attention (Pallas interpret
-mode on CPU) against the exact reference, scanned against unrolled layers, the chunked loss
+mode on CPU) and the CPU's blocked attention against the exact reference, the hand-written
+backward passes (SwiGLU, the LM-head loss) against autodiff, scanned against unrolled layers, the chunked loss
 against whole logits, micro-batched against single-batch steps (losses *and* gradients), and
 every remat policy. Plus ahead-of-time compilation for a small TPU slice and the `compile` CLI."""
 
@@ -17,11 +18,12 @@ import pytest
 
 from olmax.compile import parse_topology
 from olmax.config import ConfigError
-from olmax.model.attention import reference_attention, resolve_impl, splash_attention
+from olmax.model import olmo3
+from olmax.model.attention import blocked_attention, reference_attention, resolve_impl, splash_attention
 from olmax.model.olmo3 import REMAT_NAMES, layer_groups
 from olmax.model.params import init_params
 from olmax.recipes import get_recipe
-from olmax.train.step import make_train_step
+from olmax.train.step import head_loss, loss_sums, make_train_step
 
 RTOL = 1e-6
 
@@ -51,6 +53,33 @@ def test_splash_matches_reference_forward_and_gradients(window, heads, kv):
         assert float(jnp.abs(a - b).max()) <= 1e-5 * scale, f"d{name}"
 
 
+@pytest.mark.parametrize("t,window,heads,kv,block", [(256, None, 4, 4, None), (256, 64, 4, 2, None),
+                                                     (200, 100, 4, 1, 64), (96, 7, 2, 2, 32), (64, None, 2, 1, 64)])
+def test_blocked_attention_matches_reference_forward_and_gradients(t, window, heads, kv, block):
+    """The CPU kernel: causal and windowed, windows that do and do not align with the blocks, a
+    partial last block (200 = 3 x 64 + 8), GQA/MQA, and one block for the whole sequence."""
+    q, k, v = _qkv(2, t, heads, kv, 32, seed=3)
+    out = blocked_attention(q, k, v, window, block)
+    ref = reference_attention(q, k, v, window)
+    assert float(jnp.abs(out - ref).max()) <= 1e-5 * max(1.0, float(jnp.abs(ref).max()))
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
+    g = jax.grad(loss(lambda q, k, v: blocked_attention(q, k, v, window, block)), argnums=(0, 1, 2))(q, k, v)
+    g_ref = jax.grad(loss(lambda q, k, v: reference_attention(q, k, v, window)), argnums=(0, 1, 2))(q, k, v)
+    for name, a, b in zip("qkv", g, g_ref):
+        assert float(jnp.abs(a - b).max()) <= 1e-5 * max(1.0, float(jnp.abs(b).max())), f"d{name}"
+
+
+def test_swiglu_backward_equals_autodiff():
+    gu = jax.random.normal(jax.random.key(4), (2, 16, 2 * 24)) * 3
+    plain = lambda gu: jnp.sum(jnp.cos(jax.nn.silu(gu[..., :24]) * gu[..., 24:]))
+    assert float(jnp.abs(olmo3._swiglu(gu) - jax.nn.silu(gu[..., :24]) * gu[..., 24:]).max()) == 0.0
+    got = jax.grad(lambda gu: jnp.sum(jnp.cos(olmo3._swiglu(gu))))(gu)
+    want = jax.grad(plain)(gu)
+    assert float(jnp.abs(got - want).max()) <= 1e-5 * float(jnp.abs(want).max())
+
+
 def test_splash_window_is_w_keys_including_self():
     """A key exactly W positions back must not be seen; W-1 back must be."""
     cfg = replace(get_recipe("tiny").model, attention_block_q=128, attention_block_kv=128)
@@ -67,7 +96,7 @@ def test_auto_attention_per_platform():
     assert resolve_impl("auto", jnp.bfloat16, "tpu") == "splash"
     assert resolve_impl("auto", jnp.bfloat16, "gpu") == "cudnn"
     assert resolve_impl("auto", jnp.float32, "gpu") == "xla"
-    assert resolve_impl("auto", jnp.float32, "cpu") == "reference"
+    assert resolve_impl("auto", jnp.float32, "cpu") == "blocked"
     assert resolve_impl("splash", jnp.float32, "cpu") == "splash"
 
 
@@ -136,6 +165,24 @@ def test_chunked_loss_equals_whole_logits(chunk):
     ids, mask = _batch(cfg, b=2, seed=1)
     _assert_same(_grads(cfg, params, ids, mask),
                  _grads(replace(cfg, model=replace(cfg.model, logits_chunk=None)), params, ids, mask), "chunk")
+
+
+@pytest.mark.parametrize("chunk,z_loss", [(None, 1e-4), (48, 1e-4), (32, None)])
+def test_head_loss_gradient_equals_autodiff_of_the_loss(chunk, z_loss):
+    """The LM-head loss computes its gradient in the forward pass; it must equal autodiff of the
+    plain loss (CE + z-loss over the valid labels), and report the same sums."""
+    cfg = _cfg(logits_chunk=chunk)
+    cfg = replace(cfg, optim=replace(cfg.optim, z_loss=z_loss))
+    params = init_params(cfg.model, jax.random.key(5))
+    ids, mask = _batch(cfg, b=2)
+    zm = z_loss or 0.0
+    plain = jax.value_and_grad(lambda p: (lambda ce, z: (ce + zm * z) / 300.0)(*loss_sums(p, ids, mask, cfg)))
+    fused = jax.value_and_grad(lambda p: head_loss(p, ids, mask, cfg)[0] / 300.0)
+    (l_p, g_p), (l_f, g_f) = plain(params), fused(params)
+    assert abs(float(l_p) - float(l_f)) <= RTOL * abs(float(l_p))
+    assert [float(x) for x in head_loss(params, ids, mask, cfg)[1]] == [float(x) for x in loss_sums(params, ids, mask, cfg)]
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_f), jax.tree.leaves(g_p)):
+        assert float(jnp.abs(a - b).max()) <= 1e-5 * float(jnp.abs(b).max() + 1e-30), jax.tree_util.keystr(path)
 
 
 def test_micro_batched_step_equals_single_batch():

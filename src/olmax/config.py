@@ -66,9 +66,10 @@ class ModelConfig:
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     # Attention kernel (olmax.model.attention picks per platform for "auto"): splash (Pallas
     # flash attention on TPU, skips blocks outside the sliding window), cudnn (flash attention
-    # on GPU), xla (jax.nn.dot_product_attention's XLA path), reference (exact einsum that
-    # materialises [t, s] scores: CPU, tests, short sequences).
-    attention_impl: Literal["auto", "reference", "splash", "cudnn", "xla"] = "auto"
+    # on GPU), xla (jax.nn.dot_product_attention's XLA path), blocked (the reference's arithmetic
+    # per block of queries over the keys they can see: CPU), reference (exact einsum that
+    # materialises [t, s] scores: tests, short sequences).
+    attention_impl: Literal["auto", "reference", "blocked", "splash", "cudnn", "xla"] = "auto"
     # Splash attention tile sizes (query block, key/value block), forward and backward.
     attention_block_q: int = 512
     attention_block_kv: int = 512

@@ -278,13 +278,16 @@ def apply_update(params: Any, grads: Any, opt_state: OptState, ce_loss: jax.Arra
     mask = _decay_mask(params, optim_cfg)
 
     def leaf(p, g, m, v, wd):
-        m_new = m * (1 - w1) + g * w1
-        v_new = v * (1 - w2) + (g * g) * w2
+        keep = lambda old, new: jnp.where(skipped, old, new.astype(old.dtype))
+        # The new moments are selected first and the parameter update reads the selected ones
+        # (equal to the new ones whenever the update is kept): the old moments are then dead once
+        # read, so their buffers are updated in place instead of being copied first.
+        m_new = keep(m, m * (1 - w1) + g * w1)
+        v_new = keep(v, v * (1 - w2) + (g * g) * w2)
         denom = jnp.sqrt(v_new) / sqrt_bc2 + f32(optim_cfg.eps)
         p32 = p.astype(f32)
         p_new = (p32 * decay if wd else p32) + (m_new / denom) * (-step_size)
-        keep = lambda old, new: jnp.where(skipped, old, new.astype(old.dtype))
-        return keep(p, p_new), keep(m, m_new), keep(v, v_new)
+        return keep(p, p_new), m_new, v_new
 
     p_leaves, treedef = jax.tree.flatten(params)
     rest = [treedef.flatten_up_to(tree) for tree in (g32, opt_state.mu, opt_state.nu, mask)]

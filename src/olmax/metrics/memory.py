@@ -61,9 +61,10 @@ def memory_estimate(cfg: Config, n_devices: int) -> dict[str, float]:
     # Logits in fp32 plus their gradient, for one chunk of positions of one micro-batch.
     positions = min(L, m.logits_chunk or L)
     logits = 2 * plan.micro_batch * positions * m.embedding_rows * 4 / sizes["tensor"]
-    # Attention scores are only materialised by the reference implementation.
+    # Attention scores are materialised by the reference implementation ([L, L] per head) and,
+    # per block of queries over the keys they see (at most all L), by the CPU's blocked one.
     attn_scores = 0.0
-    if m.attention_impl == "reference":
+    if m.attention_impl in ("reference", "blocked"):
         attn_scores = plan.micro_batch * m.n_heads / sizes["tensor"] * L * L * 4 * 2
     out = {
         "params_per_device": per_dev_params,

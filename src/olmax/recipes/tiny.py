@@ -14,7 +14,7 @@ def tiny() -> Config:
             vocab_size=4096, padded_vocab_size=4096, d_model=128, n_layers=4, n_heads=4, n_kv_heads=4,
             head_dim=32, mlp_hidden=352, norm_eps=1e-6, rope_theta=500000.0, sliding_window=64,
             full_attention_every=4, max_position_embeddings=4096, param_dtype="float32",
-            compute_dtype="float32", attention_impl="reference",
+            compute_dtype="float32", attention_impl="auto",
         ),
         # Token ids follow the demo's BPE: eos 0, pad 1 (see olmax.demo).
         data=DataConfig(sequence_length=128, seed=34521, dtype="uint16", eos_token_id=0, pad_token_id=1,

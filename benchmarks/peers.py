@@ -1,0 +1,293 @@
+"""olmax against OLMo-core and MaxText: the same OLMo 3 model, each through its own trainer, in one run.
+
+For each size, one token file (raw uint32, EOS-separated documents) is written and each system
+trains on it with its own loader, optimizer and logging, fp32 on this machine's devices. Each
+step's wall time is taken the way the system reports it (olmax: metrics.jsonl throughput;
+OLMo-core: time between its trainer's pre-step callbacks; MaxText: its "completed step"
+lines); the median after the warm-up steps gives tokens/s, and the ratios olmax / peer are
+printed. Run nothing else on the machine meanwhile.
+
+    .venv/bin/python benchmarks/peers.py [--sizes tiny,small,100m] [--systems olmax,olmo-core,maxtext]
+        [--steps N] [--warmup N] [--out DIR] [--json FILE]
+
+OLMo-core (``ai2-olmo-core``, torch CPU) comes with the test install. MaxText needs Python
+3.12: the first run makes a venv in ``.peers/maxtext-venv`` (ignored by git; about 3 minutes,
+2.8 GB) with ``maxtext[tpu]==0.2.5`` and reuses it afterwards. A peer that cannot run is named
+with the reason, and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MAXTEXT = "maxtext[tpu]==0.2.5"
+
+# name: (layers, d_model, heads (x 64), mlp, vocab, window, sequence, batch, default steps)
+SIZES = {
+    "tiny": (4, 256, 4, 768, 512, 64, 256, 4, 40),
+    "small": (6, 512, 8, 1536, 8192, 128, 512, 4, 20),
+    "100m": (8, 768, 12, 2048, 50304, 256, 1024, 2, 12),
+}
+EOS, PAD = 0, 1
+
+
+def shape(size: str) -> dict:
+    L, d, h, mlp, vocab, window, seq, batch, steps = SIZES[size]
+    return dict(layers=L, d=d, heads=h, head_dim=64, mlp=mlp, vocab=vocab, window=window, seq=seq, batch=batch,
+                steps=steps)
+
+
+def write_tokens(path: Path, vocab: int, n: int) -> None:
+    import numpy as np
+    rng = np.random.default_rng(0)
+    parts, total = [], 0
+    while total < n:
+        doc = rng.integers(2, vocab, int(rng.integers(50, 2000)))
+        parts += [doc, [EOS]]
+        total += len(doc) + 1
+    np.concatenate(parts).astype("<u4").tofile(path)
+
+
+def olmax_overrides(s: dict, tokens: Path) -> list[str]:
+    return [f"data.paths={tokens}", "data.dtype=uint32", f"data.eos_token_id={EOS}", f"data.pad_token_id={PAD}",
+            f"model.vocab_size={s['vocab']}", f"model.padded_vocab_size={s['vocab']}", f"model.d_model={s['d']}",
+            f"model.n_layers={s['layers']}", f"model.n_heads={s['heads']}", f"model.n_kv_heads={s['heads']}",
+            f"model.head_dim={s['head_dim']}", f"model.mlp_hidden={s['mlp']}", f"model.sliding_window={s['window']}",
+            f"data.sequence_length={s['seq']}", f"train.global_batch_size={s['batch']}", f"train.steps={s['steps']}",
+            "train.log_interval=1", "checkpoint.interval=1000000", "eval.heldout_paths="]
+
+
+class PeerUnavailable(Exception):
+    """A system that cannot run here; the message says why."""
+
+
+def _run(cmd: list[str], log: Path, env: dict | None = None, cwd: Path | None = None) -> None:
+    with open(log, "w") as f:
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    if r.returncode != 0:
+        tail = "".join(open(log).readlines()[-15:])
+        raise PeerUnavailable(f"exited {r.returncode}; last lines of {log}:\n{tail}")
+
+
+def run_olmax(s: dict, tokens: Path, out: Path) -> list[float]:
+    run = out / "olmax"
+    shutil.rmtree(run, ignore_errors=True)
+    cmd = [sys.executable, "-m", "olmax.cli", "train", "tiny", "--run-dir", str(run), "--no-progress"]
+    for o in olmax_overrides(s, tokens):
+        cmd += ["--set", o]
+    _run(cmd, out / "olmax.log")
+    tok = s["seq"] * s["batch"]
+    times = {}
+    for line in open(run / "metrics.jsonl"):
+        r = json.loads(line)
+        if "throughput/device/TPS" in r and r["throughput/device/TPS"] > 0:
+            times[r["step"]] = tok / r["throughput/device/TPS"]  # one device on a CPU machine
+    return [times[k] for k in sorted(times)]
+
+
+def run_olmo_core(s: dict, tokens: Path, out: Path) -> list[float]:
+    try:
+        import olmo_core  # noqa: F401
+    except ImportError as e:
+        raise PeerUnavailable(f"OLMo-core is not installed ({e}); `pip install -e '.[test]'` brings it")
+    res = out / "olmo_core.json"
+    cmd = [sys.executable, __file__, "--_olmo-core-worker", json.dumps({"shape": s, "tokens": str(tokens),
+                                                                         "work": str(out / "olmo_core"),
+                                                                         "result": str(res)})]
+    _run(cmd, out / "olmo_core.log")
+    return json.load(open(res))
+
+
+def _olmo_core_worker(spec: dict) -> None:
+    """OLMo-core's own Trainer (defaults for metric collection and cancel checks), its SkipStepAdamW,
+    cosine schedule, NumpyFSLDataset and loader, on the model ``olmo_core_model_config`` builds for
+    the same olmax config (the one the parity test holds equal to olmax step by step)."""
+    import torch
+    from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
+    from olmo_core.data.types import NumpyDatasetDType
+    from olmo_core.optim import CosWithWarmup, SkipStepAdamWConfig
+    from olmo_core.train import Duration, TrainerConfig
+    from olmo_core.train.callbacks import Callback
+    from olmo_core.train.common import LoadStrategy
+    from olmo_core.train.train_module import TransformerTrainModuleConfig
+
+    from olmax.recipes import get_recipe
+    from olmax.verify.olmo_core import _init_single_process_group, olmo_core_model_config
+
+    s, work = spec["shape"], Path(spec["work"])
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    cfg = get_recipe("tiny", olmax_overrides(s, Path(spec["tokens"])))
+    _init_single_process_group(work)
+    o, L = cfg.optim, s["seq"]
+    model = olmo_core_model_config(cfg).build(init_device="cpu")
+    module = TransformerTrainModuleConfig(
+        rank_microbatch_size=s["batch"] * L, max_sequence_length=L,
+        optim=SkipStepAdamWConfig(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay),
+        scheduler=CosWithWarmup(warmup=o.schedule.warmup), z_loss_multiplier=o.z_loss, max_grad_norm=o.max_grad_norm,
+    ).build(model, device=torch.device("cpu"))
+    tokenizer = TokenizerConfig(vocab_size=s["vocab"], eos_token_id=EOS, pad_token_id=PAD)
+    dataset = NumpyFSLDatasetConfig(paths=[spec["tokens"]], sequence_length=L, tokenizer=tokenizer,
+                                    dtype=NumpyDatasetDType.uint32, work_dir=str(work / "dataset")).build()
+    loader = NumpyDataLoaderConfig(global_batch_size=s["batch"] * L, seed=0, num_workers=0,
+                                   work_dir=str(work / "dataset")).build(dataset)
+    starts: list[float] = []
+
+    class Clock(Callback):
+        def pre_step(self, batch) -> None:
+            starts.append(time.perf_counter())
+
+        def post_train(self) -> None:
+            starts.append(time.perf_counter())
+
+    TrainerConfig(save_folder=str(work / "trainer"), work_dir=str(work / "trainer"), save_overwrite=True,
+                  load_strategy=LoadStrategy.never, no_checkpoints=True, no_evals=True,
+                  max_duration=Duration.steps(s["steps"]), callbacks={"clock": Clock()}).build(module, loader).fit()
+    json.dump([b - a for a, b in zip(starts, starts[1:])], open(spec["result"], "w"))
+
+
+def _python312() -> str | None:
+    for c in [shutil.which("python3.12")] + sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.12*/bin/python3.12"))):
+        if c and subprocess.run([c, "--version"], capture_output=True).returncode == 0:
+            return c
+    return None
+
+
+def maxtext_venv(venv: Path) -> Path:
+    py = venv / "bin" / "python"
+    if py.exists() and subprocess.run([str(py), "-c", "import maxtext"], capture_output=True).returncode == 0:
+        return py
+    base = _python312()
+    if base is None:
+        raise PeerUnavailable("MaxText needs Python 3.12 (every MaxText release does) and none was found "
+                              "(python3.12 on PATH or ~/.pyenv/versions/3.12*)")
+    print(f"installing {MAXTEXT} into {venv} (once; about 3 minutes)...", file=sys.stderr, flush=True)
+    shutil.rmtree(venv, ignore_errors=True)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    log = venv.parent / "maxtext-install.log"
+    _run([base, "-m", "venv", str(venv)], log)
+    _run([str(py), "-m", "pip", "install", "--quiet", MAXTEXT], log)
+    return py
+
+
+_MT_STEP = re.compile(r"completed step: (\d+), seconds: ([\d.]+)")
+
+
+def run_maxtext(s: dict, tokens: Path, out: Path, venv: Path) -> list[float]:
+    py = maxtext_venv(venv)
+    work = out / "maxtext"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    index = work / f"index_seq{s['seq']}.json"
+    _run([str(py), "-c", "import sys\nfrom maxtext.input_pipeline.olmo_data import build_index, "
+          "read_raw_metadata_from_path\nbuild_index([(sys.argv[1], 'bench')], int(sys.argv[2]), tokenizer='none', "
+          "header_reader=lambda p: read_raw_metadata_from_path(p, 'uint32')).save(sys.argv[3])",
+          str(tokens), str(s["seq"]), str(index)], out / "maxtext_index.log")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", DECOUPLE_GCLOUD="TRUE", PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="1")
+    env.pop("PYTHONPATH", None)
+    log = out / "maxtext.log"
+    # MaxText's olmo3 decoder block shrunk to the shape, fp32, its own grain reader of OLMo token files.
+    _run([str(py), "-m", "maxtext.trainers.pre_train.train", "run_name=bench", f"base_output_directory={work / 'out'}",
+          "hardware=cpu", "skip_jax_distributed_system=true", "dataset_type=olmo_grain",
+          f"olmo_index_path={index}", "olmo_apply_ngram_filter=False", "model_name=olmo3-7b-pt",
+          "override_model_config=true", f"base_num_decoder_layers={s['layers']}", f"base_emb_dim={s['d']}",
+          f"base_num_query_heads={s['heads']}", f"base_num_kv_heads={s['heads']}", f"head_dim={s['head_dim']}",
+          f"base_mlp_dim={s['mlp']}", f"vocab_size={s['vocab']}", f"max_target_length={s['seq']}",
+          f"per_device_batch_size={s['batch']}", f"steps={s['steps']}", "learning_rate=3e-4", "dtype=float32",
+          "weight_dtype=float32", "remat_policy=minimal_with_context", f"sliding_window_size={s['window']}",
+          "enable_checkpointing=false", "enable_tensorboard=false"], log, env=env, cwd=work)
+    steps = {int(m[1]): float(m[2]) for m in map(_MT_STEP.search, open(log)) if m}
+    if not steps:
+        raise PeerUnavailable(f"no 'completed step' lines in {log}")
+    return [steps[k] for k in sorted(steps)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="tiny,small,100m", help=f"comma-separated, of {', '.join(SIZES)}")
+    ap.add_argument("--systems", default="olmax,olmo-core,maxtext")
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (default: per size)")
+    ap.add_argument("--warmup", type=int, default=None, help="steps left out of the median (default: a quarter)")
+    ap.add_argument("--out", default=str(REPO / "runs" / "peers"))
+    ap.add_argument("--maxtext-venv", default=str(REPO / ".peers" / "maxtext-venv"))
+    ap.add_argument("--json", default=None, help="also write the table here")
+    ap.add_argument("--_olmo-core-worker", dest="worker", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        _olmo_core_worker(json.loads(a.worker))
+        return 0
+    sizes = a.sizes.split(",")
+    systems = a.systems.split(",")
+    bad = [x for x in sizes if x not in SIZES] + [x for x in systems if x not in ("olmax", "olmo-core", "maxtext")]
+    if bad:
+        ap.error(f"unknown size or system: {', '.join(bad)}")
+    out_root = Path(a.out)
+    print(f"peers benchmark, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs; load average before: "
+          f"{os.getloadavg()[0]:.2f}", flush=True)
+    rows = []
+    for size in sizes:
+        s = shape(size)
+        if a.steps:
+            s["steps"] = a.steps
+        warm = a.warmup if a.warmup is not None else max(2, s["steps"] // 4)
+        if s["steps"] <= warm:
+            ap.error(f"--steps {s['steps']} leaves no step after {warm} warm-up steps")
+        out = out_root / size
+        out.mkdir(parents=True, exist_ok=True)
+        tokens = out / "tokens.u32"
+        write_tokens(tokens, s["vocab"], max(2_000_000, 4 * s["steps"] * s["seq"] * s["batch"]))
+        tok = s["seq"] * s["batch"]
+        desc = (f"{size}: {s['layers']} layers, d_model {s['d']}, {s['heads']} heads x 64, MLP {s['mlp']}, "
+                f"vocab {s['vocab']}, window {s['window']}, sequence {s['seq']}, batch {s['batch']} "
+                f"({tok} tokens/step), {s['steps']} steps, median after {warm}")
+        print(desc, flush=True)
+        result = {"size": size, "shape": s, "warmup": warm}
+        for name in systems:
+            t0 = time.perf_counter()
+            try:
+                if name == "olmax":
+                    times = run_olmax(s, tokens, out)
+                elif name == "olmo-core":
+                    times = run_olmo_core(s, tokens, out)
+                else:
+                    times = run_maxtext(s, tokens, out, Path(a.maxtext_venv))
+            except PeerUnavailable as e:
+                print(f"  {name:10s} cannot run: {e}", flush=True)
+                result[name] = None
+                continue
+            after = times[warm:]
+            if not after:
+                print(f"  {name:10s} reported only {len(times)} step times", flush=True)
+                result[name] = None
+                continue
+            med = statistics.median(after)
+            result[name] = {"median_step_s": med, "tokens_per_s": tok / med, "wall_s": time.perf_counter() - t0}
+            print(f"  {name:10s} median step {med:8.4f} s  {tok / med:10.0f} tokens/s  "
+                  f"(run {time.perf_counter() - t0:.0f} s)", flush=True)
+        if result.get("olmax"):
+            for peer in ("olmo-core", "maxtext"):
+                if result.get(peer):
+                    result[f"olmax/{peer}"] = result["olmax"]["tokens_per_s"] / result[peer]["tokens_per_s"]
+            ratios = "  ".join(f"olmax/{p} {result[f'olmax/{p}']:.2f}x" for p in ("olmo-core", "maxtext")
+                               if f"olmax/{p}" in result)
+            if ratios:
+                print(f"  {ratios}", flush=True)
+        rows.append(result)
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
