@@ -55,7 +55,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from olmax.eval.alarm import ALARM, AlarmConfig, AlarmResult, check_memorisation
-from olmax.eval.runs import HELDOUT_KEY, TRAIN_KEY, Run, read_run, read_runs
+from olmax.eval.runs import HELDOUT_KEY, TRAIN_KEY, Run, mean_se, read_run, read_runs
 
 def gap(run: Run, base: Run) -> tuple[np.ndarray, np.ndarray]:
     """(steps, run - baseline) at the run's steps inside the baseline's range (interpolated)."""
@@ -77,9 +77,8 @@ def bin_gap(steps: np.ndarray, gaps: np.ndarray, edges: np.ndarray, smooth: int 
     out = []
     for a, b in zip(edges[:-1], edges[1:]):
         g = gaps[(steps > a) & (steps <= b)]
-        se = float(g.std(ddof=1) / math.sqrt(len(g))) if len(g) >= 2 else None
-        out.append({"start": int(a) + 1, "end": int(b), "n": int(len(g)),
-                    "mean": float(g.mean()) if len(g) else None, "se": se})
+        mean, se = mean_se(g)
+        out.append({"start": int(a) + 1, "end": int(b), "n": int(len(g)), "mean": mean, "se": se})
     means = np.array([np.nan if r["mean"] is None else r["mean"] for r in out])
     h = max(0, smooth) // 2
     for i, r in enumerate(out):
@@ -92,15 +91,12 @@ def bin_gap(steps: np.ndarray, gaps: np.ndarray, edges: np.ndarray, smooth: int 
 def window_gap(steps: np.ndarray, gaps: np.ndarray, end: int, width: int) -> tuple[float | None, float | None, int]:
     """Mean gap over ``(end - width, end]``, its standard error and the count."""
     g = gaps[(steps > end - width) & (steps <= end)]
-    if len(g) == 0:
-        return None, None, 0
-    return float(g.mean()), (float(g.std(ddof=1) / math.sqrt(len(g))) if len(g) >= 2 else None), int(len(g))
+    return (*mean_se(g), int(len(g)))
 
 
 def paired_delta(a: Sequence[float], b: Sequence[float]) -> tuple[float, float | None]:
     """Mean of per-batch differences a_i - b_i and its standard error (identical batches)."""
-    d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
-    return float(d.mean()), (float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) >= 2 else None)
+    return mean_se(np.asarray(a, np.float64) - np.asarray(b, np.float64))  # type: ignore[return-value]
 
 
 def milestone_table(runs: Sequence[Run], base: Run, width: int) -> list[dict[str, Any]]:
@@ -409,9 +405,8 @@ def compare(paths: Sequence[str], reference: str | None = None, *, labels: Seque
         s, g = gap(r, base)
         b = bin_gap(s, g, edges, smooth)
         filled = [x for x in b if x["mean"] is not None]
-        gaps[r.label] = {"points": int(len(g)), "mean": float(g.mean()) if len(g) else None,
-                         "se": float(g.std(ddof=1) / math.sqrt(len(g))) if len(g) >= 2 else None,
-                         "last_bin": filled[-1] if filled else None,
+        mean, se = mean_se(g)
+        gaps[r.label] = {"points": int(len(g)), "mean": mean, "se": se, "last_bin": filled[-1] if filled else None,
                          "min_bin": min(filled, key=lambda x: x["mean"]) if filled else None, "bins": b}
         bins_by_run[r.label] = b
         if held:
