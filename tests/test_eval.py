@@ -19,7 +19,7 @@ from olmax.config import ConfigError
 from olmax.eval.alarm import check_memorisation
 from olmax.eval.domains import Domain, DomainEvaluator, domain_metrics, load_domains
 from olmax.eval.heldout import HeldoutEvaluator, heldout_windows
-from olmax.eval.kl import kl
+from olmax.eval.kl import kl, logit_metrics, summarize
 from olmax.model.olmo3 import forward
 from olmax.model.params import init_params
 from olmax.optim import apply_update, init_opt_state
@@ -226,6 +226,17 @@ def test_kl_perturbed_matches_numpy(cfg):
     assert r["top10_overlap"] == pytest.approx(overlap)
     assert r["max_abs_logit_diff"] == pytest.approx(np.abs(la - lb).max(), rel=1e-5)
     assert r["tokens"] == 4 * L
+
+
+def test_logit_metrics_agree_in_fp32_jax_and_float64_numpy():
+    # One implementation for ``eval kl`` (fp32, jitted) and ``parity`` (float64 numpy, row by row).
+    la = np.random.default_rng(5).normal(0, 3, (3, 7, 37))
+    lb = la + np.random.default_rng(6).normal(0, 0.5, la.shape)
+    f64 = summarize([logit_metrics(a, b, xp=np) for a, b in zip(la, lb)], 21)
+    f32 = summarize([jax.jit(logit_metrics)(jnp.asarray(la, jnp.float32), jnp.asarray(lb, jnp.float32))], 21)
+    assert f64.keys() == f32.keys() and f64["kl_mean"] > 1e-2 and f64["top10_overlap"] < 1
+    for key, v in f64.items():
+        assert f32[key] == pytest.approx(v, rel=1e-5), key
 
 
 # --------------------------------------------------------------------------- trained vs untrained
