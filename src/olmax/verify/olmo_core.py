@@ -16,7 +16,8 @@ One resolved olmax config drives both sides:
    ``OLMo-3-1025-7B-pretrain-1.py`` sets them; olmax with ``olmax.train.loop.train``.
 4. Per step: the global instance ids (OLMo-core: the batch's ``index`` field; olmax: the ids its
    training loop consumed, ``train.trace_instance_ids``), the lr, the pre-clip grad norm, the CE
-   loss, the z-loss and the skip-step decision. The first step where one is out of tolerance is reported.
+   loss, the z-loss and the skip-step decision. The first step where one is out of tolerance is
+   reported.
 
 Target (issue 5): identical ids and |delta CE| <= 1e-4 at every step. The parity recipe uses
 lr 1e-3 rather than the tiny recipe's 3e-3: at 3e-3 two OLMo-core runs that differ only in the
