@@ -14,6 +14,7 @@ import pytest
 from olmax.eval.alarm import AlarmConfig, MemorisationAlarm, check_memorisation, interp, judge
 from olmax.eval.compare import (bin_edges, bin_gap, compare, gap, milestone_table, paired_delta, read_run,
                                 read_runs, window_gap)
+from olmax.eval.runs import metric_rows, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -90,6 +91,16 @@ def test_headerless_tsv_multi_run_csv_and_bad_inputs(tmp_path):
                  '{"step": 2, "train/CE loss": 2.5}\n{"step": 3, "train/C')
     r = read_run(p)
     assert r.steps.tolist() == [1, 2] and r.loss.tolist() == [3.0, 2.5]
+    # The verify checks read metrics.jsonl with the same parser and the same tolerance; a bad line
+    # elsewhere is an error; the MaxText run's names are read under OLMo-core's.
+    (tmp_path / "run2").mkdir()
+    maxtext_named = p.read_text().replace('"step": 1,', '"step": 1, "perf/total_tokens": 8,')
+    (tmp_path / "run2" / "metrics.jsonl").write_text(maxtext_named)
+    rows = read_metrics(tmp_path / "run2")
+    assert sorted(rows) == [1, 2] and rows[1]["throughput/total tokens"] == 8 and rows[2]["train/CE loss"] == 2.5
+    p.write_text('{"step": 1}\n{"step": 2, "train/C\n{"step": 3}\n')
+    with pytest.raises(ValueError, match="m.jsonl:2: not a JSON object"):
+        metric_rows(p)
 
 
 # --------------------------------------------------------------------------- gaps and deltas

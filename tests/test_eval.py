@@ -19,7 +19,7 @@ from olmax.config import ConfigError
 from olmax.eval.alarm import check_memorisation
 from olmax.eval.domains import Domain, DomainEvaluator, domain_metrics, load_domains
 from olmax.eval.heldout import HeldoutEvaluator, heldout_windows
-from olmax.eval.kl import kl
+from olmax.eval.kl import kl, logit_metrics, summarize
 from olmax.model.olmo3 import forward
 from olmax.model.params import init_params
 from olmax.optim import apply_update, init_opt_state
@@ -140,7 +140,7 @@ def test_domain_metrics_match_hand_computation(cfg, data, tmp_path):
     r = ev.evaluate_detailed(p)
     for name, nbytes in (("chain", 3000), ("cycles", 2500)):
         windows = np.fromfile(held[name], "<u2")[: 4 * L].reshape(4, L).astype(np.int32)   # 2 batches of 2
-        lg = np.asarray(fwd(p, jnp.asarray(windows), cfg.model), np.float64)[:, :-1, :V]         # real vocabulary only
+        lg = np.asarray(fwd(p, jnp.asarray(windows), cfg.model), np.float64)[:, :-1]   # the padded rows too
         lp = lg - lg.max(-1, keepdims=True)
         lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
         nats = -np.take_along_axis(lp, windows[:, 1:, None], -1).sum()
@@ -158,6 +158,9 @@ def test_domain_metrics_match_hand_computation(cfg, data, tmp_path):
     pooled_bytes = sum(dm[n]["bytes_scored"] for n in dm)
     assert r["micro"]["bits_per_byte"] == pytest.approx(pooled_nats / math.log(2) / pooled_bytes, rel=1e-9)
     assert r["micro"]["bits_per_byte"] != pytest.approx(r["macro"]["bits_per_byte"], rel=1e-6)
+    # One vocabulary rule: ``eval loss`` on a domain's files gives the domain's loss.
+    assert HeldoutEvaluator(cfg, paths=(held["chain"],), batch_size=2, batches=2).evaluate(p)[
+        "eval/heldout/CE loss"] == dm["chain"]["loss"]
     flat = ev.evaluate(p)
     assert flat["eval/domains/chain/bits per byte"] == pytest.approx(dm["chain"]["bits_per_byte"])
     assert set(flat) >= {"eval/domains/macro/CE loss", "eval/domains/cycles/PPL"}
@@ -225,6 +228,17 @@ def test_kl_perturbed_matches_numpy(cfg):
     assert r["tokens"] == 4 * L
 
 
+def test_logit_metrics_agree_in_fp32_jax_and_float64_numpy():
+    # One implementation for ``eval kl`` (fp32, jitted) and ``parity`` (float64 numpy, row by row).
+    la = np.random.default_rng(5).normal(0, 3, (3, 7, 37))
+    lb = la + np.random.default_rng(6).normal(0, 0.5, la.shape)
+    f64 = summarize([logit_metrics(a, b, xp=np) for a, b in zip(la, lb)], 21)
+    f32 = summarize([jax.jit(logit_metrics)(jnp.asarray(la, jnp.float32), jnp.asarray(lb, jnp.float32))], 21)
+    assert f64.keys() == f32.keys() and f64["kl_mean"] > 1e-2 and f64["top10_overlap"] < 1
+    for key, v in f64.items():
+        assert f32[key] == pytest.approx(v, rel=1e-5), key
+
+
 # --------------------------------------------------------------------------- trained vs untrained
 
 
@@ -236,7 +250,7 @@ def test_trained_model_beats_untrained_on_every_domain(cfg, data, runs):
     assert before["domains"]["chain"]["windows"] == 28                # every whole batch of 4 of the 31 windows
     for name in ("chain", "cycles"):
         b, a = before["domains"][name], after["domains"][name]
-        assert b["loss"] == pytest.approx(math.log(V), abs=0.1)       # untrained: about uniform
+        assert b["loss"] == pytest.approx(math.log(cfg.model.embedding_rows), abs=0.1)   # untrained: about uniform
         assert a["loss"] < b["loss"] - 0.5, (name, a["loss"], b["loss"])
         assert a["bits_per_byte"] < b["bits_per_byte"] and a["perplexity"] < b["perplexity"]
     assert after["macro"]["bits_per_byte"] < before["macro"]["bits_per_byte"]

@@ -27,8 +27,8 @@ gap plot's bin width), ``min_points`` 3.
 
 Offline: ``check_memorisation(...)``. In the loop:
 ``MemorisationAlarm(reference).update(step, train_loss, heldout_loss)``.
-Pure Python (no JAX, no numpy; a reference given as a path is read with ``olmax.eval.compare``),
-so it never touches the device.
+No JAX (a reference given as a path is read with ``olmax.eval.runs``), so it never touches the
+device.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ import bisect
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Sequence, Union
+
+from olmax.eval.runs import mean_se, read_run
 
 Curve = Union[Mapping[int, float], Sequence[tuple[int, float]]]
 
@@ -116,17 +118,6 @@ def interp(pts: Sequence[tuple[int, float]], step: float) -> float | None:
     return v0 + (v1 - v0) * (step - s0) / (s1 - s0)
 
 
-def _mean_se(xs: Sequence[float]) -> tuple[float | None, float | None]:
-    n = len(xs)
-    if n == 0:
-        return None, None
-    m = sum(xs) / n
-    if n < 2:
-        return m, None
-    var = sum((x - m) ** 2 for x in xs) / (n - 1)
-    return m, math.sqrt(var / n)
-
-
 # --------------------------------------------------------------------------- the rule
 
 
@@ -173,7 +164,7 @@ def _check_at(step: int, run_train: list, ref_train: list, heldout_gap: float | 
         r = interp(ref_train, s)
         if r is not None:
             gaps.append(v - r)
-    mean, se = _mean_se(gaps)
+    mean, se = mean_se(gaps)
     hstep = step if heldout_gap is not None else None
     return AlarmCheck(step, judge(mean, len(gaps), heldout_gap, cfg), mean, se, len(gaps), heldout_gap, hstep)
 
@@ -226,7 +217,6 @@ class MemorisationAlarm:
                  min_points: int = 3, label: str = "this run", reference: str = "the reference",
                  heldout_metric: str = "eval/heldout/CE loss"):
         if isinstance(reference_curve, str) or hasattr(reference_curve, "__fspath__"):
-            from olmax.eval.runs import read_run
             ref = read_run(str(reference_curve))
             reference_curve = ref.train_points()
             if reference_heldout is None:

@@ -7,8 +7,8 @@ arrays (no header) or folders / ``manifest.json`` from ``olmax tokenize``.
 JSON (``--json``; stable keys):
 
 - ``eval loss``: ``{"checkpoint", "files", "seq_len", "batch_size", "batches", "tokens", "loss",
-  "perplexity", "loss_se", "per_batch_loss"}``; loss in nats/token (training CE over the padded
-  vocabulary, no z-loss), ``loss_se`` the standard error over batches (null for one batch).
+  "perplexity", "loss_se", "per_batch_loss"}``; loss in nats/token (``olmax.eval.heldout``'s rule,
+  as ``eval domains``), ``loss_se`` the standard error over batches (null for one batch).
 - ``eval domains``: ``{"checkpoint", "domains": {NAME: {...}}, "macro", "micro", "seq_len",
   "batch_size", "batches"}`` (keys in ``olmax.eval.domains``).
 - ``eval kl``: ``{"a", "b", "inputs", "batch", "seq_len", "kl_mean", "kl_max", "top1_agreement",
@@ -23,7 +23,6 @@ and exposing ``register_eval(eval_subparsers)``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import json
 import sys
@@ -124,30 +123,22 @@ def _print(obj: dict) -> None:
 
 
 def cmd_loss(args: argparse.Namespace) -> int:
-    from olmax.config import MeshConfig
-    from olmax.data.dataset import resolve_paths
     from olmax.eval.heldout import HeldoutEvaluator
-    from olmax.sharding import make_mesh
     for n in ("seq_len", "batches", "batch_size"):
         _positive("--" + n.replace("_", "-"), getattr(args, n))
     params, cfg = _load(args.checkpoint, args.param_dtype)
-    data = dataclasses.replace(cfg.data, sequence_length=args.seq_len or cfg.data.sequence_length,
-                               dtype=args.token_dtype or cfg.data.dtype)
-    evc = dataclasses.replace(cfg.eval, batches=args.batches or cfg.eval.batches,
-                              batch_size=args.batch_size or cfg.eval.batch_size)
-    cfg = dataclasses.replace(cfg, data=data, eval=evc)
-    files = [f for f, _ in resolve_paths(list(args.data), dtype=data.dtype)]
-    ev = HeldoutEvaluator(cfg, make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1)), paths=tuple(files))
+    ev = HeldoutEvaluator(cfg, paths=args.data, seq_len=args.seq_len, batch_size=args.batch_size,
+                          batches=args.batches, dtype=args.token_dtype)
     r = ev.evaluate_detailed(params)
-    out = {"checkpoint": args.checkpoint, "files": files, "seq_len": data.sequence_length,
-           "batch_size": evc.batch_size, "batches": r["batches"], "tokens": r["tokens"], "loss": r["loss"],
-           "perplexity": r["perplexity"], "loss_se": r["loss_se"], "per_batch_loss": r["per_batch_loss"]}
+    out = {"checkpoint": args.checkpoint, "files": ev.files[""], "seq_len": ev.seq_len, "batch_size": ev.batch_size,
+           "batches": r["batches"], "tokens": r["tokens"], "loss": r["loss"], "perplexity": r["perplexity"],
+           "loss_se": r["loss_se"], "per_batch_loss": r["per_batch_loss"]}
     if args.json:
         _print(out)
     else:
         se = "" if r["loss_se"] is None else f" +- {r['loss_se']:.4f} (SE over batches)"
         print(f"held-out loss {r['loss']:.4f}{se} nats/token, perplexity {r['perplexity']:.3f} "
-              f"({r['tokens']:,} labels in {r['batches']} batches of {evc.batch_size} x {data.sequence_length})")
+              f"({r['tokens']:,} labels in {r['batches']} batches of {ev.batch_size} x {ev.seq_len})")
     return 0
 
 

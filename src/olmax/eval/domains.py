@@ -9,13 +9,9 @@ A domain is a list of token files plus the raw UTF-8 byte count of the text they
 - a YAML/JSON file ``{NAME: {paths: [...], bytes: N}}`` (relative paths are taken from the
   file's folder).
 
-Windows are fixed (``olmax.eval.heldout``): each file is cut on its own into windows of L
-tokens, the first ``batches * batch_size`` windows in file order are scored (all whole batches
-when ``batches`` is None). Two checkpoints therefore see identical batches.
-
-Scoring: every label of a window (positions 1..L-1) is scored with the model's distribution over
-the *real* vocabulary (logits sliced to ``model.vocab_size``, as an HF model or Paloma sees it;
-``olmax eval loss`` uses the training loss over the padded rows instead).
+Batches and loss are ``olmax.eval.heldout``'s (``DomainEvaluator`` is its evaluator with one set
+of files per domain): fixed windows, so two checkpoints see identical batches, and the training
+CE, so ``olmax eval domains`` and ``olmax eval loss`` agree on the same files.
 
 Bits per byte: ``total nats / ln 2 / bytes_scored`` where
 ``bytes_scored = bytes * tokens_scored / tokens_total``: a scored token stands for the domain's
@@ -40,17 +36,15 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from olmax.config import Config, ConfigError, MeshConfig
-from olmax.eval.heldout import check_batch_divides, fixed_batches, heldout_windows, put_batch, safe_exp
-from olmax.model.olmo3 import forward
+from olmax.config import Config, ConfigError
+from olmax.data.dataset import file_sizes
+from olmax.eval.heldout import HeldoutEvaluator, safe_exp
 
 RESERVED = ("macro", "micro")
 
@@ -155,75 +149,34 @@ def domain_metrics(nats: float, tokens_scored: int, tokens_total: int, nbytes: i
             "bytes_scored": bytes_scored}
 
 
-def _ce_sums(params: Any, ids: jax.Array, cfg: Any) -> tuple[jax.Array, jax.Array]:
-    """(sum of CE over the real vocabulary, labels) of one batch, fp32."""
-    logits = forward(params, ids, cfg)[:, :-1, : cfg.vocab_size]
-    targets = ids[:, 1:]
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    tl = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.sum(lse - tl), jnp.float32(targets.size)
+class DomainEvaluator(HeldoutEvaluator):
+    """The held-out evaluator with one set of files per domain, reported per domain (and macro,
+    micro) with bits per byte; ``batches=0`` scores every whole batch."""
 
-
-@lru_cache(maxsize=8)
-def _scorer(cfg: Any) -> Any:
-    # One compiled scorer per model config, shared by evaluators (the config is frozen, hashable).
-    return jax.jit(partial(_ce_sums, cfg=cfg))
-
-
-class DomainEvaluator:
-    """Scores each domain on its fixed batches. ``seq_len``, ``batch_size``, ``batches`` and
-    ``dtype`` default to ``cfg.data.sequence_length``, ``cfg.eval.batch_size``, ``cfg.eval.batches``
-    and ``cfg.data.dtype``; ``batches=0`` scores every whole batch."""
-
-    def __init__(self, cfg: Config, domains: Sequence[Domain], *, seq_len: int | None = None,
-                 batch_size: int | None = None, batches: int | None = None, dtype: str | None = None,
-                 mesh: jax.sharding.Mesh | None = None, prefix: str = "eval/domains"):
-        from olmax.data.dataset import file_sizes, resolve_paths
-        from olmax.sharding import batch_sharding, make_mesh
-        self.cfg, self.prefix = cfg, prefix
-        self.seq_len = seq_len or cfg.data.sequence_length
-        self.batch_size = batch_size or cfg.eval.batch_size
-        self.max_batches = cfg.eval.batches if batches is None else batches
-        self.dtype = dtype or cfg.data.dtype
-        if self.seq_len < 2:
-            raise ConfigError(f"sequence length must be >= 2 to score a label, got {self.seq_len}")
+    def __init__(self, cfg: Config, domains: Sequence[Domain], *, mesh: jax.sharding.Mesh | None = None,
+                 prefix: str = "eval/domains", **windows: Any):
+        super().__init__(cfg, mesh, prefix=prefix, sets={d.name: d.paths for d in domains}, **windows)
         itemsize = np.dtype(self.dtype).itemsize
-        self.domains = []
-        for d in domains:
-            files = [f for f, _ in resolve_paths(list(d.paths), dtype=self.dtype)]
-            n = self.max_batches * self.batch_size if self.max_batches else None
-            windows = heldout_windows(files, self.dtype, self.seq_len, n)
-            b = fixed_batches(windows, self.batch_size, cfg.model.vocab_size, f"domain {d.name!r}")
-            tokens_total = sum(s // itemsize for s in file_sizes(files))
-            self.domains.append((d, files, b, tokens_total))
-        mesh = mesh or make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1))
-        check_batch_divides(self.batch_size, mesh)
-        self.sharding = batch_sharding(mesh)
-        self._score = _scorer(cfg.model)
+        self.domains = [(d, sum(s // itemsize for s in file_sizes(self.files[d.name]))) for d in domains]
 
     def evaluate_detailed(self, params: Any) -> dict[str, Any]:
+        sums = self.batch_sums(params)
         out: dict[str, Any] = {}
         pooled_nats = pooled_tokens = pooled_bytes = 0.0
-        for d, files, batches, tokens_total in self.domains:
-            nats = scored = 0.0
-            for b in batches:
-                ce, n = self._score(params, put_batch(b, self.sharding))
-                nats += float(ce)
-                scored += float(n)
+        for d, tokens_total in self.domains:
+            nats, scored = (sum(x) for x in zip(*sums[d.name]))
             m = domain_metrics(nats, int(scored), tokens_total, d.bytes)
             out[d.name] = {"loss": m["loss"], "perplexity": m["perplexity"], "bits_per_byte": m["bits_per_byte"],
                            "tokens_scored": int(scored), "tokens_total": int(tokens_total),
-                           "windows": int(batches.shape[0] * batches.shape[1]), "bytes": d.bytes,
-                           "bytes_scored": m["bytes_scored"], "files": files}
+                           "windows": int(self.batches[d.name].shape[0] * self.batch_size), "bytes": d.bytes,
+                           "bytes_scored": m["bytes_scored"], "files": self.files[d.name]}
             pooled_nats += nats
             pooled_tokens += scored
             pooled_bytes += m["bytes_scored"]
         keys = ("loss", "perplexity", "bits_per_byte")
         macro = {k: float(np.mean([r[k] for r in out.values()])) for k in keys}
-        micro_loss = pooled_nats / pooled_tokens
-        micro = {"loss": micro_loss, "perplexity": safe_exp(micro_loss),
-                 "bits_per_byte": pooled_nats / math.log(2) / pooled_bytes}
-        return {"domains": out, "macro": macro, "micro": micro, "seq_len": self.seq_len,
+        micro = domain_metrics(pooled_nats, pooled_tokens, pooled_tokens, pooled_bytes)  # type: ignore[arg-type]
+        return {"domains": out, "macro": macro, "micro": {k: micro[k] for k in keys}, "seq_len": self.seq_len,
                 "batch_size": self.batch_size, "batches": self.max_batches or None}
 
     def evaluate(self, params: Any) -> dict[str, float]:

@@ -1,13 +1,17 @@
-"""Held-out loss on fixed batches.
+"""Held-out loss on fixed batches: in the training loop, ``olmax eval loss`` and ``olmax eval domains``.
 
-The batches are the first ``eval.batches * eval.batch_size`` windows of length L of the
-held-out token files, in file order, unshuffled: the same batches for any two runs, any
-topology and any step, so held-out curves of two runs are directly comparable. Held-out files
-come from ``olmax tokenize --heldout`` and are never part of the training index.
+The batches of a set of held-out files: each file is cut on its own into windows of L tokens,
+and the first ``batches * batch_size`` windows in file order, unshuffled, are scored (every whole
+batch when ``batches`` is 0): the same batches for any two runs, any topology and any step, so
+held-out curves of two runs are directly comparable. Held-out files come from ``olmax tokenize
+--heldout`` and are never part of the training index.
 
-The loss is the training loss's CE (``olmax.train.step.loss_sums``: fp32, over the padded
-vocabulary as OLMo-core computes it, z-loss excluded), summed over all labels of all batches
-and divided by their count.
+The vocabulary rule, for every held-out number olmax reports: the loss is the training loss's CE
+(``olmax.train.step.make_eval_step``: fp32, over the padded vocabulary as OLMo-core computes it,
+z-loss excluded), summed over all labels of all windows (positions 1..L-1) and divided by their
+count. A trained model puts almost no probability on the padded rows; in a model converted from HF
+they are the mean of the real rows (``olmax.compat.hf``), which adds at most
+log(padded / real vocabulary) nats (7e-4 for OLMo 3).
 
 With ``per_batch=True`` the evaluator also returns each batch's loss as
 ``{prefix}/CE loss [batch i]``; ``olmax compare`` uses these for paired standard errors of
@@ -18,13 +22,16 @@ the batch-difficulty variance).
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from functools import lru_cache
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
 
-from olmax.config import Config, ConfigError
-from olmax.sharding import batch_sharding, data_parallel_size
+from olmax.config import Config, ConfigError, MeshConfig
+from olmax.data.dataset import file_sizes, open_tokens, resolve_paths
+from olmax.eval.runs import mean_se
+from olmax.sharding import batch_sharding, data_parallel_size, make_mesh
 from olmax.train.step import make_eval_step
 
 PER_BATCH_FMT = "{metric} [batch {i}]"   # per-batch metric names (parsed back by olmax.eval.compare)
@@ -35,7 +42,6 @@ def heldout_windows(paths: tuple[str, ...] | list[str], dtype: str, seq_len: int
 
     ``paths`` are what ``data.paths`` takes (token files, `olmax tokenize` folders or manifests,
     mix files), expanded by the data pipeline's own ``resolve_paths``."""
-    from olmax.data.dataset import file_sizes, open_tokens, resolve_paths
     out, have = [], 0
     resolved = [p for p, _ in resolve_paths(list(paths), dtype=dtype)]
     for p, size in zip(resolved, file_sizes(resolved)):  # remote files: sizes from metadata
@@ -81,44 +87,64 @@ def put_batch(b: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     return jax.make_array_from_callback(b.shape, sharding, lambda i: b[i])
 
 
-def mean_se(values: Sequence[float]) -> float | None:
-    """Standard error of the mean (Bessel-corrected std / sqrt(n)); None for fewer than 2 values."""
-    v = np.asarray(values, dtype=np.float64)
-    return float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) >= 2 else None
-
-
 def safe_exp(x: float) -> float:
     return math.exp(x) if x < 700 else float("inf")
 
 
+@lru_cache(maxsize=8)
+def _eval_step(cfg: Config, mesh: jax.sharding.Mesh) -> Any:
+    # One compiled step per (config, mesh), shared by evaluators (both are hashable).
+    return jax.jit(make_eval_step(cfg, mesh))
+
+
 class HeldoutEvaluator:
-    def __init__(self, cfg: Config, mesh: jax.sharding.Mesh, paths: tuple[str, ...] | None = None,
-                 prefix: str = "eval/heldout", per_batch: bool = False):
-        self.cfg = cfg
-        self.prefix = prefix
-        self.per_batch = per_batch
-        bs = cfg.eval.batch_size
-        windows = heldout_windows(paths or cfg.eval.heldout_paths, cfg.data.dtype, cfg.data.sequence_length,
-                                  cfg.eval.batches * bs)
-        self.batches = fixed_batches(windows, bs, cfg.model.vocab_size)
-        check_batch_divides(bs, mesh)
-        self.sharding = batch_sharding(mesh)
-        self._eval = jax.jit(make_eval_step(cfg, mesh))
+    """The held-out loss of the module docstring on named sets of files: one set (``paths``, by
+    default ``eval.heldout_paths``) for the loop and ``olmax eval loss``, one per domain for
+    ``olmax eval domains``. ``seq_len``, ``batch_size``, ``batches`` and ``dtype`` default to
+    ``data.sequence_length``, ``eval.batch_size``, ``eval.batches`` and ``data.dtype``; the mesh
+    to every device on one FSDP axis."""
+
+    def __init__(self, cfg: Config, mesh: jax.sharding.Mesh | None = None, paths: Sequence[str] | None = None,
+                 prefix: str = "eval/heldout", per_batch: bool = False, *, seq_len: int | None = None,
+                 batch_size: int | None = None, batches: int | None = None, dtype: str | None = None,
+                 sets: Mapping[str, Sequence[str]] | None = None):
+        self.cfg, self.prefix, self.per_batch = cfg, prefix, per_batch
+        self.seq_len = seq_len or cfg.data.sequence_length
+        self.batch_size = batch_size or cfg.eval.batch_size
+        self.max_batches = cfg.eval.batches if batches is None else batches
+        self.dtype = dtype or cfg.data.dtype
+        if self.seq_len < 2:
+            raise ConfigError(f"sequence length must be >= 2 to score a label, got {self.seq_len}")
+        self.files: dict[str, list[str]] = {}
+        self.batches: dict[str, np.ndarray] = {}
+        for name, p in (sets or {"": paths or cfg.eval.heldout_paths}).items():
+            self.files[name] = [f for f, _ in resolve_paths(list(p), dtype=self.dtype)]
+            windows = heldout_windows(self.files[name], self.dtype, self.seq_len,
+                                      self.max_batches * self.batch_size or None)
+            self.batches[name] = fixed_batches(windows, self.batch_size, cfg.model.vocab_size,
+                                               f"held-out files of {name!r}" if name else "held-out files")
+        mesh = mesh or make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1))
+        check_batch_divides(self.batch_size, mesh)
+        sharding = batch_sharding(mesh)
+        self._eval = _eval_step(cfg, mesh)
         # The batches never change: put them on the devices once, not at every evaluation.
-        self._device_batches = [put_batch(b, self.sharding) for b in self.batches]
-        self._mask = put_batch(np.ones(self.batches.shape[1:], bool), self.sharding)
+        self._device = {k: [put_batch(b, sharding) for b in v] for k, v in self.batches.items()}
+        self._mask = put_batch(np.ones((self.batch_size, self.seq_len), bool), sharding)
+
+    def batch_sums(self, params: Any) -> dict[str, list[tuple[float, float]]]:
+        """Per set, per batch: (sum of CE, labels scored)."""
+        # Dispatch every batch, then fetch all results in one transfer.
+        got = jax.device_get({k: [self._eval(params, b, self._mask) for b in v] for k, v in self._device.items()})
+        return {k: [(float(ce), float(n)) for ce, n in v] for k, v in got.items()}
 
     def evaluate_detailed(self, params: Any) -> dict[str, Any]:
-        """``loss`` (nats/token), ``perplexity``, ``tokens`` (labels scored), ``batches``,
-        ``per_batch_loss``, ``loss_se`` (standard error over batches, None for one batch)."""
-        # Dispatch every batch, then fetch all results in one transfer.
-        results = jax.device_get([self._eval(params, b, self._mask) for b in self._device_batches])
-        ces = [float(ce) for ce, _ in results]
-        ns = [float(n) for _, n in results]
-        loss = sum(ces) / sum(ns)
-        per = [c / n for c, n in zip(ces, ns)]
-        return {"loss": loss, "perplexity": safe_exp(loss), "tokens": int(sum(ns)), "batches": len(ces),
-                "per_batch_loss": per, "loss_se": mean_se(per)}
+        """Over every batch of every set: ``loss`` (nats/token), ``perplexity``, ``tokens`` (labels
+        scored), ``batches``, ``per_batch_loss``, ``loss_se`` (standard error over batches, None for one)."""
+        sums = [x for v in self.batch_sums(params).values() for x in v]
+        ce, n = (sum(x) for x in zip(*sums))
+        per = [c / m for c, m in sums]
+        return {"loss": ce / n, "perplexity": safe_exp(ce / n), "tokens": int(n), "batches": len(sums),
+                "per_batch_loss": per, "loss_se": mean_se(per)[1]}
 
     def evaluate(self, params: Any) -> dict[str, float]:
         r = self.evaluate_detailed(params)

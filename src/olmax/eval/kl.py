@@ -1,26 +1,26 @@
-"""Token-level comparison of two models on identical inputs.
+"""Token-level comparison of two models on identical inputs, and the logit metrics that
+``olmax parity`` reports too (``logit_metrics``: one implementation, in fp32 here, float64 there).
 
 At every position of every input row, both models' next-token distributions over the *real*
-vocabulary (padded LM-head rows sliced off) are compared in fp32:
+vocabulary (padded LM-head rows sliced off) are compared:
 
 - ``kl_mean`` / ``kl_max``: KL(A || B) = sum_v p_A(v) (log p_A(v) - log p_B(v)) per token
-  (``log_softmax``; per-token values below 0 from rounding are clamped to 0, as ``olmax parity``),
-  mean and max over tokens, in nats;
+  (log-softmax; per-token values below 0 from rounding are clamped to 0), mean and max over
+  tokens, in nats;
 - ``top1_agreement``: fraction of tokens where both argmaxes agree;
 - ``top10_overlap``: mean of |top10(A) & top10(B)| / 10 (k = vocab size if smaller);
 - ``max_abs_logit_diff``: max |logit_A - logit_B| over tokens and real vocabulary;
 - ``tokens``: positions compared.
 
-The same key names as ``olmax parity``. JSON of ``olmax eval kl --json``: these keys plus
-``a``, ``b`` (the paths), ``batch``, ``seq_len`` and ``inputs`` (``random seed S``, a .npy
-file, or token files).
+JSON of ``olmax eval kl --json``: these keys plus ``a``, ``b`` (the paths), ``batch``,
+``seq_len`` and ``inputs`` (``random seed S``, a .npy file, or token files).
 """
 
 from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Any
+from typing import Any, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -39,23 +39,38 @@ def _model_cfg(cfg: Config | ModelConfig) -> ModelConfig:
     return cfg.model if isinstance(cfg, Config) else cfg
 
 
+def logit_metrics(la: Any, lb: Any, k: int = TOPK, xp: Any = jnp) -> tuple[Any, ...]:
+    """(sum of KL, max KL, top-1 agreements, summed top-k overlap, max |la - lb|) over the positions
+    of logits [..., V] of one vocabulary, in their dtype, with ``xp`` = ``jax.numpy`` or numpy."""
+    def log_softmax(x: Any) -> Any:
+        x = x - x.max(-1, keepdims=True)
+        return x - xp.log(xp.exp(x).sum(-1, keepdims=True))
+
+    lpa, lpb = log_softmax(la), log_softmax(lb)
+    kl_tok = xp.maximum((xp.exp(lpa) * (lpa - lpb)).sum(-1), 0.0)
+    k = min(k, la.shape[-1])
+    top = ((lambda x: jax.lax.top_k(x, k)[1]) if xp is jnp
+           else (lambda x: np.argpartition(-x, k - 1, axis=-1)[..., :k]))
+    ia, ib = top(la), top(lb)
+    overlap = (ia[..., :, None] == ib[..., None, :]).any(-1).sum() / k
+    return kl_tok.sum(), kl_tok.max(), (la.argmax(-1) == lb.argmax(-1)).sum(), overlap, xp.abs(la - lb).max()
+
+
+def summarize(chunks: Iterable[tuple[Any, ...]], tokens: int) -> dict[str, float | int]:
+    """The keys of the module docstring from ``logit_metrics`` of chunks covering ``tokens`` positions."""
+    kl_sum = top1 = overlap = kl_max = diff_max = 0.0
+    for c in chunks:
+        s = [float(x) for x in c]
+        kl_sum, top1, overlap = kl_sum + s[0], top1 + s[2], overlap + s[3]
+        kl_max, diff_max = float(np.maximum(kl_max, s[1])), float(np.maximum(diff_max, s[4]))  # NaN stays
+    return {"kl_mean": kl_sum / tokens, "kl_max": kl_max, "top1_agreement": top1 / tokens,
+            "top10_overlap": overlap / tokens, "max_abs_logit_diff": diff_max, "tokens": tokens}
+
+
 @lru_cache(maxsize=8)
-def _stats_fn(ma: ModelConfig, mb: ModelConfig, k: int) -> Any:
-    vocab = ma.vocab_size
-
-    def stats(pa: Any, pb: Any, ids: jax.Array) -> tuple[jax.Array, ...]:
-        la = forward(pa, ids, ma)[..., :vocab]
-        lb = forward(pb, ids, mb)[..., :vocab]
-        lpa, lpb = jax.nn.log_softmax(la, axis=-1), jax.nn.log_softmax(lb, axis=-1)
-        kl_tok = jnp.maximum(jnp.sum(jnp.exp(lpa) * (lpa - lpb), axis=-1), 0.0)
-        top1 = jnp.argmax(la, axis=-1) == jnp.argmax(lb, axis=-1)
-        _, ia = jax.lax.top_k(la, k)
-        _, ib = jax.lax.top_k(lb, k)
-        overlap = jnp.sum(jnp.any(ia[..., :, None] == ib[..., None, :], axis=-1), axis=-1) / k
-        return (jnp.sum(kl_tok), jnp.max(kl_tok), jnp.sum(top1.astype(jnp.float32)),
-                jnp.sum(overlap.astype(jnp.float32)), jnp.max(jnp.abs(la - lb)))
-
-    return jax.jit(stats)
+def _stats_fn(ma: ModelConfig, mb: ModelConfig) -> Any:
+    return jax.jit(lambda pa, pb, ids: logit_metrics(forward(pa, ids, ma)[..., :ma.vocab_size],
+                                                      forward(pb, ids, mb)[..., :mb.vocab_size]))
 
 
 def kl(params_a: Any, cfg_a: Config | ModelConfig, params_b: Any, cfg_b: Config | ModelConfig,
@@ -65,32 +80,14 @@ def kl(params_a: Any, cfg_a: Config | ModelConfig, params_b: Any, cfg_b: Config 
     if ma.vocab_size != mb.vocab_size:
         raise ConfigError(f"the models have different vocabularies ({ma.vocab_size} vs {mb.vocab_size} tokens); "
                           "KL needs the same tokenizer")
-    toks = np.asarray(tokens)
-    if toks.ndim == 1:
-        toks = toks[None]
-    if toks.ndim != 2 or toks.size == 0 or not np.issubdtype(toks.dtype, np.integer):
-        raise ConfigError(f"tokens must be non-empty integer ids of shape [T] or [B, T], got {toks.dtype} {toks.shape}")
-    if toks.min() < 0 or toks.max() >= ma.vocab_size:
-        raise ConfigError(f"token ids must lie in [0, {ma.vocab_size}), got [{toks.min()}, {toks.max()}]")
-    toks = toks.astype(np.int32)
+    toks = check_tokens(tokens, ma.vocab_size).astype(np.int32)
     b, t = toks.shape
-    k = min(TOPK, ma.vocab_size)
-    fn = _stats_fn(ma, mb, k)
     rows = max(1, min(b, ELEMENTS_PER_CALL // (t * ma.vocab_size)))
-    kl_sum = top1 = overlap = 0.0
-    kl_max = diff_max = 0.0
-    for i in range(0, b, rows):
-        s = [float(x) for x in fn(params_a, params_b, jnp.asarray(toks[i:i + rows]))]
-        kl_sum += s[0]
-        kl_max = max(kl_max, s[1])
-        top1 += s[2]
-        overlap += s[3]
-        diff_max = max(diff_max, s[4])
-    n = b * t
-    if not all(math.isfinite(x) for x in (kl_sum, diff_max)):
+    fn = _stats_fn(ma, mb)
+    r = summarize((fn(params_a, params_b, jnp.asarray(toks[i:i + rows])) for i in range(0, b, rows)), b * t)
+    if not all(math.isfinite(r[x]) for x in ("kl_mean", "max_abs_logit_diff")):
         raise ValueError("non-finite logits: one of the models produced NaN or Inf")
-    return {"kl_mean": kl_sum / n, "kl_max": kl_max, "top1_agreement": top1 / n, "top10_overlap": overlap / n,
-            "max_abs_logit_diff": diff_max, "tokens": n}
+    return r
 
 
 def random_tokens(vocab_size: int, batch: int, seq_len: int, seed: int) -> np.ndarray:
@@ -115,9 +112,10 @@ def load_token_array(path: str, vocab_size: int) -> np.ndarray:
 
 def check_tokens(toks: np.ndarray, vocab_size: int, what: str = "tokens") -> np.ndarray:
     """Integer ids in [0, vocab_size) of shape [T] or [B, T], as int64 [B, T]."""
+    toks = np.asarray(toks)
     toks = toks[None] if toks.ndim == 1 else toks
     if toks.ndim != 2 or not np.issubdtype(toks.dtype, np.integer) or toks.size == 0:
         raise ConfigError(f"{what}: expected integer ids of shape [T] or [B, T], got {toks.dtype} {toks.shape}")
     if toks.min() < 0 or toks.max() >= vocab_size:
-        raise ConfigError(f"{what}: token ids must lie in [0, {vocab_size})")
+        raise ConfigError(f"{what}: token ids must lie in [0, {vocab_size}), got [{toks.min()}, {toks.max()}]")
     return toks.astype(np.int64)

@@ -1,6 +1,10 @@
 """Runs as the comparison tools read them: olmax run directories and ``metrics.jsonl``, TSV and
 W&B CSV exports, each parsed into a :class:`Run` of per-step training loss and other metrics.
-Used by ``olmax compare`` and by the memorisation alarm's reference curve."""
+Used by ``olmax compare``, the memorisation alarm's reference curve and the ``verify`` checks
+(``metric_rows`` is the one ``metrics.jsonl`` parser), with ``mean_se``, the one standard error.
+
+Names are OLMo-core's: the MaxText reproduction's own names for two of its metrics
+(``MAXTEXT_NAMES``) are read under OLMo-core's, so its runs compare with olmax's."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -19,6 +23,8 @@ HELDOUT_KEY = "eval/heldout/CE loss"
 STEP_COLUMNS = ("step", "_step", "Step", "global_step", "trainer/global_step")
 _PER_BATCH = re.compile(r"^(.*) \[batch (\d+)\]$")
 _WANDB_SUFFIX = ("__MIN", "__MAX", "__min", "__max")
+# The TensorBoard tags the MaxText reproduction added for OLMo-core metrics (spec section 3).
+MAXTEXT_NAMES = {"optim/step_skipped": "optim/step skipped", "perf/total_tokens": "throughput/total tokens"}
 
 
 @dataclass
@@ -83,31 +89,41 @@ def _build(label: str, source: str, rows: list[tuple[int, float | None, dict[str
                {m: {s: [d[i] for i in sorted(d)] for s, d in by.items()} for m, by in per.items()})
 
 
-def _read_jsonl(path: Path, label: str) -> Run:
+def metric_rows(path: str | Path) -> list[dict[str, Any]]:
+    """The JSON objects of a ``metrics.jsonl`` in file order, OLMo-core names (blank lines and
+    non-objects skipped).
+
+    The one tolerance: a last line without its newline that does not parse is a crashed writer's
+    partial row and is dropped; any other unparsable line is an error naming the file and line."""
+    rows = []
     try:
-        return _read_jsonl_text(path, label)
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                try:
+                    row = json.loads(line) if line.strip() else None
+                except json.JSONDecodeError:
+                    if not line.endswith("\n"):
+                        break
+                    raise ValueError(f"{path}:{n}: not a JSON object") from None
+                if isinstance(row, dict):
+                    rows.append({MAXTEXT_NAMES.get(k, k): v for k, v in row.items()})
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not a JSON-lines text file (byte {e.start} is not UTF-8)") from None
+    return rows
 
 
-def _read_jsonl_text(path: Path, label: str) -> Run:
+def read_metrics(run_dir: str | Path) -> dict[int, dict[str, Any]]:
+    """The training rows (those with ``train/CE loss``) of ``RUN_DIR/metrics.jsonl`` by step."""
+    return {int(r["step"]): r for r in metric_rows(Path(run_dir) / "metrics.jsonl") if TRAIN_KEY in r}
+
+
+def _read_jsonl(path: Path, label: str) -> Run:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                if not line.endswith("\n"):
-                    continue   # a crashed writer's partial last line
-                raise ValueError(f"{path}:{n}: not a JSON object") from None
-            step = _num(row.get("step")) if isinstance(row, dict) else None
-            if step is None:
-                continue
-            loss = _num(row.get(TRAIN_KEY))
+    for row in metric_rows(path):
+        step = _num(row.get("step"))
+        if step is not None:
             ev = {k: v for k, v in ((k, _num(v)) for k, v in row.items() if k.startswith("eval/")) if v is not None}
-            rows.append((int(step), loss, ev))
+            rows.append((int(step), _num(row.get(TRAIN_KEY)), ev))
     return _build(label, str(path), rows)
 
 
@@ -116,7 +132,7 @@ def _read_table(path: Path, label: str | None, default: str, delimiter: str) -> 
         lines = [r for r in csv.reader(f, delimiter=delimiter) if r and any(c.strip() for c in r)]
     if not lines:
         raise ValueError(f"{path}: empty file")
-    head = [c.strip() for c in lines[0]]
+    head = [MAXTEXT_NAMES.get(c.strip(), c.strip()) for c in lines[0]]
     if all(_num(c) is not None for c in head):   # headerless "step<TAB>loss"
         if len(head) < 2:
             raise ValueError(f"{path}: expected step and loss columns")
@@ -182,4 +198,10 @@ def read_run(path: str | Path, label: str | None = None) -> Run:
     return runs[0]
 
 
-# --------------------------------------------------------------------------- alignment and gaps
+def mean_se(values: Sequence[float]) -> tuple[float | None, float | None]:
+    """The mean and its standard error (Bessel-corrected std / sqrt(n)); None where undefined
+    (no values; for the error, fewer than two)."""
+    v = np.asarray(values, np.float64)
+    if len(v) == 0:
+        return None, None
+    return float(v.mean()), (float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) >= 2 else None)

@@ -17,33 +17,27 @@ from typing import Any, Protocol, TextIO
 
 import numpy as np
 
-# Short key -> logged name. OLMo-core's names, plus the tags the MaxText reproduction added so
-# every reference metric has a counterpart ("*_maxtext" carry the same value under its name).
+# Short key -> logged name: OLMo-core's names, each value once (``olmax.eval.runs`` reads the
+# MaxText reproduction's own names for these under OLMo-core's when runs are compared).
 METRIC_NAMES: dict[str, str] = {
     "ce_loss": "train/CE loss",
     "z_loss": "train/Z loss",
     "grad_norm": "optim/total grad norm",          # before clipping
     "lr": "optim/LR (group 0)",
     "step_skipped": "optim/step skipped",
-    "step_skipped_maxtext": "optim/step_skipped",
     "total_tokens": "throughput/total tokens",
-    "total_tokens_maxtext": "perf/total_tokens",
     "tps_device": "throughput/device/TPS",
     "mfu": "throughput/MFU",
 }
-# Short keys whose value is also logged under a second (MaxText) name by ``named``.
-COUNTERPARTS: dict[str, str] = {"step_skipped": "step_skipped_maxtext", "total_tokens": "total_tokens_maxtext"}
 
 
 def named(values: Mapping[str, Any]) -> dict[str, Any]:
-    """Map short keys (``ce_loss``) to logged names, adding the MaxText counterparts; keys that
-    are already full names (containing ``/``) pass through."""
+    """Map short keys (``ce_loss``) to logged names; keys that are already full names (containing
+    ``/``) pass through."""
     out: dict[str, Any] = {}
     for k, v in values.items():
         if k in METRIC_NAMES:
             out[METRIC_NAMES[k]] = v
-            if k in COUNTERPARTS:
-                out[METRIC_NAMES[COUNTERPARTS[k]]] = v
         elif "/" in k:
             out[k] = v
         else:

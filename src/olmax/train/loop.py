@@ -279,7 +279,7 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
         losses[step] = m["ce_loss"]
         tps_dev = tokens_per_step / dt / jax.device_count() if dt > 0 else 0.0
-        # OLMo-core names, plus the MaxText run's counterparts that ``named`` adds.
+        # OLMo-core's names, each value once (``named``).
         row = named({"ce_loss": m["ce_loss"], "z_loss": m["z_loss"], "grad_norm": m["grad_norm"], "lr": m["lr"],
                      "step_skipped": m["step_skipped"], "total_tokens": step * tokens_per_step,
                      "tps_device": tps_dev, "mfu": mfu(fl_tok, tps_dev, peak),

@@ -14,9 +14,10 @@ One resolved olmax config drives both sides:
    ``NumpyDataLoader`` (its own data order), ``SkipStepAdamW`` with the OLMo 3 embedding
    ``weight_decay=0`` group override, ``CosWithWarmup``, z-loss and grad clipping as
    ``OLMo-3-1025-7B-pretrain-1.py`` sets them; olmax with ``olmax.train.loop.train``.
-4. Per step: the global instance ids (OLMo-core: the batch's ``index`` field; olmax: its
-   loader's ids for global step k), the lr, the pre-clip grad norm, the CE loss, the z-loss and
-   the skip-step decision. The first step where one is out of tolerance is reported.
+4. Per step: the global instance ids (OLMo-core: the batch's ``index`` field; olmax: the ids its
+   training loop consumed, ``train.trace_instance_ids``), the lr, the pre-clip grad norm, the CE
+   loss, the z-loss and the skip-step decision. The first step where one is out of tolerance is
+   reported.
 
 Target (issue 5): identical ids and |delta CE| <= 1e-4 at every step. The parity recipe uses
 lr 1e-3 rather than the tiny recipe's 3e-3: at 3e-3 two OLMo-core runs that differ only in the
@@ -40,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from olmax.config import Config, ConfigError
+from olmax.eval.runs import metric_rows, read_metrics
 
 CE_TOLERANCE = 1e-4            # issue 5: |delta CE| <= 1e-4 at every step (absolute)
 # Relative tolerances of the other quantities. They catch what a short run's CE would hide (an lr
@@ -346,27 +348,17 @@ def _patch_hf_config(hf_dir: Path, cfg: Config) -> None:
 # --------------------------------------------------------------------------- olmax
 
 
-def olmax_instance_ids(cfg: Config, steps: range) -> dict[int, list[int]]:
-    """Global instance ids of each step (1-based) as olmax's loader reads them: the same
-    ``StepSource`` the training loop's loader maps over (one process: the whole global batch)."""
-    from olmax.data.loader import DataLoader
-    loader = DataLoader(cfg, validate="none")
-    return {s: [int(i) for i in loader.batch(s - 1)["instance_ids"]] for s in steps}
-
-
 def run_olmax(cfg: Config, run_dir: str | os.PathLike) -> Trace:
-    """Train ``cfg`` with ``olmax.train.loop.train``; per-step values from its ``metrics.jsonl``."""
+    """Train ``cfg`` with ``olmax.train.loop.train``; per-step values from its ``metrics.jsonl``, the
+    instance ids the loop consumed from its ``instance_ids.p0.jsonl`` (``train.trace_instance_ids``)."""
     from olmax.train.loop import train
     t0 = time.perf_counter()
-    res = train(cfg, run_dir, progress=False)
+    res = train(cfg.override(["train.trace_instance_ids=true"]), run_dir, progress=False)
     trace = Trace(seconds=time.perf_counter() - t0)
-    with open(Path(run_dir) / "metrics.jsonl", encoding="utf-8") as f:
-        for line in f:
-            row = json.loads(line)
-            s = int(row["step"])
-            for name, into in _metric_series(trace):
-                if name in row:
-                    into[s] = float(row[name])
+    for s, row in read_metrics(run_dir).items():
+        for name, into in _metric_series(trace):
+            if name in row:
+                into[s] = float(row[name])
     for s, v in res.losses.items():  # the loop's own return value is the authority for the loss
         trace.ce[s] = float(v)
     # Not recorded by OLMo-core in these cases (train_module.train_batch / optim_step).
@@ -374,7 +366,8 @@ def run_olmax(cfg: Config, run_dir: str | os.PathLike) -> Trace:
         trace.z_loss = {}
     if cfg.optim.max_grad_norm is None:
         trace.grad_norm = {}
-    trace.ids = olmax_instance_ids(cfg, range(1, cfg.train.steps + 1))
+    # One process reads the whole global batch; the loop's step k (0-based) is update k + 1.
+    trace.ids = {r["step"] + 1: r["instance_ids"] for r in metric_rows(Path(run_dir) / "instance_ids.p0.jsonl")}
     return trace
 
 

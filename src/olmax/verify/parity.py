@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from olmax.eval.kl import check_tokens, load_token_array, logit_metrics, random_tokens, summarize
+
 FP32_CRITERIA = {"kl_max": 1e-7, "top1_agreement": 1.0, "max_abs_logit_diff": 1e-4}
 BF16_NOISE_FLOOR_KL = 1.5e-3  # published reproduction: bf16, full 8192 context
 # Hidden-state tolerance: max |diff| relative to the HF state's max |value|, per layer.
@@ -89,32 +91,12 @@ def olmax_run(params: Any, model_cfg: Any, tokens: np.ndarray) -> dict[str, Any]
 # --------------------------------------------------------------------------- metrics
 
 
-def _log_softmax64(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-
-
-def compare_logits(hf: np.ndarray, ox: np.ndarray, k: int = 10) -> dict[str, Any]:
-    """Metrics over [b, t, V] logits of the same vocabulary (HF is the reference distribution)."""
+def compare_logits(hf: np.ndarray, ox: np.ndarray) -> dict[str, Any]:
+    """``olmax.eval.kl``'s metrics over [b, t, V] logits of one vocabulary (HF is the reference
+    distribution), in float64, row by row: [t, V] float64 copies stay small at 100k vocab."""
     assert hf.shape == ox.shape, (hf.shape, ox.shape)
-    kls, top1, overlap = [], [], []
-    k = min(k, hf.shape[-1])
-    for b in range(hf.shape[0]):  # row by row: [t, V] float64 copies stay small at 100k vocab
-        lp, lq = _log_softmax64(hf[b]), _log_softmax64(ox[b])
-        kls.append(np.maximum((np.exp(lp) * (lp - lq)).sum(-1), 0.0))
-        top1.append(hf[b].argmax(-1) == ox[b].argmax(-1))
-        th = np.argpartition(-hf[b], k - 1, axis=-1)[:, :k]
-        to = np.argpartition(-ox[b], k - 1, axis=-1)[:, :k]
-        overlap.append(np.array([len(np.intersect1d(x, y)) / k for x, y in zip(th, to)]))
-    kl = np.concatenate(kls)
-    return {
-        "max_abs_logit_diff": float(np.abs(hf.astype(np.float64) - ox.astype(np.float64)).max()),
-        "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
-        "top1_agreement": float(np.concatenate(top1).mean()),
-        f"top{k}_overlap": float(np.concatenate(overlap).mean()),
-        "tokens": int(kl.size),
-    }
+    rows = (logit_metrics(a.astype(np.float64), b.astype(np.float64), xp=np) for a, b in zip(hf, ox))
+    return summarize(rows, hf.shape[0] * hf.shape[1])
 
 
 def compare_hidden(hf: dict[str, np.ndarray], ox: dict[str, np.ndarray], tol: float) -> dict[str, Any]:
@@ -198,7 +180,6 @@ def run_parity(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike | None =
     else:
         params, cfg = load_hf_params(hf_dir)
     vocab = cfg.model.vocab_size
-    from olmax.eval.kl import check_tokens, load_token_array, random_tokens
     if tokens is None:
         toks = random_tokens(vocab, batch, seq_len, seed)
     elif isinstance(tokens, np.ndarray):
@@ -248,7 +229,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"  max |logit diff|:    {r['max_abs_logit_diff']:.3e}",
         f"  KL(HF || olmax):     mean {r['kl_mean']:.3e}   max {r['kl_max']:.3e}",
         f"  top-1 agreement:     {100 * r['top1_agreement']:.2f}%",
-        f"  top-10 overlap:      {100 * r['top10_overlap']:.2f}%" if "top10_overlap" in r else "",
+        f"  top-10 overlap:      {100 * r['top10_overlap']:.2f}%",
         f"  first divergent hidden state (rel > {r['hidden_tolerance']:g}): {r['first_divergent'] or 'none'}",
     ]
     worst = max(r["hidden"], key=lambda h: h["rel_diff"])

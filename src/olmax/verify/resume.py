@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from olmax.cli import add_recipe_args
+from olmax.eval.runs import read_metrics
 
 COMPARED = ("train/CE loss", "train/Z loss", "optim/total grad norm", "optim/LR (group 0)", "optim/step skipped")
 
@@ -36,15 +37,6 @@ def _train(recipe: str, run_dir: Path, overrides: list[str], devices: int | None
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"training subprocess failed ({' '.join(cmd)}):\n{r.stderr[-4000:]}")
-
-
-def read_metrics(run_dir: Path) -> dict[int, dict]:
-    rows = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        d = json.loads(line)
-        if "train/CE loss" in d:
-            rows[int(d["step"])] = d
-    return rows
 
 
 def compare(a: dict[int, dict], b: dict[int, dict], tol: float = 0.0) -> dict:
