@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow test-slurm bench
+.PHONY: setup demo test test-slow test-slurm bench bench-peers
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m venv $(VENV)
@@ -31,3 +31,8 @@ test-slurm: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/run_all.py
+
+# olmax against OLMo-core and MaxText on the same model, three sizes (about 15 minutes, plus a
+# one-time MaxText install into .peers/); run nothing else meanwhile.
+bench-peers: $(STAMP)
+	$(VENV)/bin/python benchmarks/peers.py

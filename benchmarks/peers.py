@@ -5,7 +5,8 @@ trains on it with its own loader, optimizer and logging, fp32 on this machine's 
 step's wall time is taken the way the system reports it (olmax: metrics.jsonl throughput;
 OLMo-core: time between its trainer's pre-step callbacks; MaxText: its "completed step"
 lines); the median after the warm-up steps gives tokens/s, and the ratios olmax / peer are
-printed. Run nothing else on the machine meanwhile.
+printed, with each system's model FLOP/s (OLMo-core's formula) as a share of this machine's
+fp32 matmul peak measured in the same run. Run nothing else on the machine meanwhile.
 
     .venv/bin/python benchmarks/peers.py [--sizes tiny,small,100m] [--systems olmax,olmo-core,maxtext]
         [--steps N] [--warmup N] [--out DIR] [--json FILE]
@@ -233,9 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"unknown size or system: {', '.join(bad)}")
     out_root = Path(a.out)
-    print(f"peers benchmark, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs; load average before: "
-          f"{os.getloadavg()[0]:.2f}", flush=True)
-    rows = []
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_train import matmul_peak
+    peak = matmul_peak()
+    print(f"peers benchmark, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, fp32 matmul peak "
+          f"{peak / 1e9:.0f} GFLOP/s; load average before: {os.getloadavg()[0]:.2f}", flush=True)
+    rows = [{"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "matmul_peak_flops": peak}]
     for size in sizes:
         s = shape(size)
         if a.steps:
@@ -248,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         tokens = out / "tokens.u32"
         write_tokens(tokens, s["vocab"], max(2_000_000, 4 * s["steps"] * s["seq"] * s["batch"]))
         tok = s["seq"] * s["batch"]
+        from olmax.metrics.flops import flops_per_token
+        from olmax.recipes import get_recipe
+        fl_tok = flops_per_token(get_recipe("tiny", olmax_overrides(s, tokens)).model, s["seq"])["total"]
         desc = (f"{size}: {s['layers']} layers, d_model {s['d']}, {s['heads']} heads x 64, MLP {s['mlp']}, "
                 f"vocab {s['vocab']}, window {s['window']}, sequence {s['seq']}, batch {s['batch']} "
                 f"({tok} tokens/step), {s['steps']} steps, median after {warm}")
@@ -272,8 +279,10 @@ def main(argv: list[str] | None = None) -> int:
                 result[name] = None
                 continue
             med = statistics.median(after)
-            result[name] = {"median_step_s": med, "tokens_per_s": tok / med, "wall_s": time.perf_counter() - t0}
-            print(f"  {name:10s} median step {med:8.4f} s  {tok / med:10.0f} tokens/s  "
+            share = tok / med * fl_tok / peak
+            result[name] = {"median_step_s": med, "tokens_per_s": tok / med, "of_matmul_peak": share,
+                            "wall_s": time.perf_counter() - t0}
+            print(f"  {name:10s} median step {med:8.4f} s  {tok / med:10.0f} tokens/s  {share:5.2f} of peak  "
                   f"(run {time.perf_counter() - t0:.0f} s)", flush=True)
         if result.get("olmax"):
             for peer in ("olmo-core", "maxtext"):
