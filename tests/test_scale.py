@@ -34,23 +34,27 @@ def _qkv(b, t, h, kv, e, seed=0):
             jax.random.normal(ks[2], (b, t, kv, e)))
 
 
+def _assert_matches_reference(kernel, q, k, v, window):
+    """``kernel(q, k, v)`` against ``reference_attention``: output and the gradients of a
+    nonlinear function of it, within 1e-5 of the largest magnitude (fp32)."""
+    out, ref = kernel(q, k, v), reference_attention(q, k, v, window)
+    assert float(jnp.abs(out - ref).max()) <= 1e-5 * max(1.0, float(jnp.abs(ref).max()))
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
+    g = jax.grad(loss(kernel), argnums=(0, 1, 2))(q, k, v)
+    g_ref = jax.grad(loss(lambda q, k, v: reference_attention(q, k, v, window)), argnums=(0, 1, 2))(q, k, v)
+    for name, a, b in zip("qkv", g, g_ref):
+        assert float(jnp.abs(a - b).max()) <= 1e-5 * max(1.0, float(jnp.abs(b).max())), f"d{name}"
+
+
 @pytest.mark.parametrize("window,heads,kv", [(None, 4, 4), (64, 4, 2), (200, 4, 1)])
 def test_splash_matches_reference_forward_and_gradients(window, heads, kv):
     """fp32, sequence 256 in 128-blocks: full causal, window 64 (blocks outside it skipped) and a
     window that does not align with the blocks; MHA, GQA and MQA."""
     cfg = replace(get_recipe("tiny").model, attention_block_q=128, attention_block_kv=128)
-    q, k, v = _qkv(2, 256, heads, kv, 32)
-    out = splash_attention(q, k, v, window, cfg)
-    ref = reference_attention(q, k, v, window)
-    assert float(jnp.abs(out - ref).max()) <= 1e-5 * max(1.0, float(jnp.abs(ref).max()))
-
-    def loss(fn):
-        return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
-    g = jax.grad(loss(lambda q, k, v: splash_attention(q, k, v, window, cfg)), argnums=(0, 1, 2))(q, k, v)
-    g_ref = jax.grad(loss(lambda q, k, v: reference_attention(q, k, v, window)), argnums=(0, 1, 2))(q, k, v)
-    for name, a, b in zip("qkv", g, g_ref):
-        scale = max(1.0, float(jnp.abs(b).max()))
-        assert float(jnp.abs(a - b).max()) <= 1e-5 * scale, f"d{name}"
+    _assert_matches_reference(lambda q, k, v: splash_attention(q, k, v, window, cfg), *_qkv(2, 256, heads, kv, 32),
+                              window)
 
 
 @pytest.mark.parametrize("t,window,heads,kv,block", [(256, None, 4, 4, None), (256, 64, 4, 2, None),
@@ -58,17 +62,8 @@ def test_splash_matches_reference_forward_and_gradients(window, heads, kv):
 def test_blocked_attention_matches_reference_forward_and_gradients(t, window, heads, kv, block):
     """The CPU kernel: causal and windowed, windows that do and do not align with the blocks, a
     partial last block (200 = 3 x 64 + 8), GQA/MQA, and one block for the whole sequence."""
-    q, k, v = _qkv(2, t, heads, kv, 32, seed=3)
-    out = blocked_attention(q, k, v, window, block)
-    ref = reference_attention(q, k, v, window)
-    assert float(jnp.abs(out - ref).max()) <= 1e-5 * max(1.0, float(jnp.abs(ref).max()))
-
-    def loss(fn):
-        return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
-    g = jax.grad(loss(lambda q, k, v: blocked_attention(q, k, v, window, block)), argnums=(0, 1, 2))(q, k, v)
-    g_ref = jax.grad(loss(lambda q, k, v: reference_attention(q, k, v, window)), argnums=(0, 1, 2))(q, k, v)
-    for name, a, b in zip("qkv", g, g_ref):
-        assert float(jnp.abs(a - b).max()) <= 1e-5 * max(1.0, float(jnp.abs(b).max())), f"d{name}"
+    _assert_matches_reference(lambda q, k, v: blocked_attention(q, k, v, window, block),
+                              *_qkv(2, t, heads, kv, 32, seed=3), window)
 
 
 def test_swiglu_backward_equals_autodiff():
