@@ -324,6 +324,6 @@ def test_bad_inputs_fail_clearly(cfg, data, tmp_path, monkeypatch, capsys):
         kl(p, cfg, p, cfg, np.full((1, 4), V))
     # Through the CLI: "error: ..." and exit status 2.
     import olmax.cli
-    monkeypatch.setattr(olmax.cli, "COMMAND_MODULES", ["olmax.eval.commands"])
+    monkeypatch.setattr(olmax.cli, "COMMAND_MODULES", [olmax.eval.commands])
     rc = olmax.cli.main(["eval", "loss", "--checkpoint", str(tmp_path / "nowhere"), "--data", held["chain"]])
     assert rc == 2 and "error: checkpoint" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""``olmax eval {loss,domains,kl}`` (``register``) and ``olmax compare`` (``register_compare``).
+"""``olmax eval {loss,domains,kl,lm-eval}`` and ``olmax compare``.
 
 Checkpoints are anything ``olmax.train.load.load_params`` reads: an olmax weights directory, a
 run directory (newest checkpoint), ``RUN/checkpoints/N``, or ``hf:DIR``. Token files are raw
@@ -15,22 +15,20 @@ JSON (``--json``; stable keys):
   "top10_overlap", "max_abs_logit_diff", "tokens"}`` (``olmax.eval.kl``).
 - ``compare``: the summary of ``olmax.eval.compare`` (also written to ``OUT/summary.json``).
 
-On an error with ``--json`` the CLI prints ``{"error": msg}`` and exits 2.
-Other modules add ``olmax eval`` subcommands by listing themselves in ``EVAL_SUBCOMMAND_MODULES``
-and exposing ``register_eval(eval_subparsers)``.
+On an error with ``--json`` the CLI prints ``{"error": msg}`` and exits 2. The commands import
+their implementation when they run (the CLI starts without Orbax, Optax or lm-eval).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import sys
 from typing import Any
 
-# Modules contributing more ``olmax eval`` subcommands (e.g. the lm-eval-harness adapter).
-EVAL_SUBCOMMAND_MODULES: list[str] = ["olmax.eval.suite"]
+from olmax.eval import suite
+from olmax.eval.alarm import AlarmConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -68,12 +66,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_kl)
 
-    for name in EVAL_SUBCOMMAND_MODULES:
-        importlib.import_module(name).register_eval(esub)
+    suite.register(esub)
 
-
-def register_compare(sub: argparse._SubParsersAction) -> None:
-    from olmax.eval.alarm import AlarmConfig
     d = AlarmConfig()
     p = sub.add_parser("compare", help="compare runs (and a reference curve): plots, milestones, memorisation alarm")
     p.add_argument("inputs", nargs="+", metavar="RUN_OR_FILE",
@@ -203,7 +197,6 @@ def cmd_kl(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from olmax.eval.alarm import AlarmConfig
     from olmax.eval.compare import compare
     _positive("--bins", args.bins)
     _positive("--window", args.window)

@@ -145,10 +145,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_lm_eval)
 
 
-# ``olmax.eval.commands`` attaches modules listed in EVAL_SUBCOMMAND_MODULES through this name.
-register_eval = register
-
-
 def parse_entries(args: argparse.Namespace) -> list[tuple[str, int | None]]:
     if args.tasks is None:
         return list(SUITES[args.suite or "olmo3"])
