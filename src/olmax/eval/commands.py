@@ -56,9 +56,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("b", help="model B")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--tokens", default=None, metavar="FILE.npy", help="token ids saved with numpy.save, [T] or [B, T]")
-    src.add_argument("--data", nargs="+", default=None, metavar="FILE", help="raw token files: the first --batch windows")
+    src.add_argument("--data", nargs="+", default=None, metavar="FILE",
+                     help="raw token files: the first --batch-size windows")
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=2, help="windows (default 2)")
+    p.add_argument("--batch", dest="batch_size", type=int, default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)  # the old spelling, kept until the next release
     p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (without --tokens/--data)")
     p.add_argument("--token-dtype", default=None, help="dtype of --data files (default: A's data.dtype)")
     p.add_argument("--param-dtype", choices=["float32", "bfloat16"], default=None,
@@ -170,7 +173,7 @@ def cmd_domains(args: argparse.Namespace) -> int:
 def cmd_kl(args: argparse.Namespace) -> int:
     from olmax.eval.kl import kl, load_token_array, random_tokens
     _positive("--seq-len", args.seq_len)
-    _positive("--batch", args.batch)
+    _positive("--batch-size", args.batch_size)
     pa, ca = _load(args.a, args.param_dtype)
     pb, cb = _load(args.b, args.param_dtype)
     vocab = ca.model.vocab_size
@@ -181,9 +184,9 @@ def cmd_kl(args: argparse.Namespace) -> int:
         from olmax.eval.heldout import heldout_windows
         dt = args.token_dtype or ca.data.dtype
         files = [f for f, _ in resolve_paths(list(args.data), dtype=dt)]
-        toks, inputs = heldout_windows(files, dt, args.seq_len, args.batch), ", ".join(files)
+        toks, inputs = heldout_windows(files, dt, args.seq_len, args.batch_size), ", ".join(files)
     else:
-        toks, inputs = random_tokens(vocab, args.batch, args.seq_len, args.seed), f"random seed {args.seed}"
+        toks, inputs = random_tokens(vocab, args.batch_size, args.seq_len, args.seed), f"random seed {args.seed}"
     r = kl(pa, ca, pb, cb, toks)
     out = {"a": args.a, "b": args.b, "inputs": inputs, "batch": int(toks.shape[0]), "seq_len": int(toks.shape[-1]), **r}
     if args.json:
