@@ -73,13 +73,6 @@ class Checkpointer:
     """Saves and restores ``RUN_DIR/checkpoints/<N>`` with Orbax (see the module docstring)."""
 
     def __init__(self, run_dir: str | os.PathLike, ckpt_cfg: CheckpointConfig, *, read_only: bool = False):
-        if ckpt_cfg.interval <= 0:
-            raise CheckpointError(f"checkpoint.interval must be positive, got {ckpt_cfg.interval}")
-        if ckpt_cfg.keep_last < 1:
-            # keep_last=0 would delete the checkpoint just written, leaving nothing to resume from.
-            raise CheckpointError(f"checkpoint.keep_last must be >= 1, got {ckpt_cfg.keep_last}")
-        if ckpt_cfg.keep_every is not None and ckpt_cfg.keep_every <= 0:
-            raise CheckpointError(f"checkpoint.keep_every must be positive or null, got {ckpt_cfg.keep_every}")
         self.cfg = ckpt_cfg
         # s3:// and gs:// run directories: Orbax writes a local staging copy, committed checkpoints
         # are uploaded with a marker written last (olmax.train.remote).
