@@ -73,7 +73,7 @@ class Checkpointer:
     """Saves and restores ``RUN_DIR/checkpoints/<N>`` with Orbax (see the module docstring)."""
 
     def __init__(self, run_dir: str | os.PathLike, ckpt_cfg: CheckpointConfig, *, read_only: bool = False):
-        self.cfg = ckpt_cfg
+        self.cfg, self.read_only = ckpt_cfg, read_only
         # s3:// and gs:// run directories: Orbax writes a local staging copy, committed checkpoints
         # are uploaded with a marker written last (olmax.train.remote).
         self.remote = None
@@ -109,9 +109,11 @@ class Checkpointer:
                 read_only=read_only,
                 create=not read_only,
             )
+            # A reader restores through the PyTree handler (the Standard one writes the same files),
+            # which can leave part of the state on disk: export and eval read the parameters alone.
+            state_handler = ocp.PyTreeCheckpointHandler() if read_only else ocp.StandardCheckpointHandler()
             self._manager = ocp.CheckpointManager(
-                self.directory, options=options,
-                item_handlers={_STATE: ocp.StandardCheckpointHandler(), _META: ocp.JsonCheckpointHandler()})
+                self.directory, options=options, item_handlers={_STATE: state_handler, _META: ocp.JsonCheckpointHandler()})
         finally:
             if quiet:
                 absl_logger.removeFilter(quiet)
@@ -281,7 +283,8 @@ class Checkpointer:
                 ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Restore checkpoint ``step`` into the shapes, dtypes and shardings of ``abstract_state``.
 
-        ``abstract_state`` is a pytree of ``jax.ShapeDtypeStruct`` whose ``.sharding`` may use a
+        A ``read_only`` Checkpointer may be given some of the state's top-level entries (e.g.
+        ``{"params": ...}``) and leaves the others on disk. ``abstract_state`` is a pytree of ``jax.ShapeDtypeStruct`` whose ``.sharding`` may use a
         different mesh or device count than at save time (elastic resume); a leaf without a
         sharding is restored replicated on all devices. Any difference in tree structure, shape
         or dtype is a ``CheckpointError`` naming the parameters (never a silent cast or pad).
@@ -300,11 +303,16 @@ class Checkpointer:
             raise CorruptCheckpointError(f"checkpoint {where} is unreadable: {_short(e)}") from e
         if stored is None:
             raise CorruptCheckpointError(f"checkpoint {where} is unreadable: its state/ item is missing")
-        _check_against_metadata(step, stored.tree, abstract_state)
+        partial = self.read_only and set(abstract_state) != set(stored.tree)  # a reader's subset
+        _check_against_metadata(step, {k: v for k, v in stored.tree.items() if k in abstract_state or not partial},
+                                abstract_state)
         target = jax.tree.map(_with_sharding, dict(abstract_state))
+        state_args = (ocp.args.PyTreeRestore(target, ocp.checkpoint_utils.construct_restore_args(target),
+                                             partial_restore=partial)
+                      if self.read_only else ocp.args.StandardRestore(target))
         try:
             out = self._manager.restore(step, args=ocp.args.Composite(
-                **{_STATE: ocp.args.StandardRestore(target), _META: ocp.args.JsonRestore()}))
+                **{_STATE: state_args, _META: ocp.args.JsonRestore()}))
         except Exception as e:
             raise CorruptCheckpointError(f"checkpoint {where} is unreadable: {_short(e)}") from e
         return dict(out[_STATE]), dict(out[_META] or {})
