@@ -72,6 +72,11 @@ def test_every_module_has_a_layer():
         layer(m)  # max() of nothing raises: add the new package to LAYERS
 
 
+def test_every_package_says_what_lives_there():
+    bare = [m for m, p in modules().items() if p.name == "__init__.py" and not ast.get_docstring(ast.parse(p.read_text()))]
+    assert not bare, f"packages without a docstring (what lives there, what it may import): {bare}"
+
+
 def test_imports_only_look_down():
     graph = imports(modules())
     upward = [f"{m} (line {line}) imports {t}: the {LAYERS[layer(m)][0]} layer may not import the "

@@ -8,7 +8,8 @@
 - ``tpu``: the per-host command of a TPU slice, a ``gcloud`` line and a JobSet manifest
   (:mod:`olmax.launch.tpu`).
 
-Progress is read from the run directory without JAX (:func:`latest_checkpoint`).
+Progress is read from the run directory without JAX (:func:`latest_checkpoint`). Above train
+(whose remote checkpoints it reads); never the CLI, whose ``olmax train`` it runs as a child.
 """
 
 from __future__ import annotations

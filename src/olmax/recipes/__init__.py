@@ -1,4 +1,6 @@
-"""Named recipes: each returns a typed, frozen :class:`olmax.config.Config`."""
+"""Named recipes: each returns a typed, frozen :class:`olmax.config.Config` (``olmo3``: the OLMo 3
+stages, ``tiny``: the CPU demo and tests), and the ``RECIPE --set ...`` arguments of the CLI.
+Bottom layer beside config: imports ``olmax.config`` only."""
 
 from __future__ import annotations
 
