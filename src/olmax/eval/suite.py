@@ -179,7 +179,7 @@ def check_args(args: argparse.Namespace) -> int | float | None:
 
 
 def cmd_lm_eval(args: argparse.Namespace) -> int:
-    from olmax.eval.lm_eval_adapter import OlmaxLM, default_tokenizer_path
+    from olmax.eval.lm_eval_adapter import OlmaxLM, default_tokenizer_path  # lm-eval, torch: not at CLI start
     entries = parse_entries(args)
     limit = check_args(args)
     if args.tokenizer is None and default_tokenizer_path(args.checkpoint) is None:

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from olmax import io
+from olmax.train.remote import RemoteCheckpoints
+
 
 def latest_checkpoint(run_dir: str) -> int | None:
     """Newest committed checkpoint step of a run directory (local, s3:// or gs://), or None.
@@ -23,9 +26,7 @@ def latest_checkpoint(run_dir: str) -> int | None:
     Locally, Orbax renames ``<N>.orbax-checkpoint-tmp`` to ``<N>`` only when a save is complete,
     so a folder named by digits alone is a committed checkpoint; remotely, the commit marker.
     """
-    from olmax import io
     if io.is_remote(run_dir):
-        from olmax.train.remote import RemoteCheckpoints
         steps = RemoteCheckpoints(run_dir).committed_steps()
         return steps[-1] if steps else None
     d = Path(run_dir) / "checkpoints"

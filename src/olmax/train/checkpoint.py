@@ -41,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from olmax import io
 from olmax.config import CheckpointConfig, Config, ConfigError, model_differences
+from olmax.train.remote import RemoteCheckpoints, check_multiprocess
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,6 @@ class Checkpointer:
         # are uploaded with a marker written last (olmax.train.remote).
         self.remote = None
         if io.is_remote(run_dir):
-            from olmax.train.remote import RemoteCheckpoints, check_multiprocess
             check_multiprocess(jax.process_count(), str(run_dir))
             self.remote = RemoteCheckpoints(str(run_dir))
             self.remote.local.mkdir(parents=True, exist_ok=True)
