@@ -73,7 +73,8 @@ def test_every_module_has_a_layer():
 
 
 def test_every_package_says_what_lives_there():
-    bare = [m for m, p in modules().items() if p.name == "__init__.py" and not ast.get_docstring(ast.parse(p.read_text()))]
+    bare = [m for m, p in modules().items()
+            if p.name == "__init__.py" and not ast.get_docstring(ast.parse(p.read_text()))]
     assert not bare, f"packages without a docstring (what lives there, what it may import): {bare}"
 
 

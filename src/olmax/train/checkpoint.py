@@ -113,7 +113,8 @@ class Checkpointer:
             # which can leave part of the state on disk: export and eval read the parameters alone.
             state_handler = ocp.PyTreeCheckpointHandler() if read_only else ocp.StandardCheckpointHandler()
             self._manager = ocp.CheckpointManager(
-                self.directory, options=options, item_handlers={_STATE: state_handler, _META: ocp.JsonCheckpointHandler()})
+                self.directory, options=options,
+                item_handlers={_STATE: state_handler, _META: ocp.JsonCheckpointHandler()})
         finally:
             if quiet:
                 absl_logger.removeFilter(quiet)
@@ -283,11 +284,11 @@ class Checkpointer:
                 ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Restore checkpoint ``step`` into the shapes, dtypes and shardings of ``abstract_state``.
 
-        A ``read_only`` Checkpointer may be given some of the state's top-level entries (e.g.
-        ``{"params": ...}``) and leaves the others on disk. ``abstract_state`` is a pytree of ``jax.ShapeDtypeStruct`` whose ``.sharding`` may use a
+        ``abstract_state`` is a pytree of ``jax.ShapeDtypeStruct`` whose ``.sharding`` may use a
         different mesh or device count than at save time (elastic resume); a leaf without a
         sharding is restored replicated on all devices. Any difference in tree structure, shape
-        or dtype is a ``CheckpointError`` naming the parameters (never a silent cast or pad).
+        or dtype is a ``CheckpointError`` naming the parameters (never a silent cast or pad). A
+        ``read_only`` Checkpointer may be given some top-level entries (``{"params": ...}``) alone.
         """
         self.wait()
         steps = self.all_steps()
