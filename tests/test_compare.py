@@ -253,9 +253,9 @@ def test_compare_writes_report_with_plots(tmp_path, capsys):
     assert json.loads((out / "summary.json").read_text())["files"]["report_html"] == str(out / "report.html")
 
     # The command line: --json prints the summary; --fail-on-alarm turns the alarm into exit 1.
-    from olmax.eval.commands import register_compare
+    from olmax.eval.commands import register
     parser = argparse.ArgumentParser()
-    register_compare(parser.add_subparsers())
+    register(parser.add_subparsers())  # eval and compare
     args = parser.parse_args(["compare", str(tmp_path / "repeated"), "--reference", str(tsv), "--labels", "rep",
                               "--out", str(tmp_path / "r2"), "--bins", "20", "--json", "--fail-on-alarm"])
     capsys.readouterr()

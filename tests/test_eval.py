@@ -304,10 +304,20 @@ def test_eval_commands(cfg, data, runs, tmp_path, capsys):
     r = run("eval", "domains", "--checkpoint", str(tmp_path / "honest"), "--domain", f"chain={held['chain']}:2900",
             "--domain", f"cycles={held['cycles']}:3100", "--batches", "0", "--json")
     assert set(r["domains"]) == {"chain", "cycles"} and set(r["macro"]) == {"loss", "perplexity", "bits_per_byte"}
-    r = run("eval", "kl", str(tmp_path / "honest"), str(tmp_path / "honest"), "--seq-len", "16", "--batch", "2", "--json")
+    r = run("eval", "kl", str(tmp_path / "honest"), str(tmp_path / "honest"), "--seq-len", "16", "--batch-size", "2", "--json")
     assert r["kl_mean"] == 0.0 and r["top1_agreement"] == 1.0 and r["tokens"] == 32
     r = run("eval", "kl", str(tmp_path / "init"), str(tmp_path / "honest"), "--data", held["chain"], "--json")
     assert r["kl_mean"] > 0.1 and r["inputs"] == held["chain"] and (r["batch"], r["seq_len"]) == (2, 128)
+
+
+def test_old_batch_spelling_still_parses():
+    """``--batch`` (eval kl and parity before ``--batch-size``) stays a hidden alias for a release."""
+    from olmax.cli import build_parser
+    parser = build_parser()
+    for argv in (["eval", "kl", "a", "b"], ["parity", "--hf", "d"]):
+        assert parser.parse_args(argv).batch_size == 2
+        assert parser.parse_args(argv + ["--batch", "3"]).batch_size == 3
+        assert parser.parse_args(argv + ["--batch-size", "4"]).batch_size == 4
 
 
 def test_bad_inputs_fail_clearly(cfg, data, tmp_path, monkeypatch, capsys):
@@ -338,6 +348,6 @@ def test_bad_inputs_fail_clearly(cfg, data, tmp_path, monkeypatch, capsys):
         kl(p, cfg, p, cfg, np.full((1, 4), V))
     # Through the CLI: "error: ..." and exit status 2.
     import olmax.cli
-    monkeypatch.setattr(olmax.cli, "COMMAND_MODULES", ["olmax.eval.commands"])
+    monkeypatch.setattr(olmax.cli, "COMMAND_MODULES", [olmax.eval.commands])
     rc = olmax.cli.main(["eval", "loss", "--checkpoint", str(tmp_path / "nowhere"), "--data", held["chain"]])
     assert rc == 2 and "error: checkpoint" in capsys.readouterr().err

@@ -26,7 +26,7 @@ from olmo_core.train.common import Duration  # noqa: E402
 from olmo_core.train.train_module.transformer.train_module import TransformerTrainModule  # noqa: E402
 from olmo_core.train.trainer import Trainer  # noqa: E402
 
-from olmax.config import ConfigError, OptimConfig, ScheduleConfig, SkipStepConfig  # noqa: E402
+from olmax.config import Config, ConfigError, OptimConfig, ScheduleConfig, SkipStepConfig, validate  # noqa: E402
 from olmax.optim import OptState, apply_update, init_opt_state, make_schedule, two_part_cosine  # noqa: E402
 from olmax.recipes import olmo3_7b_stage1, olmo3_7b_stage2  # noqa: E402
 
@@ -380,7 +380,7 @@ def test_bf16_moments_are_refused():
     params = {"embed": jnp.zeros((4, 2), jnp.bfloat16)}
     cfg = dataclasses.replace(OptimConfig(), moments_dtype="bfloat16")
     with pytest.raises(ConfigError, match=r"\+0\.93"):
-        init_opt_state(params, cfg)
+        validate(Config(optim=cfg))  # the one place config rules are checked
     good = init_opt_state(params, OptimConfig())
     bad = good._replace(mu=jax.tree.map(lambda m: m.astype(jnp.bfloat16), good.mu))
     with pytest.raises(ValueError, match=r"\+0\.93"):

@@ -150,7 +150,7 @@ def test_cli_with_checkpoint_tokens_json_dump(models: dict[str, Path], tmp_path:
     z = np.load(tmp_path / "out.npz")
     assert z["hf"].shape == z["olmax"].shape == (3, 24, 100)  # real vocabulary: padded rows sliced off
     np.testing.assert_array_equal(z["tokens"], toks)
-    a = parser.parse_args(["parity", "--hf", str(d), "--seq-len", "20", "--batch", "1"])
+    a = parser.parse_args(["parity", "--hf", str(d), "--seq-len", "20", "--batch-size", "1"])
     assert a.func(a) == 0
     assert "fp32 criteria" in capsys.readouterr().out
 

@@ -260,6 +260,10 @@ def test_hf_warm_start_train_export_and_parity(tmp_path, corpus):
     a = stn.load_file(str(hf / "model.safetensors"))["lm_head.weight"]
     b = stn.load_file(str(tmp_path / "export" / "model.safetensors"))["lm_head.weight"]
     assert a.shape == b.shape and not np.array_equal(a, b)
+    # The export streams the checkpoint's parameters, restored without the Adam moments, bit for bit.
+    params, opt, _, _ = restore_train_state(tmp_path / "run", params_only=True)
+    assert opt is None
+    np.testing.assert_array_equal(b, np.asarray(params["lm_head"]).T)
     # Exporting again into the now non-empty directory is refused and leaves it intact.
     r = subprocess.run(cli + ["convert", "olmax-to-hf", "--checkpoint", str(tmp_path / "run"), "--out",
                               str(tmp_path / "export")], capture_output=True, text=True)

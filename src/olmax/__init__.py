@@ -1,4 +1,8 @@
-"""olmax: faithful, verified reproductions of published LLM pre-training runs in JAX."""
+"""olmax: faithful, verified reproductions of published LLM pre-training runs in JAX.
+
+Layers, lowest first; a module imports from its own layer or below (tests/test_layers.py):
+config, io, recipes | model, sharding, optim, data, metrics | train, eval, compat |
+verify, compile, launch, demo | cli, commands and every ``*.commands`` module."""
 
 import glob as _glob
 import importlib.util as _ilu

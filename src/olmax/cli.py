@@ -1,10 +1,11 @@
-"""The ``olmax`` command line. Subcommands live beside the code they drive; each module
-exposes ``register(subparsers)`` and sets ``func`` on its parsers."""
+"""The ``olmax`` command line. Subcommands live beside the code they drive: each module below
+exposes ``register(subparsers)``, adds its parsers (a group such as ``eval`` or ``verify`` calls
+its members' ``register`` in turn) and sets ``func(args) -> int`` on each. Command modules import
+their implementation inside ``func``, so that the CLI starts without Orbax, Grain or torch."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -12,40 +13,30 @@ import threading
 import traceback
 import warnings
 
+from olmax import commands, compile
+from olmax.compat import commands as convert_commands
 from olmax.config import ConfigError
+from olmax.data import commands as data_commands
+from olmax.eval import commands as eval_commands
+from olmax.launch import commands as launch_commands
+from olmax.train import commands as train_commands
+from olmax.verify import commands as verify_commands, parity
 
 # Exceptions that are the user's to fix (their messages name the field, file or flag). OSError
 # covers a full disk, a missing permission or a run directory that is a file.
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ValueError, OSError)
 
 # Modules that add subcommands, in help order.
-COMMAND_MODULES = [
-    "olmax.commands",
-    "olmax.compile",
-    "olmax.train.commands",
-    "olmax.data.commands",
-    "olmax.compat.commands",
-    "olmax.verify.parity",
-    "olmax.verify.commands",
-    "olmax.eval.commands",
-    "olmax.launch.commands",
-]
-
-
-def add_recipe_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", help="recipe name (tiny, olmo3_7b_stage1, ...) or a resolved config .yaml")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set train.steps=100 (repeatable)")
+COMMAND_MODULES = [commands, compile, train_commands, data_commands, convert_commands, parity, verify_commands,
+                   eval_commands, launch_commands]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="olmax", description="Faithful, verified LLM pre-training in JAX.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
-    from olmax.eval.commands import register_compare
-    register_compare(sub)
+    for module in COMMAND_MODULES:
+        module.register(sub)
     return parser
 
 

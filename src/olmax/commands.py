@@ -1,4 +1,4 @@
-"""Core subcommands: print-config, inspect (and the wiring of the others)."""
+"""Core subcommands: print-config, inspect."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import json
 
 import jax
 
-from olmax.cli import add_recipe_args
+from olmax.compile import memory_verdict, parse_topology
 from olmax.metrics.flops import flops_per_token
 from olmax.metrics.memory import memory_estimate
 from olmax.model.params import count_params
-from olmax.recipes import get_recipe
+from olmax.recipes import add_recipe_args, get_recipe
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -61,14 +61,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     hbm = args.hbm_gib
     n = args.devices
     if args.topology:
-        from olmax.compile import parse_topology
         topo = parse_topology(args.topology)
         n = n or topo.devices
         hbm = hbm or topo.family.hbm_gib
     n = n or jax.device_count()
     info = inspect_config(cfg, n)
     if hbm is not None:
-        from olmax.compile import memory_verdict
         need = info["memory_per_device"]["total_gib"]
         info.update(hbm_gib=hbm, fits=need <= hbm, verdict=memory_verdict(need, hbm) + " (estimate)")
     if args.json:

@@ -19,7 +19,12 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 from olmax.config import Config, ConfigError
+from olmax.recipes import add_recipe_args, get_recipe
+from olmax.sharding import batch_sharding, make_mesh, plan_batch
 
 GiB = 1024 ** 3
 
@@ -142,10 +147,9 @@ def _parse_oom(msg: str) -> tuple[float, float] | None:
 def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, progress: bool = True) -> dict:
     """Lower and compile the train step (and the held-out eval step) of ``cfg`` for ``topology``;
     return the per-device memory report. Allocates nothing."""
-    import jax
-    import jax.numpy as jnp
-
-    from olmax.sharding import batch_sharding, make_mesh, plan_batch
+    # Imported here, not at the top: the CLI imports this module for its parser, and the step
+    # brings Optax (``olmax inspect --topology`` and ``--help`` stay light).
+    from olmax.eval.heldout import check_batch_divides
     from olmax.train.state import abstract_train_state, shardings
     from olmax.train.step import jit_train_step, make_eval_step
 
@@ -194,7 +198,6 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
     report.update(argument_gib=arg / GiB, output_gib=out / GiB, alias_gib=alias / GiB, temp_gib=temp / GiB,
                   code_gib=code / GiB, **_verdict(need=total / GiB, hbm=topology.family.hbm_gib))
     if eval_step:
-        from olmax.eval.heldout import check_batch_divides
         bs = cfg.eval.batch_size
         check_batch_divides(bs, mesh)  # the run would stop on this before training
         ev_batch = jax.ShapeDtypeStruct((bs, L), jnp.int32, sharding=bshard)
@@ -232,7 +235,6 @@ def memory_verdict(need_gib: float, hbm_gib: float) -> str:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from olmax.cli import add_recipe_args
     p = sub.add_parser("compile", help="ahead-of-time compile the train step for a TPU slice: per-chip memory, "
                                        "fits or not (needs the libtpu wheel, not a TPU)")
     add_recipe_args(p)
@@ -246,7 +248,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_compile(args: argparse.Namespace) -> int:
     topology = parse_topology(args.topology, args.slices)
     quiet_libtpu(topology)
-    from olmax.recipes import get_recipe
     cfg = get_recipe(args.recipe, args.overrides)
     r = compile_for(cfg, topology, eval_step=not args.no_eval, progress=not args.json)
     if args.json:

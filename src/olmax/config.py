@@ -402,7 +402,7 @@ def _validate_ranges(cfg: Config) -> None:
         "data.repetition_min_period": (cfg.data.repetition_min_period, 1, False),
         "data.repetition_max_period": (cfg.data.repetition_max_period, 1, False),
         "data.repetition_max_count": (cfg.data.repetition_max_count, 1, False),
-        "checkpoint.keep_last": (cfg.checkpoint.keep_last, 1, False),
+        "checkpoint.keep_last": (cfg.checkpoint.keep_last, 1, False),  # 0 would delete the newest checkpoint
         "checkpoint.keep_every": (cfg.checkpoint.keep_every, 1, True),
         "eval.interval": (cfg.eval.interval, 1, False), "eval.batches": (cfg.eval.batches, 1, False),
         "eval.batch_size": (cfg.eval.batch_size, 1, False),

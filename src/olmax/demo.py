@@ -15,6 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
+from olmax.data.tokenize import tokenize
+from olmax.recipes import get_recipe
+from olmax.train.loop import train
+
 DEMO_VOCAB = 4096
 HELDOUT = 0.05
 
@@ -49,7 +53,6 @@ def unigram_entropy(paths: list[str], dtype: str, vocab: int) -> float:
 
 
 def prepare_data(run_dir: Path, corpus_mb: float) -> dict:
-    from olmax.data.tokenize import tokenize
     data_dir = run_dir / "data"
     if not (data_dir / "train" / "manifest.json").exists():
         files = stdlib_files(corpus_mb)
@@ -65,9 +68,6 @@ def prepare_data(run_dir: Path, corpus_mb: float) -> dict:
 
 
 def run_demo(run_dir: str, overrides: list[str], corpus_mb: float = 12.0) -> int:
-    from olmax.recipes import get_recipe
-    from olmax.train.loop import train
-
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
     data = prepare_data(run, corpus_mb)
@@ -77,7 +77,7 @@ def run_demo(run_dir: str, overrides: list[str], corpus_mb: float = 12.0) -> int
     print(f"demo: {data['train']['tokens']:,} training tokens, {data['heldout']['tokens']:,} held-out tokens; "
           f"training {cfg.train.steps} steps of {cfg.train.global_batch_size} x {cfg.data.sequence_length} tokens",
           file=sys.stderr)
-    res = train(cfg, run / "run")
+    train(cfg, run / "run")
     h_uni = unigram_entropy(data["train"]["paths"], data["train"]["dtype"], cfg.model.vocab_size)
     evals = [json.loads(l) for l in (run / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [e for e in evals if "eval/heldout/CE loss" in e]

@@ -115,8 +115,6 @@ def make_schedule(optim_cfg: OptimConfig, total_steps: int) -> Schedule:
     lr = float(optim_cfg.lr)
     t_max = int(sc.t_max if sc.t_max is not None else total_steps)
     kw = dict(lr=lr, warmup=int(sc.warmup), t_max=t_max, alpha_f=float(sc.alpha_f))
-    if sc.warmup < 0:
-        raise ConfigError(f"optim.schedule.warmup must be >= 0, got {sc.warmup}")
     if sc.name == "cosine":
         return lambda step: cos_with_warmup(step, **kw)
     if sc.name == "half_cosine":
@@ -125,10 +123,7 @@ def make_schedule(optim_cfg: OptimConfig, total_steps: int) -> Schedule:
         return lambda step: linear_with_warmup(step, **kw)
     if sc.name == "constant":
         return lambda step: constant_with_warmup(step, lr=lr, warmup=int(sc.warmup))
-    if sc.name == "two_part_cosine":
-        if sc.switch_step is None or sc.t_max_2 is None:
-            raise ConfigError("optim.schedule.two_part_cosine needs optim.schedule.switch_step and "
-                              "optim.schedule.t_max_2")
+    if sc.name == "two_part_cosine":  # switch_step and t_max_2 are set (olmax.config.validate)
         # part2_warmup None: part 2's warmup is the switch step (see two_part_cosine).
         p2w = int(sc.part2_warmup if sc.part2_warmup is not None else sc.switch_step)
         return lambda step: two_part_cosine(step, **kw, switch_step=int(sc.switch_step),
@@ -151,17 +146,11 @@ class OptState(NamedTuple):
     history_count: jax.Array   # int32: valid entries (the last history_count of each history)
 
 
-def _check_moments_cfg(optim_cfg: OptimConfig) -> None:
-    if optim_cfg.moments_dtype != "float32":
-        raise ConfigError(f"optim.moments_dtype={optim_cfg.moments_dtype!r}: {_BF16_MOMENTS}")
-
-
 def init_opt_state(params: Any, optim_cfg: OptimConfig) -> OptState:
-    """Zero moments in fp32 whatever the parameter dtype; empty skip-step history."""
-    _check_moments_cfg(optim_cfg)
+    """Zero moments in fp32 whatever the parameter dtype (``optim.moments_dtype`` is refused
+    otherwise by ``olmax.config.validate``); empty skip-step history."""
     window = optim_cfg.skip_step.window
-    if window < 1:
-        raise ConfigError(f"optim.skip_step.window must be >= 1, got {window}")
+
     def zeros() -> Any:
         return optax.tree_utils.tree_zeros_like(params, dtype=jnp.float32)
     return OptState(
@@ -240,8 +229,7 @@ def apply_update(params: Any, grads: Any, opt_state: OptState, ce_loss: jax.Arra
     Jit with ``optim_cfg`` and ``total_steps`` static. On a skip, params, moments and ``adam_step``
     are returned unchanged while ``step`` (hence the lr) advances and both values enter the history.
     """
-    _check_moments_cfg(optim_cfg)
-    for leaf in jax.tree.leaves((opt_state.mu, opt_state.nu)):
+    for leaf in jax.tree.leaves((opt_state.mu, opt_state.nu)):  # a state built by hand (configs: validate)
         if leaf.dtype != jnp.float32:
             raise ValueError(f"optimizer moment of dtype {leaf.dtype}: {_BF16_MOMENTS}")
 

@@ -8,11 +8,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from olmax.model.weights_io import DEFAULT_SHARD_BYTES
+import numpy as np
+
+from olmax.compat.hf import ConversionError, hf_to_olmax, olmax_to_hf, write_hf
+from olmax.config import ConfigError
+from olmax.model.weights_io import DEFAULT_SHARD_BYTES, flatten_tree, is_weights_dir
 
 
 def _hf_to_olmax(args: argparse.Namespace) -> int:
-    from olmax.compat.hf import hf_to_olmax
     cfg = hf_to_olmax(args.hf, args.out, dtype=args.dtype, padded_vocab_size=args.pad_vocab_to,
                       shard_bytes=args.shard_bytes, progress=sys.stderr)
     m = cfg.model
@@ -24,34 +27,21 @@ def _hf_to_olmax(args: argparse.Namespace) -> int:
 def export_checkpoint(weights_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | None = None,
                       shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Any = None) -> Path:
     """``olmax_to_hf`` for an olmax weights directory, a training run directory or
-    ``RUN/checkpoints/N`` (whose parameters are restored in memory and written as a temporary
-    weights directory first)."""
-    import numpy as np
-
-    from olmax.compat.hf import ConversionError, olmax_to_hf
-    from olmax.config import ConfigError
-    from olmax.model.weights_io import flatten_tree, is_weights_dir, save_weights
+    ``RUN/checkpoints/N`` (whose parameters alone are restored and streamed into the HF files)."""
+    from olmax.train.load import load_params, resolve_checkpoint  # Orbax: only when exporting
     weights_dir = Path(weights_dir)
-    if weights_dir.is_dir() and not is_weights_dir(weights_dir):
-        import tempfile
-
-        from olmax.train.load import load_params, resolve_checkpoint
-        if Path(out_dir).exists() and any(Path(out_dir).iterdir()):  # before any restore work
-            raise ConversionError(f"output directory {str(out_dir)!r} already exists and is not empty")
-        try:
-            resolve_checkpoint(weights_dir)
-        except ConfigError:
-            raise ConversionError(f"{str(weights_dir)!r} is not an olmax weights directory (config.yaml + "
-                                  "safetensors) nor a run or checkpoint directory") from None
-        params, cfg = load_params(weights_dir)
-        Path(out_dir).parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=Path(out_dir).parent, prefix=".olmax-export-") as t:
-            tmp_weights = Path(t) / "weights"
-            save_weights(tmp_weights, ((n, np.asarray(a)) for n, a in flatten_tree(params)), cfg,
-                         shard_bytes=shard_bytes)
-            del params
-            return olmax_to_hf(tmp_weights, out_dir, dtype=dtype, shard_bytes=shard_bytes, progress=progress)
-    return olmax_to_hf(weights_dir, out_dir, dtype=dtype, shard_bytes=shard_bytes, progress=progress)
+    if not weights_dir.is_dir() or is_weights_dir(weights_dir):
+        return olmax_to_hf(weights_dir, out_dir, dtype=dtype, shard_bytes=shard_bytes, progress=progress)
+    if Path(out_dir).exists() and any(Path(out_dir).iterdir()):  # before any restore work
+        raise ConversionError(f"output directory {str(out_dir)!r} already exists and is not empty")
+    try:
+        resolve_checkpoint(weights_dir)
+    except ConfigError:
+        raise ConversionError(f"{str(weights_dir)!r} is not an olmax weights directory (config.yaml + "
+                              "safetensors) nor a run or checkpoint directory") from None
+    params, cfg = load_params(weights_dir)
+    return write_hf(((n, np.asarray(a)) for n, a in flatten_tree(params)), cfg, out_dir, cfg.model.param_dtype,
+                    dtype=dtype, shard_bytes=shard_bytes, progress=progress)
 
 
 def _olmax_to_hf(args: argparse.Namespace) -> int:

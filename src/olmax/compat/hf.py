@@ -23,7 +23,7 @@ import json
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -468,9 +468,7 @@ def olmax_to_hf(weights_dir: str | os.PathLike, out_dir: str | os.PathLike, dtyp
         reader = TensorReader(weights_dir)
     except WeightsError as e:
         raise ConversionError(str(e)) from None
-    m = cfg.model
-    specs = named_specs(m)
-    names = hf_name_map(m)
+    specs = named_specs(cfg.model)
     with reader:
         for oname in reader.names():
             if oname not in specs:
@@ -482,11 +480,19 @@ def olmax_to_hf(weights_dir: str | os.PathLike, out_dir: str | os.PathLike, dtyp
         if missing:
             raise ConversionError(f"{weights_dir}: missing tensor {missing[0]!r}")
         stored = {"F32": "float32", "BF16": "bfloat16"}.get(reader.dtype("embed"), "float32")
+    return write_hf(iter_weights(weights_dir), cfg, out_dir, stored, dtype=dtype, shard_bytes=shard_bytes,
+                    progress=progress)
+
+
+def write_hf(named: Iterable[tuple[str, np.ndarray]], cfg: Config, out_dir: str | os.PathLike, stored: str,
+             dtype: str | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Any = None) -> Path:
+    """Stream olmax ``(name, array)`` pairs of dtype ``stored`` into a HF directory (``olmax_to_hf``)."""
+    m = cfg.model
+    names = hf_name_map(m)
     target = np_dtype(dtype)
-    out_dtype = dtype or stored
 
     def gen() -> Iterator[tuple[str, np.ndarray]]:
-        for oname, a in iter_weights(weights_dir):
+        for oname, a in named:
             hname, transposed = names[oname]
             if target is not None:
                 a = a.astype(target, copy=False)
@@ -496,16 +502,16 @@ def olmax_to_hf(weights_dir: str | os.PathLike, out_dir: str | os.PathLike, dtyp
                 a = a[: m.vocab_size]  # drop the padded rows
             yield hname, np.ascontiguousarray(a)
 
-    hf_cfg = olmax_to_hf_config(cfg, out_dtype)
+    hf_cfg = olmax_to_hf_config(cfg, dtype or stored)
     gen_cfg = {"bos_token_id": cfg.data.bos_token_id, "eos_token_id": cfg.data.eos_token_id,
                "pad_token_id": cfg.data.pad_token_id}
     with atomic_dir(out_dir) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
         write_shards(tmp, gen(), shard_bytes=shard_bytes, metadata={"format": "pt"}, single_file="model.safetensors",
-                     always_index=False, progress=_progress(len(specs), "olmax-to-hf", progress))
+                     always_index=False, progress=_progress(len(names), "olmax-to-hf", progress))
     return Path(out_dir)
 
 
 __all__ = ["ConversionError", "hf_config_to_olmax", "config_from_hf", "olmax_to_hf_config", "hf_name_map",
-           "load_hf_params", "hf_to_olmax", "olmax_to_hf", "INDEX_NAME"]
+           "load_hf_params", "hf_to_olmax", "olmax_to_hf", "write_hf", "INDEX_NAME"]

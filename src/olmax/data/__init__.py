@@ -6,6 +6,8 @@
 - ``loader``: Grain loader of this process's share of batch k, data state, global jax.Array.
 - ``audit``: proves each instance is read exactly once for any process / worker count.
 - ``commands``: ``olmax tokenize`` and ``olmax data {batches,audit}``.
+
+Imports config, io and sharding (to place a batch on the mesh) only: data knows nothing of training.
 """
 
 

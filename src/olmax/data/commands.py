@@ -12,6 +12,10 @@ from pathlib import Path
 import numpy as np
 
 from olmax.data import DataError
+from olmax.data.audit import audit
+from olmax.data.loader import DataLoader
+from olmax.data.tokenize import tokenize
+from olmax.recipes import add_recipe_args, get_recipe
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -38,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     d = subparsers.add_parser("data", help="inspect and audit the data order")
     dsub = d.add_subparsers(dest="data_command", required=True)
     b = dsub.add_parser("batches", help="write the global instance ids a process reads for steps A..B-1")
-    _recipe_args(b)
+    add_recipe_args(b)
     b.add_argument("--steps", required=True, metavar="A:B", help="global steps A..B-1 (0-based)")
     b.add_argument("--process-index", type=int, default=0, metavar="r")
     b.add_argument("--process-count", type=int, default=1, metavar="R")
@@ -47,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.set_defaults(func=_batches)
 
     a = dsub.add_parser("audit", help="prove each instance of an epoch is read exactly once for R x W")
-    _recipe_args(a)
+    add_recipe_args(a)
     a.add_argument("--processes", type=int, default=1, metavar="R")
     a.add_argument("--workers", type=int, default=None, metavar="W", help="default: data.workers")
     a.add_argument("--epoch", type=int, default=1)
@@ -55,14 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     a.set_defaults(func=_audit)
 
 
-def _recipe_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", help="recipe name or resolved-config YAML")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set data.paths=DIR (repeatable)")
-
-
 def _tokenize(args: argparse.Namespace) -> int:
-    from olmax.data.tokenize import tokenize
     manifests = tokenize(args.inputs, args.out, tokenizer=args.tokenizer, train_bpe_vocab=args.train_bpe,
                          heldout=args.heldout, shard_tokens=args.shard_tokens, processes=args.processes,
                          text_field=args.text_field, text_unit=args.text_unit, eos_token_id=args.eos_token_id,
@@ -76,8 +73,6 @@ def _tokenize(args: argparse.Namespace) -> int:
 
 def _loader(args: argparse.Namespace, process_index: int = 0, process_count: int = 1):
     """The training loader itself (its dataset, order and checks), for introspection."""
-    from olmax.data.loader import DataLoader
-    from olmax.recipes import get_recipe
     cfg = get_recipe(args.recipe, args.overrides)
     return cfg, DataLoader(cfg, process_index=process_index, process_count=process_count)
 
@@ -117,7 +112,6 @@ def _batches(args: argparse.Namespace) -> int:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from olmax.data.audit import audit
     cfg, loader = _loader(args)
     workers = cfg.data.workers if args.workers is None else args.workers
     res = audit(loader.order, args.processes, workers, epoch=args.epoch)

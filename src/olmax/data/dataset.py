@@ -17,15 +17,13 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Sequence
+from typing import Literal, Sequence
 
 import numpy as np
 
 from olmax import io
+from olmax.config import Config
 from olmax.data import DataError
-
-if TYPE_CHECKING:
-    from olmax.config import Config
 
 Validate = Literal["none", "sample", "full"]
 _REMOTE = io.REMOTE_PREFIXES

@@ -18,14 +18,13 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
+from olmax.config import Config
 from olmax.data import DataError
 from olmax.data.dataset import TokenDataset, Validate, dirty_instances
 from olmax.data.order import GlobalOrder, ShareFn, default_cache_dir, process_share
 
 if TYPE_CHECKING:
     import jax
-
-    from olmax.config import Config
 
 
 @dataclass
@@ -236,7 +235,7 @@ def global_batch_to_device(local: Any, mesh: jax.sharding.Mesh) -> Any:
     (process r's share, i.e. columns ``r::R`` of global batch k, lands on r's devices): the same
     instances as batch k, in a per-process arrangement. Scalars (``step``) are left on the host.
     """
-    import jax
+    import jax  # here only: Grain's worker processes import this module and need no JAX
 
     from olmax.sharding import batch_sharding
 

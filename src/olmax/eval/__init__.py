@@ -1,2 +1,4 @@
-"""Evaluation: held-out loss and domains on fixed batches (in the loop and offline), KL between
-models, lm-eval tasks, and run comparison (readers, statistics, report, memorisation alarm)."""
+"""Evaluation: held-out loss on fixed batches (heldout, in the loop and offline), per-domain
+perplexity (domains), KL between checkpoints (kl), lm-eval-harness tasks (suite, lm_eval_adapter),
+run comparison (runs, compare, report, alarm). Same layer as train: imports its step and parameter
+loading and the layers below; never verify or the CLI."""

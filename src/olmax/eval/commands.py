@@ -1,4 +1,4 @@
-"""``olmax eval {loss,domains,kl}`` (``register``) and ``olmax compare`` (``register_compare``).
+"""``olmax eval {loss,domains,kl,lm-eval}`` and ``olmax compare``.
 
 Checkpoints are anything ``olmax.train.load.load_params`` reads: an olmax weights directory, a
 run directory (newest checkpoint), ``RUN/checkpoints/N``, or ``hf:DIR``. Token files are raw
@@ -15,21 +15,19 @@ JSON (``--json``; stable keys):
   "top10_overlap", "max_abs_logit_diff", "tokens"}`` (``olmax.eval.kl``).
 - ``compare``: the summary of ``olmax.eval.compare`` (also written to ``OUT/summary.json``).
 
-On an error with ``--json`` the CLI prints ``{"error": msg}`` and exits 2.
-Other modules add ``olmax eval`` subcommands by listing themselves in ``EVAL_SUBCOMMAND_MODULES``
-and exposing ``register_eval(eval_subparsers)``.
+On an error with ``--json`` the CLI prints ``{"error": msg}`` and exits 2. The commands import
+their implementation when they run (the CLI starts without Orbax, Optax or lm-eval).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from typing import Any
 
-# Modules contributing more ``olmax eval`` subcommands (e.g. the lm-eval-harness adapter).
-EVAL_SUBCOMMAND_MODULES: list[str] = ["olmax.eval.suite"]
+from olmax.eval import suite
+from olmax.eval.alarm import AlarmConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -57,9 +55,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("b", help="model B")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--tokens", default=None, metavar="FILE.npy", help="token ids saved with numpy.save, [T] or [B, T]")
-    src.add_argument("--data", nargs="+", default=None, metavar="FILE", help="raw token files: the first --batch windows")
+    src.add_argument("--data", nargs="+", default=None, metavar="FILE",
+                     help="raw token files: the first --batch-size windows")
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=2, help="windows (default 2)")
+    p.add_argument("--batch", dest="batch_size", type=int, default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)  # the old spelling, kept until the next release
     p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (without --tokens/--data)")
     p.add_argument("--token-dtype", default=None, help="dtype of --data files (default: A's data.dtype)")
     p.add_argument("--param-dtype", choices=["float32", "bfloat16"], default=None,
@@ -67,12 +68,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_kl)
 
-    for name in EVAL_SUBCOMMAND_MODULES:
-        importlib.import_module(name).register_eval(esub)
+    suite.register(esub)
 
-
-def register_compare(sub: argparse._SubParsersAction) -> None:
-    from olmax.eval.alarm import AlarmConfig
     d = AlarmConfig()
     p = sub.add_parser("compare", help="compare runs (and a reference curve): plots, milestones, memorisation alarm")
     p.add_argument("inputs", nargs="+", metavar="RUN_OR_FILE",
@@ -167,7 +164,7 @@ def cmd_domains(args: argparse.Namespace) -> int:
 def cmd_kl(args: argparse.Namespace) -> int:
     from olmax.eval.kl import kl, load_token_array, random_tokens
     _positive("--seq-len", args.seq_len)
-    _positive("--batch", args.batch)
+    _positive("--batch-size", args.batch_size)
     pa, ca = _load(args.a, args.param_dtype)
     pb, cb = _load(args.b, args.param_dtype)
     vocab = ca.model.vocab_size
@@ -178,9 +175,9 @@ def cmd_kl(args: argparse.Namespace) -> int:
         from olmax.eval.heldout import heldout_windows
         dt = args.token_dtype or ca.data.dtype
         files = [f for f, _ in resolve_paths(list(args.data), dtype=dt)]
-        toks, inputs = heldout_windows(files, dt, args.seq_len, args.batch), ", ".join(files)
+        toks, inputs = heldout_windows(files, dt, args.seq_len, args.batch_size), ", ".join(files)
     else:
-        toks, inputs = random_tokens(vocab, args.batch, args.seq_len, args.seed), f"random seed {args.seed}"
+        toks, inputs = random_tokens(vocab, args.batch_size, args.seq_len, args.seed), f"random seed {args.seed}"
     r = kl(pa, ca, pb, cb, toks)
     out = {"a": args.a, "b": args.b, "inputs": inputs, "batch": int(toks.shape[0]), "seq_len": int(toks.shape[-1]), **r}
     if args.json:
@@ -194,7 +191,6 @@ def cmd_kl(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from olmax.eval.alarm import AlarmConfig
     from olmax.eval.compare import compare
     _positive("--bins", args.bins)
     _positive("--window", args.window)

@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from olmax.config import Config, ConfigError
 from olmax.model.olmo3 import forward
+from olmax.train.load import load_params
 
 DTYPES = ("float32", "bfloat16")
 # Smallest sequence bucket: below this, padding is cheaper than another compile.
@@ -86,7 +87,6 @@ class OlmaxLM(TemplateLM):
                  add_bos_token: bool | None = None, prefix_token_id: int | None = None,
                  device: str | None = None, **kwargs: Any) -> None:
         super().__init__()
-        from olmax.train.load import load_params
         if kwargs:
             raise ValueError(f"olmax model: unknown model args {sorted(kwargs)}; known: checkpoint, tokenizer, "
                              "batch_size, max_length, dtype, max_gen_toks, add_bos_token, prefix_token_id")

@@ -145,10 +145,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_lm_eval)
 
 
-# ``olmax.eval.commands`` attaches modules listed in EVAL_SUBCOMMAND_MODULES through this name.
-register_eval = register
-
-
 def parse_entries(args: argparse.Namespace) -> list[tuple[str, int | None]]:
     if args.tasks is None:
         return list(SUITES[args.suite or "olmo3"])
@@ -183,7 +179,7 @@ def check_args(args: argparse.Namespace) -> int | float | None:
 
 
 def cmd_lm_eval(args: argparse.Namespace) -> int:
-    from olmax.eval.lm_eval_adapter import OlmaxLM, default_tokenizer_path
+    from olmax.eval.lm_eval_adapter import OlmaxLM, default_tokenizer_path  # lm-eval, torch: not at CLI start
     entries = parse_entries(args)
     limit = check_args(args)
     if args.tokenizer is None and default_tokenizer_path(args.checkpoint) is None:

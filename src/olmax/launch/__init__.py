@@ -8,12 +8,16 @@
 - ``tpu``: the per-host command of a TPU slice, a ``gcloud`` line and a JobSet manifest
   (:mod:`olmax.launch.tpu`).
 
-Progress is read from the run directory without JAX (:func:`latest_checkpoint`).
+Progress is read from the run directory without JAX (:func:`latest_checkpoint`). Above train
+(whose remote checkpoints it reads); never the CLI, whose ``olmax train`` it runs as a child.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from olmax import io
+from olmax.train.remote import RemoteCheckpoints
 
 
 def latest_checkpoint(run_dir: str) -> int | None:
@@ -22,9 +26,7 @@ def latest_checkpoint(run_dir: str) -> int | None:
     Locally, Orbax renames ``<N>.orbax-checkpoint-tmp`` to ``<N>`` only when a save is complete,
     so a folder named by digits alone is a committed checkpoint; remotely, the commit marker.
     """
-    from olmax import io
     if io.is_remote(run_dir):
-        from olmax.train.remote import RemoteCheckpoints
         steps = RemoteCheckpoints(run_dir).committed_steps()
         return steps[-1] if steps else None
     d = Path(run_dir) / "checkpoints"

@@ -10,8 +10,12 @@ import subprocess
 import sys
 import tempfile
 
-from olmax.cli import add_recipe_args
 from olmax.config import ConfigError
+from olmax.launch import latest_checkpoint, train_command
+from olmax.launch.local import supervise
+from olmax.launch.slurm import sbatch_script
+from olmax.launch.tpu import gcloud_command, host_command, jobset_manifest
+from olmax.recipes import add_recipe_args, get_recipe
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -73,7 +77,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _resolve(args: argparse.Namespace):
-    from olmax.recipes import get_recipe
     overrides = list(args.overrides) + ([f"train.init_from={args.init_from}"] if args.init_from else [])
     cfg = get_recipe(args.recipe, overrides)
     run_dir = args.run_dir or os.path.join("runs", cfg.name)
@@ -83,8 +86,6 @@ def _resolve(args: argparse.Namespace):
 
 
 def cmd_local(args: argparse.Namespace) -> int:
-    from olmax.launch import train_command
-    from olmax.launch.local import supervise
     cfg, run_dir, overrides = _resolve(args)
     cmd = train_command(args.recipe, run_dir, overrides, python=sys.executable)
     report = supervise(cmd, run_dir, cfg.train.steps, max_restarts=args.max_restarts, backoff=args.backoff,
@@ -99,8 +100,6 @@ def cmd_local(args: argparse.Namespace) -> int:
 
 
 def cmd_slurm(args: argparse.Namespace) -> int:
-    from olmax.launch import train_command
-    from olmax.launch.slurm import sbatch_script
     cfg, run_dir, overrides = _resolve(args)
     if args.nodes < 1 or args.gpus_per_node < 0 or args.tasks_per_node < 1:
         raise ConfigError("--nodes and --tasks-per-node must be >= 1 and --gpus-per-node >= 0")
@@ -131,8 +130,6 @@ def cmd_slurm(args: argparse.Namespace) -> int:
 
 
 def cmd_tpu(args: argparse.Namespace) -> int:
-    from olmax.launch import train_command
-    from olmax.launch.tpu import gcloud_command, host_command, jobset_manifest
     cfg, run_dir, overrides = _resolve(args)
     if not run_dir.startswith("gs://"):
         print(f"warning: run directory {run_dir} is not gs://; every host must reach it and a new slice must "
@@ -157,7 +154,6 @@ def cmd_tpu(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from olmax.launch import latest_checkpoint
     step = latest_checkpoint(args.run_dir)
     print(json.dumps({"run_dir": args.run_dir, "checkpoint": step}) if args.json else (-1 if step is None else step))
     return 0

@@ -1,11 +1,14 @@
-"""Named recipes: each returns a typed, frozen :class:`olmax.config.Config`."""
+"""Named recipes: each returns a typed, frozen :class:`olmax.config.Config` (``olmo3``: the OLMo 3
+stages, ``tiny``: the CPU demo and tests), and the ``RECIPE --set ...`` arguments of the CLI.
+Bottom layer beside config: imports ``olmax.config`` only."""
 
 from __future__ import annotations
 
+import argparse
 import difflib
 from typing import Callable
 
-from olmax.config import Config, ConfigError, validate
+from olmax.config import Config, ConfigError, load_yaml, validate
 from olmax.recipes.olmo3 import olmo3_7b_stage1, olmo3_7b_stage2, olmo3_7b_stage3, olmo3_32b
 from olmax.recipes.tiny import tiny
 
@@ -21,7 +24,6 @@ RECIPES: dict[str, Callable[[], Config]] = {
 def get_recipe(name: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Resolve a recipe by name (or a YAML file of a resolved config) and apply overrides."""
     if name.endswith((".yaml", ".yml")):
-        from olmax.config import load_yaml
         cfg = load_yaml(name)
     elif name in RECIPES:
         cfg = RECIPES[name]()
@@ -30,3 +32,10 @@ def get_recipe(name: str, overrides: list[str] | tuple[str, ...] = ()) -> Config
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"unknown recipe {name!r}{hint} (known: {', '.join(RECIPES)}, or a .yaml file)")
     return validate(cfg.override(list(overrides)))
+
+
+def add_recipe_args(p: argparse.ArgumentParser) -> None:
+    """The ``RECIPE [--set KEY=VALUE ...]`` arguments of every command that takes a recipe."""
+    p.add_argument("recipe", help="recipe name (tiny, olmo3_7b_stage1, ...) or a resolved config .yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set train.steps=100 (repeatable)")

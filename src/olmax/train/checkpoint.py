@@ -41,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from olmax import io
 from olmax.config import CheckpointConfig, Config, ConfigError, model_differences
+from olmax.train.remote import RemoteCheckpoints, check_multiprocess
 
 log = logging.getLogger(__name__)
 
@@ -73,19 +74,11 @@ class Checkpointer:
     """Saves and restores ``RUN_DIR/checkpoints/<N>`` with Orbax (see the module docstring)."""
 
     def __init__(self, run_dir: str | os.PathLike, ckpt_cfg: CheckpointConfig, *, read_only: bool = False):
-        if ckpt_cfg.interval <= 0:
-            raise CheckpointError(f"checkpoint.interval must be positive, got {ckpt_cfg.interval}")
-        if ckpt_cfg.keep_last < 1:
-            # keep_last=0 would delete the checkpoint just written, leaving nothing to resume from.
-            raise CheckpointError(f"checkpoint.keep_last must be >= 1, got {ckpt_cfg.keep_last}")
-        if ckpt_cfg.keep_every is not None and ckpt_cfg.keep_every <= 0:
-            raise CheckpointError(f"checkpoint.keep_every must be positive or null, got {ckpt_cfg.keep_every}")
-        self.cfg = ckpt_cfg
+        self.cfg, self.read_only = ckpt_cfg, read_only
         # s3:// and gs:// run directories: Orbax writes a local staging copy, committed checkpoints
         # are uploaded with a marker written last (olmax.train.remote).
         self.remote = None
         if io.is_remote(run_dir):
-            from olmax.train.remote import RemoteCheckpoints, check_multiprocess
             check_multiprocess(jax.process_count(), str(run_dir))
             self.remote = RemoteCheckpoints(str(run_dir))
             self.remote.local.mkdir(parents=True, exist_ok=True)
@@ -116,9 +109,12 @@ class Checkpointer:
                 read_only=read_only,
                 create=not read_only,
             )
+            # A reader restores through the PyTree handler (the Standard one writes the same files),
+            # which can leave part of the state on disk: export and eval read the parameters alone.
+            state_handler = ocp.PyTreeCheckpointHandler() if read_only else ocp.StandardCheckpointHandler()
             self._manager = ocp.CheckpointManager(
                 self.directory, options=options,
-                item_handlers={_STATE: ocp.StandardCheckpointHandler(), _META: ocp.JsonCheckpointHandler()})
+                item_handlers={_STATE: state_handler, _META: ocp.JsonCheckpointHandler()})
         finally:
             if quiet:
                 absl_logger.removeFilter(quiet)
@@ -291,7 +287,8 @@ class Checkpointer:
         ``abstract_state`` is a pytree of ``jax.ShapeDtypeStruct`` whose ``.sharding`` may use a
         different mesh or device count than at save time (elastic resume); a leaf without a
         sharding is restored replicated on all devices. Any difference in tree structure, shape
-        or dtype is a ``CheckpointError`` naming the parameters (never a silent cast or pad).
+        or dtype is a ``CheckpointError`` naming the parameters (never a silent cast or pad). A
+        ``read_only`` Checkpointer may be given some top-level entries (``{"params": ...}``) alone.
         """
         self.wait()
         steps = self.all_steps()
@@ -307,11 +304,16 @@ class Checkpointer:
             raise CorruptCheckpointError(f"checkpoint {where} is unreadable: {_short(e)}") from e
         if stored is None:
             raise CorruptCheckpointError(f"checkpoint {where} is unreadable: its state/ item is missing")
-        _check_against_metadata(step, stored.tree, abstract_state)
+        partial = self.read_only and set(abstract_state) != set(stored.tree)  # a reader's subset
+        _check_against_metadata(step, {k: v for k, v in stored.tree.items() if k in abstract_state or not partial},
+                                abstract_state)
         target = jax.tree.map(_with_sharding, dict(abstract_state))
+        state_args = (ocp.args.PyTreeRestore(target, ocp.checkpoint_utils.construct_restore_args(target),
+                                             partial_restore=partial)
+                      if self.read_only else ocp.args.StandardRestore(target))
         try:
             out = self._manager.restore(step, args=ocp.args.Composite(
-                **{_STATE: ocp.args.StandardRestore(target), _META: ocp.args.JsonRestore()}))
+                **{_STATE: state_args, _META: ocp.args.JsonRestore()}))
         except Exception as e:
             raise CorruptCheckpointError(f"checkpoint {where} is unreadable: {_short(e)}") from e
         return dict(out[_STATE]), dict(out[_META] or {})

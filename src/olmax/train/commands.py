@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from olmax.cli import add_recipe_args
+from olmax.recipes import add_recipe_args, get_recipe
+from olmax.train.distributed import initialise
 
 
 def add_distributed_args(p: argparse.ArgumentParser) -> None:
@@ -38,10 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from olmax.train.distributed import initialise
     initialise(args.coordinator, args.num_processes, args.process_id)
-    from olmax.recipes import get_recipe
-    from olmax.train.loop import train
+    from olmax.train.loop import train  # Orbax, Optax, Grain: loaded when a command needs them
     overrides = list(args.overrides)
     if args.init_from:
         overrides.append(f"train.init_from={args.init_from}")

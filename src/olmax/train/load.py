@@ -2,7 +2,8 @@
 
 Accepted paths: an olmax weights directory (``config.yaml`` + safetensors, written by
 ``olmax convert``), a run directory (its newest checkpoint), or one checkpoint directory
-``RUN/checkpoints/N``. An ``hf:DIR`` prefix reads an HF Olmo3 checkpoint.
+``RUN/checkpoints/N``. An ``hf:DIR`` prefix reads an HF Olmo3 checkpoint. Parameters alone are
+read from a training checkpoint: Adam's moments (twice the parameters' size) stay on disk.
 """
 
 from __future__ import annotations
@@ -12,13 +13,17 @@ from typing import Any
 
 import jax
 
+from olmax import io
+from olmax.compat.hf import load_hf_params
 from olmax.config import CheckpointConfig, Config, ConfigError, MeshConfig
+from olmax.model.weights_io import is_weights_dir, load_weights
+from olmax.sharding import make_mesh
+from olmax.train.checkpoint import CHECKPOINT_DIR, Checkpointer, config_from_meta
+from olmax.train.state import abstract_train_state
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, int]:
     """(run directory, step) for a run directory or a ``checkpoints/N`` directory."""
-    from olmax.train.checkpoint import CHECKPOINT_DIR, Checkpointer
-    from olmax import io
     if io.is_remote(path):  # s3:// or gs:// run directory, or RUN/checkpoints/N
         url = str(path).rstrip("/")
         head, _, last = url.rpartition("/")
@@ -43,42 +48,36 @@ def resolve_checkpoint(path: str | Path) -> tuple[Path, int]:
     raise ConfigError(f"{p} is neither an olmax weights directory, a run directory nor a checkpoint directory")
 
 
-def restore_train_state(path: str | Path, mesh: jax.sharding.Mesh | None = None) -> tuple[Any, Any, Config, dict]:
-    """(params, opt_state, config, meta) of a training checkpoint, replicated or on ``mesh``."""
-    from olmax.sharding import make_mesh
-    from olmax.train.checkpoint import Checkpointer, config_from_meta
-    from olmax.train.state import abstract_train_state
+def restore_train_state(path: str | Path, mesh: jax.sharding.Mesh | None = None, *, params_only: bool = False
+                        ) -> tuple[Any, Any, Config, dict]:
+    """(params, opt_state, config, meta) of a training checkpoint, replicated or on ``mesh``;
+    ``params_only`` leaves the optimizer state on disk (opt_state None)."""
     run, step = resolve_checkpoint(path)
     meta = Checkpointer.read_meta(run, step)
     cfg = config_from_meta(meta)
     mesh = mesh or make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1))
+    abstract = abstract_train_state(cfg, mesh)
+    if params_only:
+        del abstract["opt_state"]
     ck = Checkpointer(run, cfg.checkpoint, read_only=True)
     try:
-        state, meta = ck.restore(step, abstract_train_state(cfg, mesh))
+        state, meta = ck.restore(step, abstract)
     finally:
         ck.close()
-    return state["params"], state["opt_state"], cfg, meta
+    return state["params"], state.get("opt_state"), cfg, meta
 
 
 def load_params(path: str | Path, dtype: str | None = None) -> tuple[Any, Config]:
     """(params, config) from an olmax weights dir, a run/checkpoint dir, or ``hf:DIR``."""
     s = str(path)
     if s.startswith("hf:"):
-        from olmax.compat.hf import load_hf_params
         return load_hf_params(s[3:], dtype=dtype)
-    from olmax import io
-    if io.is_remote(s):
-        params, _, cfg, _ = restore_train_state(s)
-        if dtype is not None:
-            params = jax.tree.map(lambda a: a.astype(dtype), params)
-        return params, cfg
-    p = Path(s)
-    if not p.exists():
-        raise FileNotFoundError(f"checkpoint {p} does not exist")
-    from olmax.model.weights_io import is_weights_dir, load_weights
-    if is_weights_dir(p):
-        return load_weights(p, dtype=dtype)
-    params, _, cfg, _ = restore_train_state(p)
+    if not io.is_remote(s):
+        if not Path(s).exists():
+            raise FileNotFoundError(f"checkpoint {Path(s)} does not exist")
+        if is_weights_dir(s):
+            return load_weights(s, dtype=dtype)
+    params, _, cfg, _ = restore_train_state(s, params_only=True)
     if dtype is not None:
         params = jax.tree.map(lambda a: a.astype(dtype), params)
     return params, cfg

@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from functools import partial
@@ -23,11 +21,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from olmax.config import Config, ConfigError, model_differences
+from olmax import io
+from olmax.config import Config, ConfigError
+from olmax.eval.alarm import ALARM, MemorisationAlarm
+from olmax.eval.heldout import HeldoutEvaluator
 from olmax.metrics.flops import device_peak_flops, flops_per_token, mfu
+from olmax.metrics.sinks import JsonlSink, MetricsLogger, ProgressBar, TensorBoardSink, named
 from olmax.model.params import init_params
 from olmax.optim import init_opt_state
 from olmax.sharding import make_mesh, plan_batch
+from olmax.train.checkpoint import CheckpointError, Checkpointer, CorruptCheckpointError, StopSignal
+from olmax.train.init import TrainData, git_commit, load_initial_state, versions
+from olmax.train.remote import RunMirror
 from olmax.train.state import abstract_train_state, shardings
 from olmax.train.step import jit_train_step
 
@@ -41,102 +46,6 @@ class TrainResult:
     stopped_early: bool
 
 
-def versions() -> dict[str, str]:
-    import importlib.metadata as md
-    out = {"python": platform.python_version()}
-    for pkg in ("olmax", "jax", "jaxlib", "optax", "orbax-checkpoint", "grain", "numpy"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    return out
-
-
-def git_commit() -> str | None:
-    try:
-        here = Path(__file__).resolve().parent
-        r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-        return r.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def load_initial_state(cfg: Config, init_from: str, mesh: jax.sharding.Mesh, pshard: Any, oshard: Any
-                       ) -> tuple[Any, Any]:
-    """Warm start: ``hf:DIR`` (HF Olmo3 weights, fresh optimizer), ``olmax:PATH`` (weights of an
-    olmax weights dir or checkpoint, fresh optimizer), or ``state:PATH`` (a checkpoint's weights
-    *and Adam moments* with the step reset, as OLMo 3 stage 2 starts from stage 1: the trainer
-    step and lr schedule restart while Adam's bias-correction step carries on, as OLMo-core
-    does when it loads optimizer state; the skip-step history starts empty with the new data)."""
-    from olmax.train.load import load_params, restore_train_state
-    kind, _, path = init_from.partition(":")
-    if kind not in ("hf", "olmax", "state") or not path:
-        raise ConfigError(f"train.init_from={init_from!r}: expected 'hf:DIR', 'olmax:PATH' or 'state:PATH'")
-    opt_state = None
-    if kind == "state":
-        params, opt, src_cfg, _ = restore_train_state(path, mesh)
-        opt_state = opt._replace(step=jnp.zeros_like(opt.step), history_count=jnp.zeros_like(opt.history_count),
-                                 loss_history=jnp.zeros_like(opt.loss_history),
-                                 norm_history=jnp.zeros_like(opt.norm_history))
-        if opt.loss_history.shape != (cfg.optim.skip_step.window,):
-            raise ConfigError(f"{path}: skip-step window {opt.loss_history.shape[0]} differs from "
-                              f"optim.skip_step.window={cfg.optim.skip_step.window}")
-    else:
-        params, src_cfg = load_params(f"hf:{path}" if kind == "hf" else path)
-    # A warm start may change the parameter dtype (bf16 HF weights into fp32 master weights).
-    diffs = model_differences(src_cfg.model, cfg.model, ignore=frozenset({"param_dtype"}))
-    if diffs:
-        raise ConfigError(f"the weights in {path} are a different model: " + "; ".join(
-            f"model.{f}: the weights have {a!r}, the config has {b!r}" for f, a, b in diffs))
-    params = jax.tree.map(lambda a: jnp.asarray(a, cfg.model.param_dtype), params)
-    params = jax.device_put(params, pshard)
-    if opt_state is None:
-        opt_state = jax.jit(partial(init_opt_state, optim_cfg=cfg.optim), out_shardings=oshard)(params)
-    else:
-        opt_state = jax.device_put(opt_state, oshard)
-    return params, opt_state
-
-
-class TrainData:
-    """The loader as the loop sees it: global batch k as sharded ``jax.Array``s, in step order."""
-
-    def __init__(self, cfg: Config, start_step: int, data_state: dict | None, allow_fingerprint_mismatch: bool,
-                 mesh: jax.sharding.Mesh, cache_dir: Path | None = None, trace_dir: Path | None = None):
-        from olmax.data.loader import DataLoader, DataState
-        resume = DataState.from_dict(data_state) if data_state is not None else None
-        self.loader = DataLoader(cfg, process_index=jax.process_index(), process_count=jax.process_count(),
-                                 start_step=start_step, resume=resume,
-                                 allow_fingerprint_mismatch=allow_fingerprint_mismatch,
-                                 cache_dir=cfg.data.cache_dir or cache_dir)
-        self.fingerprint = self.loader.dataset.fingerprint
-        self.mesh = mesh
-        self._it = iter(self.loader)
-        self.trace = None
-        if cfg.train.trace_instance_ids and trace_dir is not None:
-            self.trace = open(Path(trace_dir) / f"instance_ids.p{jax.process_index()}.jsonl", "a")
-
-    def global_batch(self, step: int) -> dict[str, jax.Array]:
-        from olmax.data.loader import global_batch_to_device
-        local = next(self._it)
-        if int(local["step"]) != step:
-            raise RuntimeError(f"data loader is at step {int(local['step'])} but the trainer is at {step}")
-        if self.trace is not None:
-            self.trace.write(json.dumps({"step": step, "instance_ids": local["instance_ids"].tolist()}) + "\n")
-            self.trace.flush()
-        return global_batch_to_device({"input_ids": local["input_ids"], "label_mask": local["label_mask"]}, self.mesh)
-
-    def state(self, done: int):
-        st = self.loader.state()
-        if st.batches_processed != done:
-            raise RuntimeError(f"data state says {st.batches_processed} batches processed, the trainer {done}")
-        return st
-
-    def close(self) -> None:
-        self.loader.close()
-        if self.trace is not None:
-            self.trace.close()
-
-
 def _any_process(flag: bool) -> bool:
     """A signal may reach one host only; every process must agree to save (orbax's save is a
     collective and would hang otherwise)."""
@@ -147,13 +56,11 @@ def _any_process(flag: bool) -> bool:
 
 
 def _remote_mirror(run_dir: str | os.PathLike):
-    from olmax import io
     if not io.is_remote(run_dir):
         return None
     if not str(run_dir).startswith(("s3://", "gs://", "gcs://")):
         raise ConfigError(f"run directory {run_dir}: remote run directories must be s3:// or gs:// "
                           "(http(s) is read-only)")
-    from olmax.train.remote import RunMirror
     mirror = RunMirror(str(run_dir))
     if jax.process_index() == 0:
         mirror.pull()
@@ -165,10 +72,6 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
     """Train ``cfg`` in ``run_dir``, resuming from its newest complete checkpoint if any.
 
     ``max_steps_this_run`` stops early (after a checkpoint) — used by the resume A/B."""
-    from olmax.metrics.sinks import JsonlSink, MetricsLogger, ProgressBar, TensorBoardSink, named
-    from olmax.train.checkpoint import Checkpointer, CorruptCheckpointError, StopSignal
-    from olmax.eval.heldout import HeldoutEvaluator
-
     if max_steps_this_run is not None and max_steps_this_run <= 0:
         raise ConfigError(f"--max-steps-this-run must be positive, got {max_steps_this_run}")
     # An s3:// or gs:// run directory is written through a local mirror (olmax.train.remote).
@@ -201,7 +104,6 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
     evaluator = HeldoutEvaluator(cfg, mesh, per_batch=True) if cfg.eval.heldout_paths else None
     alarm = None
     if cfg.eval.reference:
-        from olmax.eval.alarm import ALARM, MemorisationAlarm
         alarm = MemorisationAlarm(cfg.eval.reference, label=cfg.name, reference=cfg.eval.reference)
 
     # Written into every checkpoint; computed once (git runs a subprocess).
@@ -397,7 +299,6 @@ def _pick_checkpoint(ckpt: Any, run: str | os.PathLike, cfg: Config, candidates:
     """The newest of ``candidates`` (descending) whose meta is readable and whose files pass their
     checksums, and its data state; damaged ones are named on stderr and skipped. With none left
     after a damaged one: a one-line error (never a silent fresh start over a damaged run)."""
-    from olmax.train.checkpoint import CheckpointError, CorruptCheckpointError
     for step in candidates:
         problem: CorruptCheckpointError | None = None
         try:

@@ -13,11 +13,12 @@ import os
 import sys
 from pathlib import Path
 
+from olmax.verify import olmo_core as oc
+
 
 def main(spec_path: str) -> int:
     spec_file = Path(spec_path)
     spec = json.loads(spec_file.read_text())
-    from olmax.verify import olmo_core as oc
     cfg = oc.parity_config(spec["steps"], spec["seed"], spec["overrides"])
     out = Path(spec["out"])
     if spec["side"] == "olmo_core":

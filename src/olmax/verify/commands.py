@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
+
+from olmax.verify import noise_floor, olmo_core, resume
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="prove equivalences: resume A/B, parity with OLMo-core")
     vs = p.add_subparsers(dest="verify_command", metavar="CHECK")
     vs.required = True
-    from olmax.verify import olmo_core, resume
     resume.register(vs)
     olmo_core.register(vs, func=_olmo_core)
 
@@ -17,9 +19,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _olmo_core(args: argparse.Namespace) -> int:
     """``olmax verify olmo-core``: the fixed-tolerance parity, or with ``--noise-floor`` the verdict
     against OLMo-core's own noise."""
-    import json
-
-    from olmax.verify import noise_floor, olmo_core
     if not args.noise_floor:
         return olmo_core._main(args)
     factor = noise_floor.NOISE_FACTOR if args.noise_factor is None else args.noise_factor

@@ -247,7 +247,7 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    r = run_parity(args.hf, checkpoint=args.checkpoint, tokens=args.tokens, seq_len=args.seq_len, batch=args.batch,
+    r = run_parity(args.hf, checkpoint=args.checkpoint, tokens=args.tokens, seq_len=args.seq_len, batch=args.batch_size,
                    dtype=args.dtype, seed=args.seed, dump=args.dump, attention_impl=args.attention,
                    overrides=args.overrides)
     print(json.dumps(r, indent=2) if args.json else format_report(r))
@@ -263,7 +263,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="olmax weights directory, run directory or RUN/checkpoints/N (default: convert --hf in memory)")
     p.add_argument("--tokens", default=None, help=".npy array of token ids [T] or [B, T] (default: random)")
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=2, help="sequences of random tokens (default 2)")
+    p.add_argument("--batch", dest="batch_size", type=int, default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)  # the old spelling, kept until the next release
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="olmax compute dtype")
     p.add_argument("--attention", default=None, choices=["auto", "reference", "splash", "cudnn", "xla"],
                    help="attention kernel (default: reference in fp32, the config's choice in bf16; splash "

@@ -17,8 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from olmax.cli import add_recipe_args
 from olmax.eval.runs import read_metrics
+from olmax.recipes import add_recipe_args
 
 COMPARED = ("train/CE loss", "train/Z loss", "optim/total grad norm", "optim/LR (group 0)", "optim/step skipped")
 
