@@ -32,7 +32,8 @@ def parity(out: dict) -> None:
     try:
         import tempfile
 
-        from olmax.verify.parity import random_hf_model, run_parity
+        from olmax.compat.hf import random_hf_model
+        from olmax.verify.parity import run_parity
         with tempfile.TemporaryDirectory() as d:
             hf_dir = random_hf_model(d + "/hf", vocab_size=1024, hidden_size=256, intermediate_size=512,
                                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

@@ -28,7 +28,7 @@ COMPUTE_FIELDS = RUNTIME_MODEL_FIELDS - {"init_std", "max_position_embeddings"}
 from olmax.model.weights_io import (INDEX_NAME, WeightsError, flatten_tree, iter_weights, load_weights,
                                     named_specs, save_weights)
 from olmax.recipes.olmo3 import olmo3_7b_model, olmo3_7b_stage1, olmo3_7b_stage3
-from olmax.verify.parity import random_hf_model
+from olmax.compat.hf import random_hf_model
 
 BASE = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, sliding_window=16, max_position_embeddings=128, rms_norm_eps=1e-6,

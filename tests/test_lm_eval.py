@@ -38,7 +38,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from olmax.config import ConfigError  # noqa: E402
 from olmax.eval import suite  # noqa: E402
 from olmax.eval.lm_eval_adapter import OlmaxLM  # noqa: E402
-from olmax.verify.parity import random_hf_model  # noqa: E402
+from olmax.compat.hf import random_hf_model  # noqa: E402
 
 TASKS = ["olmax_mc", "olmax_ppl", "olmax_gen"]
 MAX_LENGTH = 48

@@ -19,8 +19,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from olmax.compat.hf import ConversionError, hf_to_olmax, load_hf_params
 from olmax.config import ConfigError
 from olmax.verify import parity
-from olmax.verify.parity import (FP32_CRITERIA, compare_logits, format_report, hf_reference, olmax_run,
-                                 random_hf_model, run_parity)
+from olmax.compat.hf import random_hf_model
+from olmax.verify.parity import FP32_CRITERIA, compare_logits, format_report, hf_reference, olmax_run, run_parity
 
 COMMON = dict(vocab_size=100, hidden_size=64, intermediate_size=96, max_position_embeddings=128,
               rms_norm_eps=1e-6, eos_token_id=0, pad_token_id=1)

@@ -236,7 +236,7 @@ def test_heldout_paths_take_a_tokenize_folder(tmp_path, corpus):
 def test_hf_warm_start_train_export_and_parity(tmp_path, corpus):
     """HF weights -> olmax training (--init-from hf:) -> export of the trained checkpoint back to HF
     -> logit parity of the export against the checkpoint itself, through the CLI."""
-    from olmax.verify.parity import random_hf_model
+    from olmax.compat.hf import random_hf_model
     hf = random_hf_model(tmp_path / "hf", seed=3, vocab_size=256, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                          sliding_window=8, max_position_embeddings=4096, rms_norm_eps=1e-6,

@@ -15,6 +15,9 @@ Conventions (spec section 2):
   nested ``rope_parameters`` per layer type (what ``save_pretrained`` writes in transformers 5)
   are read. Export writes every field explicitly, because ``Olmo3Config``'s class defaults are
   not the released values (vocab 50304, eps 1e-5, ...).
+
+``random_hf_model`` saves a random ``Olmo3ForCausalLM`` made by transformers itself: the
+reference model of the parity, conversion and lm-eval tests (no download).
 """
 
 from __future__ import annotations
@@ -515,3 +518,31 @@ def write_hf(named: Iterable[tuple[str, np.ndarray]], cfg: Config, out_dir: str 
 
 __all__ = ["ConversionError", "hf_config_to_olmax", "config_from_hf", "olmax_to_hf_config", "hf_name_map",
            "load_hf_params", "hf_to_olmax", "olmax_to_hf", "write_hf", "INDEX_NAME"]
+
+
+def random_hf_model(out_dir: str | os.PathLike, seed: int = 0, dtype: str = "float32", **hf_config: Any) -> Path:
+    """Save a random ``Olmo3ForCausalLM`` built by transformers itself (no download) to ``out_dir``.
+
+    Weights are drawn so the check is sensitive: N(0, 1) embeddings, N(0, 1/fan_in) projections,
+    an LM head giving logits of std about 4 (peaked distributions: near-uniform ones would make
+    any KL tiny) and norm weights 1 + N(0, 0.3^2) (so a swapped norm shows up)."""
+    import torch
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
+    cfg = Olmo3Config(**hf_config)
+    g = torch.Generator().manual_seed(seed)
+    model = Olmo3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            z = torch.randn(p.shape, generator=g)
+            if p.ndim == 1:
+                p.copy_(1 + 0.3 * z)
+            elif name == "model.embed_tokens.weight":
+                p.copy_(z)
+            elif name == "lm_head.weight":
+                p.copy_(4 * z / p.shape[1] ** 0.5)
+            else:
+                p.copy_(z / p.shape[1] ** 0.5)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(str(out_dir))
+    return Path(out_dir)

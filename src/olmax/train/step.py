@@ -25,27 +25,15 @@ from olmax.optim import apply_update
 from olmax.sharding import BatchPlan, activation_mesh, batch_sharding, constrain
 
 
-def _label_sums(head: jax.Array, x: jax.Array, targets: jax.Array, valid: jax.Array, cfg: ModelConfig
-                ) -> tuple[jax.Array, jax.Array]:
-    """(sum of CE, sum of logsumexp^2) over ``valid`` positions of hidden states ``x`` [b, c, d]."""
-    logits = lm_head({"lm_head": head}, x, cfg)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.sum((lse - target_logit) * valid), jnp.sum((lse * lse) * valid)
-
-
 def _chunked(x: jax.Array, targets: jax.Array, valid: jax.Array, chunk: int | None
-             ) -> tuple[int, Callable[[jax.Array], jax.Array], tuple[jax.Array, jax.Array, jax.Array]]:
-    """Positions in chunks: ``(n, unchunk, (x, targets, valid) as [n, b, c, ...])``; padded
+             ) -> tuple[Callable[[jax.Array], jax.Array], tuple[jax.Array, jax.Array, jax.Array]]:
+    """Positions in chunks: ``(unchunk, (x, targets, valid) as [n, b, c, ...])``; padded
     positions carry no label, ``unchunk`` maps [n, b, c, ...] back to [b, t, ...]."""
     b, t = targets.shape
     chunk = t if chunk is None or chunk >= t else chunk
     n = -(-t // chunk)
-    pad = n * chunk - t
-    if pad:
-        x = jnp.pad(x, ((0, 0), (0, pad), (0, 0)))
-        targets = jnp.pad(targets, ((0, 0), (0, pad)))
-        valid = jnp.pad(valid, ((0, 0), (0, pad)))
+    pad = ((0, 0), (0, n * chunk - t))
+    x, targets, valid = jnp.pad(x, pad + ((0, 0),)), jnp.pad(targets, pad), jnp.pad(valid, pad)
 
     def split(a: jax.Array) -> jax.Array:  # [b, n*c, ...] -> [n, b, c, ...]
         return a.reshape(b, n, chunk, *a.shape[2:]).swapaxes(0, 1)
@@ -53,50 +41,23 @@ def _chunked(x: jax.Array, targets: jax.Array, valid: jax.Array, chunk: int | No
     def unchunk(a: jax.Array) -> jax.Array:
         return a.swapaxes(0, 1).reshape(b, n * chunk, *a.shape[3:])[:, :t]
 
-    return n, unchunk, (split(x), split(targets), split(valid))
+    return unchunk, (split(x), split(targets), split(valid))
 
 
-def _targets(input_ids: jax.Array, label_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Position i predicts token i+1; the last position has no label."""
+def _head_sums(head: jax.Array, x: jax.Array, input_ids: jax.Array, label_mask: jax.Array, cfg: ModelConfig,
+               z_mult: float = 0.0, grad: bool = False) -> tuple[tuple[jax.Array, jax.Array], Any]:
+    """``((CE sum, lse^2 sum), grads)`` over the valid labels of hidden states ``x`` [b, t, d]:
+    position i predicts token i+1, the last position has no label. With ``model.logits_chunk``
+    the fp32 logits exist for one chunk of positions at a time (the 7B's [b, 8192, 100352] fp32
+    logits would be 3.3 GB per sequence). With ``grad``, ``grads = (d head, d x)`` of
+    ``CE + z_mult * lse^2``, computed chunk by chunk from d/dlogits = ``p (1 + 2 z_mult lse) -
+    onehot(target)`` on valid positions (p the softmax): the backward pass then needs neither the
+    logits nor a second LM-head matmul to recompute them."""
+    cdt = jnp.dtype(cfg.compute_dtype)
     b = input_ids.shape[0]
     targets = jnp.concatenate([input_ids[:, 1:], jnp.zeros((b, 1), input_ids.dtype)], axis=1)
     valid = jnp.concatenate([label_mask[:, 1:], jnp.zeros((b, 1), label_mask.dtype)], axis=1).astype(jnp.float32)
-    return targets, valid
-
-
-def loss_sums(params: Any, input_ids: jax.Array, label_mask: jax.Array, cfg: Config) -> tuple[jax.Array, jax.Array]:
-    """(sum of CE, sum of logsumexp^2) over the valid labels of a (micro-)batch, fp32.
-
-    With ``model.logits_chunk`` the fp32 logits exist for one chunk of positions at a time (the
-    7B's [b, 8192, 100352] fp32 logits would be 3.3 GB per sequence). For evaluation; training
-    differentiates ``head_loss``, which returns the same sums."""
-    m = cfg.model
-    targets, valid = _targets(input_ids, label_mask)
-    n, _, xs = _chunked(hidden_states(params, input_ids, m), targets, valid, m.logits_chunk)
-    if n == 1:
-        return _label_sums(params["lm_head"], *(a[0] for a in xs), m)
-
-    def body(carry, xs):
-        ce, z = _label_sums(params["lm_head"], *xs, m)
-        return (carry[0] + ce, carry[1] + z), None
-
-    (ce, z), _ = jax.lax.scan(body, (jnp.float32(0), jnp.float32(0)), xs)
-    return ce, z
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _head_loss(head: jax.Array, x: jax.Array, targets: jax.Array, valid: jax.Array, cfg: ModelConfig,
-               z_mult: float) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    return _head_loss_fwd(head, x, targets, valid, cfg, z_mult)[0]
-
-
-def _head_loss_fwd(head, x, targets, valid, cfg, z_mult):
-    """The loss and, chunk by chunk, its gradient: d(CE + z_mult * lse^2)/dlogits is
-    ``p * (1 + 2 z_mult lse) - onehot(target)`` on valid positions (p the softmax), so the
-    backward pass needs neither the logits nor a second LM-head matmul to recompute them."""
-    cdt = jnp.dtype(cfg.compute_dtype)
-    n, unchunk, xs = _chunked(x, targets, valid, cfg.logits_chunk)
-    head_c = head.astype(cdt)
+    unchunk, xs = _chunked(x, targets, valid, cfg.logits_chunk)
     vocab = jnp.arange(head.shape[1])
 
     def body(carry, xs):
@@ -105,22 +66,41 @@ def _head_loss_fwd(head, x, targets, valid, cfg, z_mult):
         logits = lm_head({"lm_head": head}, xc, cfg)
         lse = jax.nn.logsumexp(logits, axis=-1)
         target_logit = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
+        ce, z = ce + jnp.sum((lse - target_logit) * vc), z + jnp.sum((lse * lse) * vc)
+        if not grad:
+            return (ce, z, dhead), None
         p = jnp.exp(logits - lse[..., None])
         dlogits = (p * (1 + 2 * z_mult * lse)[..., None] - (vocab == tc[..., None])) * vc[..., None]
         dlogits = constrain(dlogits, ("batch", "length", "act_vocab")).astype(cdt)
-        dx = jnp.einsum("btv,dv->btd", dlogits, head_c)
         dhead = dhead + jnp.einsum("btd,btv->dv", xc, dlogits).astype(jnp.float32)
-        return (ce + jnp.sum((lse - target_logit) * vc), z + jnp.sum((lse * lse) * vc), dhead), dx
+        return (ce, z, dhead), jnp.einsum("btv,dv->btd", dlogits, head.astype(cdt))
 
     zero = jnp.float32(0)
-    (ce, z, dhead), dx = jax.lax.scan(body, (zero, zero, jnp.zeros(head.shape, jnp.float32)), xs)
-    return (ce + z_mult * z, (ce, z)), (dhead, unchunk(dx))
+    (ce, z, dhead), dx = jax.lax.scan(body, (zero, zero, jnp.zeros(head.shape, jnp.float32) if grad else zero), xs)
+    return (ce, z), ((dhead, unchunk(dx)) if grad else None)
 
 
-def _head_loss_bwd(cfg, z_mult, res, ct):
-    dhead, dx = res
+def loss_sums(params: Any, input_ids: jax.Array, label_mask: jax.Array, cfg: Config) -> tuple[jax.Array, jax.Array]:
+    """(sum of CE, sum of logsumexp^2) over the valid labels of a (micro-)batch, fp32 (evaluation;
+    training differentiates ``head_loss``, which returns the same sums)."""
+    x = hidden_states(params, input_ids, cfg.model)
+    return _head_sums(params["lm_head"], x, input_ids, label_mask, cfg.model)[0]
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _head_loss(head: jax.Array, x: jax.Array, input_ids: jax.Array, label_mask: jax.Array, cfg: ModelConfig,
+               z_mult: float) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return _head_loss_fwd(head, x, input_ids, label_mask, cfg, z_mult)[0]
+
+
+def _head_loss_fwd(head, x, input_ids, label_mask, cfg, z_mult):
+    (ce, z), grads = _head_sums(head, x, input_ids, label_mask, cfg, z_mult, grad=True)
+    return (ce + z_mult * z, (ce, z)), grads
+
+
+def _head_loss_bwd(cfg, z_mult, grads, ct):
     ct_total = ct[0]  # the (ce, z) outputs are reported, not differentiated (stop_gradient in head_loss)
-    return (ct_total * dhead).astype(dhead.dtype), (ct_total * dx).astype(dx.dtype), None, None
+    return tuple((ct_total * g).astype(g.dtype) for g in grads) + (None, None)
 
 
 _head_loss.defvjp(_head_loss_fwd, _head_loss_bwd)
@@ -130,11 +110,9 @@ def head_loss(params: Any, input_ids: jax.Array, label_mask: jax.Array, cfg: Con
               ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """``(CE sum + z_mult * z sum, (CE sum, z sum))`` as ``loss_sums``, for training: the first is
     differentiable, its LM-head gradient computed with the forward pass (no recomputed logits)."""
-    m = cfg.model
-    targets, valid = _targets(input_ids, label_mask)
-    total, (ce, z) = _head_loss(params["lm_head"], hidden_states(params, input_ids, m), targets, valid, m,
-                                float(cfg.optim.z_loss or 0.0))
-    return total, jax.lax.stop_gradient((ce, z))
+    x = hidden_states(params, input_ids, cfg.model)
+    total, sums = _head_loss(params["lm_head"], x, input_ids, label_mask, cfg.model, float(cfg.optim.z_loss or 0.0))
+    return total, jax.lax.stop_gradient(sums)
 
 
 def loss_denominator(label_mask: jax.Array) -> jax.Array:

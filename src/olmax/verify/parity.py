@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -110,37 +109,6 @@ def compare_hidden(hf: dict[str, np.ndarray], ox: dict[str, np.ndarray], tol: fl
         if first is None and rel > tol:
             first = name
     return {"hidden_tolerance": tol, "first_divergent": first, "hidden": layers}
-
-
-# --------------------------------------------------------------------------- random reference models
-
-
-def random_hf_model(out_dir: str | os.PathLike, seed: int = 0, dtype: str = "float32", **hf_config: Any) -> Path:
-    """Save a random ``Olmo3ForCausalLM`` built by transformers itself (no download) to ``out_dir``.
-
-    Weights are drawn so the check is sensitive: N(0, 1) embeddings, N(0, 1/fan_in) projections,
-    an LM head giving logits of std about 4 (peaked distributions: near-uniform ones would make
-    any KL tiny) and norm weights 1 + N(0, 0.3^2) (so a swapped norm shows up)."""
-    import torch
-    from transformers import Olmo3Config, Olmo3ForCausalLM
-
-    cfg = Olmo3Config(**hf_config)
-    g = torch.Generator().manual_seed(seed)
-    model = Olmo3ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            z = torch.randn(p.shape, generator=g)
-            if p.ndim == 1:
-                p.copy_(1 + 0.3 * z)
-            elif name == "model.embed_tokens.weight":
-                p.copy_(z)
-            elif name == "lm_head.weight":
-                p.copy_(4 * z / p.shape[1] ** 0.5)
-            else:
-                p.copy_(z / p.shape[1] ** 0.5)
-    model = model.to(getattr(torch, dtype))
-    model.save_pretrained(str(out_dir))
-    return Path(out_dir)
 
 
 # --------------------------------------------------------------------------- driver
@@ -267,7 +235,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", dest="batch_size", type=int, default=argparse.SUPPRESS,
                    help=argparse.SUPPRESS)  # the old spelling, kept until the next release
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="olmax compute dtype")
-    p.add_argument("--attention", default=None, choices=["auto", "reference", "splash", "cudnn", "xla"],
+    p.add_argument("--attention", default=None, choices=["auto", "reference", "blocked", "splash", "cudnn", "xla"],
                    help="attention kernel (default: reference in fp32, the config's choice in bf16; splash "
                         "runs in Pallas interpret mode off TPU)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="model.KEY=VALUE",
@@ -277,9 +245,3 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dump", default=None, metavar="FILE.npz", help="write hf/olmax logits and tokens")
     p.set_defaults(func=_cmd)
 
-
-if __name__ == "__main__":  # python -m olmax.verify.parity --hf DIR ...
-    parser = argparse.ArgumentParser(prog="olmax")
-    register(parser.add_subparsers(dest="command", required=True))
-    a = parser.parse_args(["parity", *sys.argv[1:]])
-    sys.exit(a.func(a))
