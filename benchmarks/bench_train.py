@@ -13,6 +13,7 @@ import argparse
 import time
 from functools import partial
 
+import olmax  # noqa: F401  (first: keeps JAX off a TPU runtime that has no TPU here)
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -233,10 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     bad = [x for x in sizes if x not in SIZES] + [x for x in systems if x not in ("olmax", "olmo-core", "maxtext")]
     if bad:
         ap.error(f"unknown size or system: {', '.join(bad)}")
-    out_root = Path(a.out)
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_train import matmul_peak
-    peak = matmul_peak()
+    out_root = Path(a.out).resolve()  # the peers run in other working directories
+    # Measured in a child process: a JAX runtime idling in this one would share the cores.
+    peak = float(subprocess.run([sys.executable, "-c", "import olmax, sys; sys.path.insert(0, sys.argv[1]); "
+                                 "from bench_train import matmul_peak; print(matmul_peak())", str(Path(__file__).parent)],
+                                capture_output=True, text=True, check=True).stdout.split()[-1])
     print(f"peers benchmark, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, fp32 matmul peak "
           f"{peak / 1e9:.0f} GFLOP/s; load average before: {os.getloadavg()[0]:.2f}", flush=True)
     rows = [{"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "matmul_peak_flops": peak}]
