@@ -111,50 +111,16 @@ def run_olmo_core(s: dict, tokens: Path, out: Path) -> list[float]:
 
 
 def _olmo_core_worker(spec: dict) -> None:
-    """OLMo-core's own Trainer (defaults for metric collection and cancel checks), its SkipStepAdamW,
-    cosine schedule, NumpyFSLDataset and loader, on the model ``olmo_core_model_config`` builds for
-    the same olmax config (the one the parity test holds equal to olmax step by step)."""
-    import torch
-    from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
-    from olmo_core.data.types import NumpyDatasetDType
-    from olmo_core.optim import CosWithWarmup, SkipStepAdamWConfig
-    from olmo_core.train import Duration, TrainerConfig
-    from olmo_core.train.callbacks import Callback
-    from olmo_core.train.common import LoadStrategy
-    from olmo_core.train.train_module import TransformerTrainModuleConfig
-
+    """OLMo-core's own Trainer, SkipStepAdamW, schedule, NumpyFSLDataset and loader on the model and
+    optimizer ``olmax.verify.olmo_core.run_olmo_core`` builds for the same olmax config (the
+    training-parity reference), collecting metrics every 5 steps as OLMo-core does by default."""
     from olmax.recipes import get_recipe
-    from olmax.verify.olmo_core import _init_single_process_group, olmo_core_model_config
+    from olmax.verify.olmo_core import run_olmo_core
 
-    s, work = spec["shape"], Path(spec["work"])
+    work = Path(spec["work"])
     shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    cfg = get_recipe("tiny", olmax_overrides(s, Path(spec["tokens"])))
-    _init_single_process_group(work)
-    o, L = cfg.optim, s["seq"]
-    model = olmo_core_model_config(cfg).build(init_device="cpu")
-    module = TransformerTrainModuleConfig(
-        rank_microbatch_size=s["batch"] * L, max_sequence_length=L,
-        optim=SkipStepAdamWConfig(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay),
-        scheduler=CosWithWarmup(warmup=o.schedule.warmup), z_loss_multiplier=o.z_loss, max_grad_norm=o.max_grad_norm,
-    ).build(model, device=torch.device("cpu"))
-    tokenizer = TokenizerConfig(vocab_size=s["vocab"], eos_token_id=EOS, pad_token_id=PAD)
-    dataset = NumpyFSLDatasetConfig(paths=[spec["tokens"]], sequence_length=L, tokenizer=tokenizer,
-                                    dtype=NumpyDatasetDType.uint32, work_dir=str(work / "dataset")).build()
-    loader = NumpyDataLoaderConfig(global_batch_size=s["batch"] * L, seed=0, num_workers=0,
-                                   work_dir=str(work / "dataset")).build(dataset)
-    starts: list[float] = []
-
-    class Clock(Callback):
-        def pre_step(self, batch) -> None:
-            starts.append(time.perf_counter())
-
-        def post_train(self) -> None:
-            starts.append(time.perf_counter())
-
-    TrainerConfig(save_folder=str(work / "trainer"), work_dir=str(work / "trainer"), save_overwrite=True,
-                  load_strategy=LoadStrategy.never, no_checkpoints=True, no_evals=True,
-                  max_duration=Duration.steps(s["steps"]), callbacks={"clock": Clock()}).build(module, loader).fit()
+    cfg = get_recipe("tiny", olmax_overrides(spec["shape"], Path(spec["tokens"])))
+    starts = run_olmo_core(cfg, [spec["tokens"]], work, None, metrics_interval=5).starts
     json.dump([b - a for a, b in zip(starts, starts[1:])], open(spec["result"], "w"))
 
 

@@ -165,6 +165,7 @@ class Trace:
     skipped: dict[int, float] = field(default_factory=dict)
     ids: dict[int, list[int]] = field(default_factory=dict)
     seconds: float = 0.0
+    starts: list[float] = field(default_factory=list)  # perf_counter at each step's start, then at the end
 
 
 def _metric_series(trace: Trace) -> list[tuple[str, dict[int, float]]]:
@@ -228,9 +229,10 @@ def _olmo_core_scheduler(cfg: Config):
 
 
 def run_olmo_core(cfg: Config, paths: list[str], work: str | os.PathLike,
-                  hf_dir: str | os.PathLike | None, world_size: int = 1) -> Trace:
+                  hf_dir: str | os.PathLike | None, world_size: int = 1, metrics_interval: int = 1) -> Trace:
     """Train ``cfg`` in OLMo-core on ``paths``; write its initial weights to ``hf_dir`` (HF format)
-    before the first step (None: do not export). Returns the per-step trace.
+    before the first step (None: do not export). Returns the per-step trace; metrics are collected
+    every ``metrics_interval`` steps (OLMo-core's own default is 5, which syncs less often).
 
     ``world_size`` > 1: this process is one rank of an initialised gloo group of that size, and the
     model is wrapped for data parallelism as ``OLMo-3-1025-7B-pretrain-1.py`` configures it (HSDP,
@@ -316,7 +318,11 @@ def run_olmo_core(cfg: Config, paths: list[str], work: str | os.PathLike,
     class Recorder(Callback):
         def pre_step(self, batch: dict[str, Any]) -> None:
             # The trainer increments global_step before pre_step: this is the 1-based step.
+            trace.starts.append(time.perf_counter())
             trace.ids[self.step] = [int(i) for i in batch["index"].tolist()]
+
+        def post_train(self) -> None:
+            trace.starts.append(time.perf_counter())
 
         def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
             for name, into in _metric_series(trace):
@@ -326,7 +332,7 @@ def run_olmo_core(cfg: Config, paths: list[str], work: str | os.PathLike,
     trainer = TrainerConfig(
         save_folder=str(work / "trainer"), work_dir=str(work / "trainer"), save_overwrite=True,
         load_strategy=LoadStrategy.never, no_checkpoints=True, no_evals=True,
-        max_duration=Duration.steps(tr.steps), metrics_collect_interval=1, cancel_check_interval=10**9,
+        max_duration=Duration.steps(tr.steps), metrics_collect_interval=metrics_interval, cancel_check_interval=10**9,
         callbacks={"olmax_recorder": Recorder()},
     ).build(train_module, loader)
     trainer.fit()
