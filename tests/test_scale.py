@@ -288,3 +288,32 @@ def test_production_recipes_fit_their_slices(recipe, topology):
     assert out["fits"] is True
     if (recipe, topology) == ("olmo3_7b_stage1", "v5p-128"):
         assert out["per_device_gib"] <= 47.9
+
+
+_REUSE = """
+import resource, sys
+import olmax, numpy as np
+faults = []
+for _ in range(4):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    a = np.ones(64 << 18)  # 128 MiB, freed at once: the shape of a jitted step's buffers
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    del a
+print(min(faults[1:]))
+"""
+
+
+
+def test_cpu_processes_reuse_freed_memory():
+    """On the CPU olmax keeps freed memory in the process (``olmax/__init__.py``): a large buffer
+    allocated again after being freed is not faulted in again; with ``OLMAX_MALLOC=system``
+    glibc gives it back to the kernel and every allocation faults its pages in anew."""
+    import os
+
+    def faults(malloc: str) -> int:
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "OLMAX_MALLOC": malloc}
+        out = subprocess.run([sys.executable, "-c", _REUSE], env=env, capture_output=True, text=True, check=True)
+        return int(out.stdout.split()[-1])
+
+    system, kept = faults("system"), faults("")
+    assert system > 0 and kept * 10 < system, (kept, system)
