@@ -63,8 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=argparse.SUPPRESS)  # the old spelling, kept until the next release
     p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (without --tokens/--data)")
     p.add_argument("--token-dtype", default=None, help="dtype of --data files (default: A's data.dtype)")
-    p.add_argument("--param-dtype", choices=["float32", "bfloat16"], default=None,
-                   help="cast both models' weights (default: as stored)")
+    _dtype_arg(p, "cast both models' weights (default: as stored)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_kl)
 
@@ -93,9 +92,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, metavar="PATH", help="weights/run/checkpoint dir or hf:DIR")
-    p.add_argument("--param-dtype", choices=["float32", "bfloat16"], default=None,
-                   help="cast the weights (default: as stored)")
+    _dtype_arg(p, "cast the weights (default: as stored)")
     p.add_argument("--json", action="store_true")
+
+
+def _dtype_arg(p: argparse.ArgumentParser, help: str) -> None:
+    """``--dtype``, as convert, parity and lm-eval spell it."""
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help=help)
+    p.add_argument("--param-dtype", dest="dtype", choices=["float32", "bfloat16"], default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)  # the old spelling, kept until the next release
 
 
 def _window_args(p: argparse.ArgumentParser, batches_help: str = "batches (default eval.batches of the checkpoint)") -> None:
@@ -123,7 +128,7 @@ def cmd_loss(args: argparse.Namespace) -> int:
     from olmax.eval.heldout import HeldoutEvaluator
     for n in ("seq_len", "batches", "batch_size"):
         _positive("--" + n.replace("_", "-"), getattr(args, n))
-    params, cfg = _load(args.checkpoint, args.param_dtype)
+    params, cfg = _load(args.checkpoint, args.dtype)
     ev = HeldoutEvaluator(cfg, paths=args.data, seq_len=args.seq_len, batch_size=args.batch_size,
                           batches=args.batches, dtype=args.token_dtype)
     r = ev.evaluate_detailed(params)
@@ -146,7 +151,7 @@ def cmd_domains(args: argparse.Namespace) -> int:
     if args.batches is not None and args.batches < 0:
         raise ValueError(f"--batches must be >= 0 (0 = all), got {args.batches}")
     domains = load_domains(args.domain)
-    params, cfg = _load(args.checkpoint, args.param_dtype)
+    params, cfg = _load(args.checkpoint, args.dtype)
     ev = DomainEvaluator(cfg, domains, seq_len=args.seq_len, batch_size=args.batch_size, batches=args.batches,
                          dtype=args.token_dtype)
     r = {"checkpoint": args.checkpoint, **ev.evaluate_detailed(params)}
@@ -165,8 +170,8 @@ def cmd_kl(args: argparse.Namespace) -> int:
     from olmax.eval.kl import kl, load_token_array, random_tokens
     _positive("--seq-len", args.seq_len)
     _positive("--batch-size", args.batch_size)
-    pa, ca = _load(args.a, args.param_dtype)
-    pb, cb = _load(args.b, args.param_dtype)
+    pa, ca = _load(args.a, args.dtype)
+    pb, cb = _load(args.b, args.dtype)
     vocab = ca.model.vocab_size
     if args.tokens:
         toks, inputs = load_token_array(args.tokens, vocab), args.tokens
