@@ -35,7 +35,7 @@ import numpy as np
 
 from olmax.config import Config, ConfigError, ModelConfig, RopeScaling, validate
 from olmax.model.weights_io import (DEFAULT_SHARD_BYTES, DTYPES, INDEX_NAME, TensorReader, WeightsError,
-                                    atomic_dir, dtype_name, iter_weights, load_config,
+                                    atomic_dir, check_reader, dtype_name, iter_weights, load_config,
                                     named_specs, np_dtype, save_weights, unflatten, write_shards)
 
 ARCHITECTURE = "Olmo3ForCausalLM"
@@ -468,21 +468,11 @@ def olmax_to_hf(weights_dir: str | os.PathLike, out_dir: str | os.PathLike, dtyp
         raise ConversionError(f"checkpoint {str(weights_dir)!r} does not exist")
     try:
         cfg = load_config(weights_dir)
-        reader = TensorReader(weights_dir)
+        with TensorReader(weights_dir) as reader:
+            check_reader(reader, named_specs(cfg.model), str(weights_dir))
+            stored = {"F32": "float32", "BF16": "bfloat16"}.get(reader.dtype("embed"), "float32")
     except WeightsError as e:
         raise ConversionError(str(e)) from None
-    specs = named_specs(cfg.model)
-    with reader:
-        for oname in reader.names():
-            if oname not in specs:
-                raise ConversionError(f"{weights_dir}: unexpected tensor {oname!r} (not a parameter of its config)")
-            if reader.shape(oname) != specs[oname].shape:
-                raise ConversionError(f"{weights_dir}: tensor {oname!r} has shape {reader.shape(oname)}, its "
-                                      f"config expects {specs[oname].shape}")
-        missing = [n for n in specs if n not in set(reader.names())]
-        if missing:
-            raise ConversionError(f"{weights_dir}: missing tensor {missing[0]!r}")
-        stored = {"F32": "float32", "BF16": "bfloat16"}.get(reader.dtype("embed"), "float32")
     return write_hf(iter_weights(weights_dir), cfg, out_dir, stored, dtype=dtype, shard_bytes=shard_bytes,
                     progress=progress)
 
