@@ -120,10 +120,6 @@ def _load(path: str, dtype: str | None) -> tuple[Any, Any]:
     return load_params(path, dtype=dtype)
 
 
-def _print(obj: dict) -> None:
-    print(json.dumps(obj, indent=2))
-
-
 def cmd_loss(args: argparse.Namespace) -> int:
     from olmax.eval.heldout import HeldoutEvaluator
     for n in ("seq_len", "batches", "batch_size"):
@@ -136,7 +132,7 @@ def cmd_loss(args: argparse.Namespace) -> int:
            "batches": r["batches"], "tokens": r["tokens"], "loss": r["loss"], "perplexity": r["perplexity"],
            "loss_se": r["loss_se"], "per_batch_loss": r["per_batch_loss"]}
     if args.json:
-        _print(out)
+        print(json.dumps(out, indent=2))
     else:
         se = "" if r["loss_se"] is None else f" +- {r['loss_se']:.4f} (SE over batches)"
         print(f"held-out loss {r['loss']:.4f}{se} nats/token, perplexity {r['perplexity']:.3f} "
@@ -156,7 +152,7 @@ def cmd_domains(args: argparse.Namespace) -> int:
                          dtype=args.token_dtype)
     r = {"checkpoint": args.checkpoint, **ev.evaluate_detailed(params)}
     if args.json:
-        _print(r)
+        print(json.dumps(r, indent=2))
         return 0
     w = max(8, *(len(n) for n in r["domains"]))
     print(f"{'domain':<{w}}  {'loss':>8}  {'ppl':>10}  {'bits/byte':>9}  {'tokens':>10}")
@@ -186,7 +182,7 @@ def cmd_kl(args: argparse.Namespace) -> int:
     r = kl(pa, ca, pb, cb, toks)
     out = {"a": args.a, "b": args.b, "inputs": inputs, "batch": int(toks.shape[0]), "seq_len": int(toks.shape[-1]), **r}
     if args.json:
-        _print(out)
+        print(json.dumps(out, indent=2))
     else:
         print(f"KL({args.a} || {args.b}) on {r['tokens']:,} tokens ({inputs})")
         print(f"  KL mean {r['kl_mean']:.3e}  max {r['kl_max']:.3e} nats")
@@ -206,7 +202,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 heldout_metric=args.heldout_metric, reference_label=args.reference_label)
     fired = any(a["fired"] for a in s["alarms"].values())
     if args.json:
-        _print(s)
+        print(json.dumps(s, indent=2))
     else:
         for label, g in s["gaps"].items():
             mean = "n/a" if g["mean"] is None else f"{g['mean']:+.4f}"
