@@ -320,6 +320,21 @@ def test_old_batch_spelling_still_parses():
         assert parser.parse_args(argv + ["--batch-size", "4"]).batch_size == 4
 
 
+def test_old_param_dtype_spelling_still_parses(capsys):
+    """``--param-dtype`` (eval loss, domains and kl before ``--dtype``) stays a hidden alias for a release."""
+    from olmax.cli import build_parser
+    parser = build_parser()
+    for argv in (["eval", "loss", "--checkpoint", "c", "--data", "f"], ["eval", "domains", "--checkpoint", "c",
+                 "--domain", "x=f:1"], ["eval", "kl", "a", "b"]):
+        assert parser.parse_args(argv).dtype is None
+        assert parser.parse_args(argv + ["--param-dtype", "bfloat16"]).dtype == "bfloat16"
+        assert parser.parse_args(argv + ["--dtype", "bfloat16"]).dtype == "bfloat16"
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv + ["--help"])
+        shown = capsys.readouterr().out
+        assert "--dtype" in shown and "--param-dtype" not in shown
+
+
 def test_bad_inputs_fail_clearly(cfg, data, tmp_path, monkeypatch, capsys):
     _, held, _ = data
     mesh = make_mesh(cfg.mesh)

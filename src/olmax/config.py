@@ -7,6 +7,7 @@ dataclass fields before anything is built, and a mistake names the field.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
@@ -317,17 +318,8 @@ def model_differences(a: ModelConfig, b: ModelConfig, ignore: frozenset[str] = f
 
 def validate(cfg: Config) -> Config:
     """Cross-field checks that are cheap and catch mistakes before anything compiles."""
+    _validate_ranges(cfg)  # first: the checks below divide by these sizes
     m = cfg.model
-    pos = {
-        "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.n_layers": m.n_layers,
-        "model.n_heads": m.n_heads, "model.n_kv_heads": m.n_kv_heads, "model.head_dim": m.head_dim,
-        "model.mlp_hidden": m.mlp_hidden, "data.sequence_length": cfg.data.sequence_length,
-        "train.global_batch_size": cfg.train.global_batch_size, "train.steps": cfg.train.steps,
-        "checkpoint.interval": cfg.checkpoint.interval,
-    }
-    for k, v in pos.items():
-        if v <= 0:
-            raise ConfigError(f"{k} must be positive, got {v}")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.n_kv_heads})")
     if m.head_dim % 2:
@@ -335,15 +327,9 @@ def validate(cfg: Config) -> Config:
     if m.padded_vocab_size is not None and m.padded_vocab_size < m.vocab_size:
         raise ConfigError(
             f"model.padded_vocab_size ({m.padded_vocab_size}) is smaller than model.vocab_size ({m.vocab_size})")
-    if m.sliding_window is not None and m.sliding_window <= 0:
-        raise ConfigError(f"model.sliding_window must be positive or null, got {m.sliding_window}")
     for name in ("attention_block_q", "attention_block_kv"):
         if getattr(m, name) <= 0 or getattr(m, name) % 128:
             raise ConfigError(f"model.{name} must be a positive multiple of 128, got {getattr(m, name)}")
-    if m.logits_chunk is not None and m.logits_chunk <= 0:
-        raise ConfigError(f"model.logits_chunk must be positive or null, got {m.logits_chunk}")
-    if m.full_attention_every <= 0:
-        raise ConfigError(f"model.full_attention_every must be positive, got {m.full_attention_every}")
     for name, tid in (("eos_token_id", cfg.data.eos_token_id), ("pad_token_id", cfg.data.pad_token_id),
                       ("bos_token_id", cfg.data.bos_token_id)):
         if tid is not None and not 0 <= tid < m.vocab_size:
@@ -359,13 +345,6 @@ def validate(cfg: Config) -> Config:
     if t.micro_batch_size is not None and t.max_micro_batch_size is not None:
         raise ConfigError("set train.micro_batch_size or train.max_micro_batch_size, not both "
                           f"(got {t.micro_batch_size} and {t.max_micro_batch_size})")
-    for name in ("micro_batch_size", "max_micro_batch_size"):
-        v = getattr(t, name)
-        if v is not None and v <= 0:
-            raise ConfigError(f"train.{name} must be positive or null, got {v}")
-    if s.warmup < 0:
-        raise ConfigError(f"optim.schedule.warmup must be >= 0, got {s.warmup}")
-    _validate_ranges(cfg)
     return cfg
 
 
@@ -391,13 +370,23 @@ def _validate_ranges(cfg: Config) -> None:
     number("optim.z_loss", o.z_loss, optional=True)
     number("optim.schedule.alpha_f", s.alpha_f)
     number("optim.skip_step.sigma_factor", sk.sigma_factor, strict=True)
-    ints = {
+    m, t = cfg.model, cfg.train
+    ints = {  # name: (value, lowest valid value, None allowed)
+        "model.vocab_size": (m.vocab_size, 1, False), "model.d_model": (m.d_model, 1, False),
+        "model.n_layers": (m.n_layers, 1, False), "model.n_heads": (m.n_heads, 1, False),
+        "model.n_kv_heads": (m.n_kv_heads, 1, False), "model.head_dim": (m.head_dim, 1, False),
+        "model.mlp_hidden": (m.mlp_hidden, 1, False), "model.sliding_window": (m.sliding_window, 1, True),
+        "model.full_attention_every": (m.full_attention_every, 1, False),
+        "model.logits_chunk": (m.logits_chunk, 1, True), "data.sequence_length": (cfg.data.sequence_length, 1, False),
+        "train.global_batch_size": (t.global_batch_size, 1, False), "train.steps": (t.steps, 1, False),
+        "train.micro_batch_size": (t.micro_batch_size, 1, True),
+        "train.max_micro_batch_size": (t.max_micro_batch_size, 1, True),
+        "train.log_interval": (t.log_interval, 1, False), "checkpoint.interval": (cfg.checkpoint.interval, 1, False),
+        "optim.schedule.warmup": (s.warmup, 0, False),
         "optim.schedule.t_max": (s.t_max, 1, True), "optim.schedule.t_max_2": (s.t_max_2, 1, True),
         "optim.schedule.switch_step": (s.switch_step, 0, True), "optim.schedule.part2_warmup": (s.part2_warmup, 0, True),
         "optim.skip_step.window": (sk.window, 1, False), "optim.skip_step.min_history": (sk.min_history, 0, False),
         "optim.skip_step.max_nonfinite_steps": (sk.max_nonfinite_steps, 1, False),
-        "train.micro_batch_size": (cfg.train.micro_batch_size, 1, True),
-        "train.log_interval": (cfg.train.log_interval, 1, False),
         "data.workers": (cfg.data.workers, 0, False), "data.prefetch": (cfg.data.prefetch, 0, False),
         "data.repetition_min_period": (cfg.data.repetition_min_period, 1, False),
         "data.repetition_max_period": (cfg.data.repetition_max_period, 1, False),
@@ -426,10 +415,6 @@ def _to_plain(obj: Any) -> Any:
     return obj
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 def _unknown_key(path: str, key: str, valid: list[str]) -> ConfigError:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     hint = f"; did you mean {(path + close[0])!r}?" if close else f"; valid keys: {', '.join(valid)}"
@@ -451,14 +436,10 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
         for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(a, value, where)
-            except ConfigError as e:
-                errors.append(e)
+            if a is not type(None):
+                with contextlib.suppress(ConfigError):  # try the next member of the union
+                    return _coerce(a, value, where)
         raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
     if origin is Literal:
         if value in args:
@@ -498,7 +479,7 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
 
 
 def _build(cls: type, d: dict[str, Any], path: str) -> Any:
-    hints = _hints(cls)
+    hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for k, v in d.items():
@@ -536,7 +517,7 @@ def _set(obj: Any, parts: list[str], raw: Any, path: str) -> Any:
     key = parts[0]
     if key not in names:
         raise _unknown_key(path, key, names)
-    tp = _hints(cls)[key]
+    tp = typing.get_type_hints(cls)[key]
     where = path + key
     if len(parts) == 1:
         value = _parse_scalar(raw) if isinstance(raw, str) else raw

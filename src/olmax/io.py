@@ -189,9 +189,6 @@ def _permanent(url: str, e: BaseException, what: str) -> RemoteError | None:
         return None  # the server's trouble, not the object's absence: retry
     if isinstance(e, FileNotFoundError) or status == 404 or "NoSuchKey" in str(e) or "NoSuchBucket" in str(e):
         return RemoteError(f"{url}: no such object ({what}); check the path, bucket and data.paths")
-    if status in (401, 403):
-        return RemoteError(f"{url}: access denied (HTTP {status}) while {what}; check the credentials "
-                           "(AWS_* variables, gcloud application-default login) and the object's permissions")
     if isinstance(e, (IsADirectoryError, NotADirectoryError, PermissionError)):
         return RemoteError(f"{url}: {e} ({what})")
     if status is not None and 400 <= status < 500 and status != 429:
@@ -263,11 +260,6 @@ def exists(url: str) -> bool:
         return False
 
 
-def _arrow_read(fs: Any, path: str, start: int, end: int, nbytes: int | None) -> bytes:
-    with fs.fs.open_input_file(path) as f:
-        return f.read_at(end - start, start)
-
-
 def read_range(url: str, start: int, end: int, nbytes: int | None = None) -> bytes:
     """Bytes ``[start, end)`` with one range request (``nbytes``: the object's size, if known)."""
     if end <= start:
@@ -276,7 +268,11 @@ def read_range(url: str, start: int, end: int, nbytes: int | None = None) -> byt
     arrow = hasattr(fs, "fs") and type(fs).__name__.startswith("Arrow")
 
     def get() -> bytes:
-        data = _arrow_read(fs, path, start, end, nbytes) if arrow else fs.cat_file(path, start=start, end=end)
+        if arrow:
+            with fs.fs.open_input_file(path) as f:
+                data = f.read_at(end - start, start)
+        else:
+            data = fs.cat_file(path, start=start, end=end)
         if len(data) != end - start:
             raise OSError(f"short read: got {len(data)} of {end - start} bytes (status 503-like)")
         return data

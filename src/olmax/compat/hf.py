@@ -35,7 +35,7 @@ import numpy as np
 
 from olmax.config import Config, ConfigError, ModelConfig, RopeScaling, validate
 from olmax.model.weights_io import (DEFAULT_SHARD_BYTES, DTYPES, INDEX_NAME, TensorReader, WeightsError,
-                                    atomic_dir, dtype_name, iter_weights, load_config,
+                                    atomic_dir, check_reader, dtype_name, iter_weights, load_config,
                                     named_specs, np_dtype, save_weights, unflatten, write_shards)
 
 ARCHITECTURE = "Olmo3ForCausalLM"
@@ -332,7 +332,7 @@ def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
     return np.concatenate([a, np.repeat(mean, extra, axis=0)], axis=0)
 
 
-def _read_hf_config(hf_dir: Path) -> dict[str, Any]:
+def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     path = hf_dir / "config.json"
     if not path.exists():
         raise ConversionError(f"{str(hf_dir)!r} has no config.json (not a HF model directory)")
@@ -359,10 +359,13 @@ def _stored_dtype(code: str, name: str) -> np.dtype:
     raise ConversionError(f"HF tensor {name!r} has dtype {code}; olmax converts float32/bfloat16/float16 weights")
 
 
-def _iter_hf_to_olmax(hf_dir: Path, cfg: Config, dtype: str | None
-                      ) -> tuple[list[str], Callable[[], Iterator[tuple[str, np.ndarray]]]]:
-    """Validate every HF tensor name and shape (from the headers, reading no data), then return
+def _iter_hf_to_olmax(hf_dir: Path, dtype: str | None, padded_vocab_size: int | None, base: Config | None
+                      ) -> tuple[Config, list[str], Callable[[], Iterator[tuple[str, np.ndarray]]]]:
+    """Validate the config and every HF tensor name and shape (from the headers, reading no data),
+    then return the olmax config (``model.param_dtype`` names the dtype of the converted tensors),
     the olmax names and a generator of converted tensors, one at a time."""
+    cfg = config_from_hf(read_hf_config(hf_dir), padded_vocab_size, base=base, name=f"hf:{hf_dir.name}")
+    target = np_dtype(dtype)
     m = cfg.model
     specs = named_specs(m)
     names = hf_name_map(m)
@@ -381,10 +384,11 @@ def _iter_hf_to_olmax(hf_dir: Path, cfg: Config, dtype: str | None
         if extra:
             raise ConversionError(f"{hf_dir}: unexpected tensor {extra[0]!r} (not part of {ARCHITECTURE} with "
                                   "this config.json)")
+        embed = names["embed"][0]
+        param_dtype = dtype or dtype_name(_stored_dtype(reader.dtype(embed), embed))
     except BaseException:
         reader.close()
         raise
-    target = np_dtype(dtype)
 
     def gen() -> Iterator[tuple[str, np.ndarray]]:
         with reader:
@@ -395,16 +399,7 @@ def _iter_hf_to_olmax(hf_dir: Path, cfg: Config, dtype: str | None
                     a = _pad_rows(a, m.embedding_rows)
                 yield oname, (np.ascontiguousarray(a.T) if transposed else a)
 
-    return list(names), gen
-
-
-def _converted_config(hf_dir: Path, dtype: str | None, padded_vocab_size: int | None,
-                      base: Config | None) -> Config:
-    cfg = config_from_hf(_read_hf_config(hf_dir), padded_vocab_size, base=base, name=f"hf:{hf_dir.name}")
-    if dtype is not None:
-        np_dtype(dtype)
-        cfg = replace(cfg, model=replace(cfg.model, param_dtype=dtype))
-    return cfg
+    return replace(cfg, model=replace(m, param_dtype=param_dtype)), list(names), gen
 
 
 def _progress(total: int, label: str, stream: Any) -> Callable[[int, str], None] | None:
@@ -428,13 +423,8 @@ def load_hf_params(hf_dir: str | os.PathLike, dtype: str | None = None, padded_v
     layout). ``dtype`` None keeps the stored dtype, and ``model.param_dtype`` always names the dtype
     of the returned leaves (training from HF weights passes its master dtype, e.g. ``"float32"``).
     ``base`` supplies every non-architecture setting (see ``config_from_hf``)."""
-    hf_dir = Path(hf_dir)
-    cfg = _converted_config(hf_dir, dtype, padded_vocab_size, base)
-    _, gen = _iter_hf_to_olmax(hf_dir, cfg, dtype)
-    named = dict(gen())
-    if dtype is None:
-        cfg = replace(cfg, model=replace(cfg.model, param_dtype=dtype_name(named["embed"].dtype)))
-    return unflatten(cfg.model, named), cfg
+    cfg, _, gen = _iter_hf_to_olmax(Path(hf_dir), dtype, padded_vocab_size, base)
+    return unflatten(cfg.model, dict(gen())), cfg
 
 
 def hf_to_olmax(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | None = None,
@@ -443,13 +433,7 @@ def hf_to_olmax(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
     """Convert a HF OLMo 3 directory into an olmax weights directory (atomically: on any error
     nothing is left at ``out_dir``). Returns the written config. ``progress``: a stream for
     tensor-count progress lines (the CLI passes stderr)."""
-    hf_dir = Path(hf_dir)
-    cfg = _converted_config(hf_dir, dtype, padded_vocab_size, base)
-    names, gen = _iter_hf_to_olmax(hf_dir, cfg, dtype)
-    if dtype is None:
-        with TensorReader(hf_dir) as r:
-            stored = dtype_name(_stored_dtype(r.dtype("model.embed_tokens.weight"), "model.embed_tokens.weight"))
-        cfg = replace(cfg, model=replace(cfg.model, param_dtype=stored))
+    cfg, names, gen = _iter_hf_to_olmax(Path(hf_dir), dtype, padded_vocab_size, base)
     try:
         save_weights(out_dir, gen(), cfg, shard_bytes=shard_bytes,
                      progress=_progress(len(names), "hf-to-olmax", progress))
@@ -468,21 +452,11 @@ def olmax_to_hf(weights_dir: str | os.PathLike, out_dir: str | os.PathLike, dtyp
         raise ConversionError(f"checkpoint {str(weights_dir)!r} does not exist")
     try:
         cfg = load_config(weights_dir)
-        reader = TensorReader(weights_dir)
+        with TensorReader(weights_dir) as reader:
+            check_reader(reader, named_specs(cfg.model), str(weights_dir))
+            stored = {"F32": "float32", "BF16": "bfloat16"}.get(reader.dtype("embed"), "float32")
     except WeightsError as e:
         raise ConversionError(str(e)) from None
-    specs = named_specs(cfg.model)
-    with reader:
-        for oname in reader.names():
-            if oname not in specs:
-                raise ConversionError(f"{weights_dir}: unexpected tensor {oname!r} (not a parameter of its config)")
-            if reader.shape(oname) != specs[oname].shape:
-                raise ConversionError(f"{weights_dir}: tensor {oname!r} has shape {reader.shape(oname)}, its "
-                                      f"config expects {specs[oname].shape}")
-        missing = [n for n in specs if n not in set(reader.names())]
-        if missing:
-            raise ConversionError(f"{weights_dir}: missing tensor {missing[0]!r}")
-        stored = {"F32": "float32", "BF16": "bfloat16"}.get(reader.dtype("embed"), "float32")
     return write_hf(iter_weights(weights_dir), cfg, out_dir, stored, dtype=dtype, shard_bytes=shard_bytes,
                     progress=progress)
 

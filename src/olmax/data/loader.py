@@ -136,7 +136,6 @@ class DataLoader:
             raise DataError(f"train.global_batch_size={B} is not divisible by the {process_count} data processes")
         cache = cache_dir or cfg.data.cache_dir or default_cache_dir()
         self.order = GlobalOrder(len(self.dataset), B, cfg.data.seed, cache_dir=cache, key=self.dataset.fingerprint)
-        self.local_batch_size = B // process_count
         if resume is not None:
             self._check_resume(resume, allow_fingerprint_mismatch)
             if start_step not in (0, resume.batches_processed):

@@ -63,8 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=argparse.SUPPRESS)  # the old spelling, kept until the next release
     p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (without --tokens/--data)")
     p.add_argument("--token-dtype", default=None, help="dtype of --data files (default: A's data.dtype)")
-    p.add_argument("--param-dtype", choices=["float32", "bfloat16"], default=None,
-                   help="cast both models' weights (default: as stored)")
+    _dtype_arg(p, "cast both models' weights (default: as stored)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_kl)
 
@@ -93,9 +92,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, metavar="PATH", help="weights/run/checkpoint dir or hf:DIR")
-    p.add_argument("--param-dtype", choices=["float32", "bfloat16"], default=None,
-                   help="cast the weights (default: as stored)")
+    _dtype_arg(p, "cast the weights (default: as stored)")
     p.add_argument("--json", action="store_true")
+
+
+def _dtype_arg(p: argparse.ArgumentParser, help: str) -> None:
+    """``--dtype``, as convert, parity and lm-eval spell it."""
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help=help)
+    p.add_argument("--param-dtype", dest="dtype", choices=["float32", "bfloat16"], default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)  # the old spelling, kept until the next release
 
 
 def _window_args(p: argparse.ArgumentParser, batches_help: str = "batches (default eval.batches of the checkpoint)") -> None:
@@ -115,15 +120,11 @@ def _load(path: str, dtype: str | None) -> tuple[Any, Any]:
     return load_params(path, dtype=dtype)
 
 
-def _print(obj: dict) -> None:
-    print(json.dumps(obj, indent=2))
-
-
 def cmd_loss(args: argparse.Namespace) -> int:
     from olmax.eval.heldout import HeldoutEvaluator
     for n in ("seq_len", "batches", "batch_size"):
         _positive("--" + n.replace("_", "-"), getattr(args, n))
-    params, cfg = _load(args.checkpoint, args.param_dtype)
+    params, cfg = _load(args.checkpoint, args.dtype)
     ev = HeldoutEvaluator(cfg, paths=args.data, seq_len=args.seq_len, batch_size=args.batch_size,
                           batches=args.batches, dtype=args.token_dtype)
     r = ev.evaluate_detailed(params)
@@ -131,7 +132,7 @@ def cmd_loss(args: argparse.Namespace) -> int:
            "batches": r["batches"], "tokens": r["tokens"], "loss": r["loss"], "perplexity": r["perplexity"],
            "loss_se": r["loss_se"], "per_batch_loss": r["per_batch_loss"]}
     if args.json:
-        _print(out)
+        print(json.dumps(out, indent=2))
     else:
         se = "" if r["loss_se"] is None else f" +- {r['loss_se']:.4f} (SE over batches)"
         print(f"held-out loss {r['loss']:.4f}{se} nats/token, perplexity {r['perplexity']:.3f} "
@@ -146,12 +147,12 @@ def cmd_domains(args: argparse.Namespace) -> int:
     if args.batches is not None and args.batches < 0:
         raise ValueError(f"--batches must be >= 0 (0 = all), got {args.batches}")
     domains = load_domains(args.domain)
-    params, cfg = _load(args.checkpoint, args.param_dtype)
+    params, cfg = _load(args.checkpoint, args.dtype)
     ev = DomainEvaluator(cfg, domains, seq_len=args.seq_len, batch_size=args.batch_size, batches=args.batches,
                          dtype=args.token_dtype)
     r = {"checkpoint": args.checkpoint, **ev.evaluate_detailed(params)}
     if args.json:
-        _print(r)
+        print(json.dumps(r, indent=2))
         return 0
     w = max(8, *(len(n) for n in r["domains"]))
     print(f"{'domain':<{w}}  {'loss':>8}  {'ppl':>10}  {'bits/byte':>9}  {'tokens':>10}")
@@ -165,8 +166,8 @@ def cmd_kl(args: argparse.Namespace) -> int:
     from olmax.eval.kl import kl, load_token_array, random_tokens
     _positive("--seq-len", args.seq_len)
     _positive("--batch-size", args.batch_size)
-    pa, ca = _load(args.a, args.param_dtype)
-    pb, cb = _load(args.b, args.param_dtype)
+    pa, ca = _load(args.a, args.dtype)
+    pb, cb = _load(args.b, args.dtype)
     vocab = ca.model.vocab_size
     if args.tokens:
         toks, inputs = load_token_array(args.tokens, vocab), args.tokens
@@ -181,7 +182,7 @@ def cmd_kl(args: argparse.Namespace) -> int:
     r = kl(pa, ca, pb, cb, toks)
     out = {"a": args.a, "b": args.b, "inputs": inputs, "batch": int(toks.shape[0]), "seq_len": int(toks.shape[-1]), **r}
     if args.json:
-        _print(out)
+        print(json.dumps(out, indent=2))
     else:
         print(f"KL({args.a} || {args.b}) on {r['tokens']:,} tokens ({inputs})")
         print(f"  KL mean {r['kl_mean']:.3e}  max {r['kl_max']:.3e} nats")
@@ -201,7 +202,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 heldout_metric=args.heldout_metric, reference_label=args.reference_label)
     fired = any(a["fired"] for a in s["alarms"].values())
     if args.json:
-        _print(s)
+        print(json.dumps(s, indent=2))
     else:
         for label, g in s["gaps"].items():
             mean = "n/a" if g["mean"] is None else f"{g['mean']:+.4f}"

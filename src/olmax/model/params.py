@@ -68,12 +68,6 @@ def logical_axes(cfg: ModelConfig) -> Any:
     return jax.tree.map(lambda s: s.axes, param_specs(cfg), is_leaf=_is_spec)
 
 
-def shapes(cfg: ModelConfig, dtype: Any = None) -> Any:
-    """``jax.ShapeDtypeStruct`` tree: shapes without allocating anything."""
-    dt = jnp.dtype(dtype or cfg.param_dtype)
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dt), param_specs(cfg), is_leaf=_is_spec)
-
-
 def count_params(cfg: ModelConfig, padded: bool = True) -> dict[str, int]:
     """Total and non-embedding parameter counts (the LM head counts as non-embedding, as OLMo-core's
     FLOP formula does)."""

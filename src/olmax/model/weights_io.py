@@ -101,6 +101,13 @@ def check_names(found: Iterable[str], specs: dict[str, ParamSpec], where: str) -
         raise WeightsError(f"{where}: unexpected tensor {extra[0]!r} (not a parameter of this model config)")
 
 
+def check_reader(reader: TensorReader, specs: dict[str, ParamSpec], where: str) -> None:
+    """Every name and shape of a stored tensor set against ``specs``, from the headers alone."""
+    check_names(reader.names(), specs, where)
+    for name in reader.names():
+        check_tensor(name, reader.shape(name), specs, where)
+
+
 def np_dtype(name: str | None) -> np.dtype | None:
     if name is None:
         return None
@@ -314,9 +321,7 @@ def load_weights(weights_dir: str | os.PathLike, dtype: str | None = None) -> tu
     where = f"loading {str(weights_dir)!r}"
     dt = np_dtype(dtype)
     with TensorReader(weights_dir) as reader:
-        check_names(reader.names(), specs, where)
-        for name in reader.names():
-            check_tensor(name, reader.shape(name), specs, where)
+        check_reader(reader, specs, where)
         named = {}
         for name in specs:
             arr = reader.get(name)

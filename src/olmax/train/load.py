@@ -22,30 +22,29 @@ from olmax.train.checkpoint import CHECKPOINT_DIR, Checkpointer, config_from_met
 from olmax.train.state import abstract_train_state
 
 
-def resolve_checkpoint(path: str | Path) -> tuple[Path, int]:
+def resolve_checkpoint(path: str | Path) -> tuple[Path | str, int]:
     """(run directory, step) for a run directory or a ``checkpoints/N`` directory."""
     if io.is_remote(path):  # s3:// or gs:// run directory, or RUN/checkpoints/N
         url = str(path).rstrip("/")
         head, _, last = url.rpartition("/")
         if last.isdigit() and head.endswith("/" + CHECKPOINT_DIR):
             return head[: -len(CHECKPOINT_DIR) - 1], int(last)  # type: ignore[return-value]
-        ck = Checkpointer(url, CheckpointConfig(), read_only=True)
-        step = ck.latest_step()
-        ck.close()
-        if step is None:
-            raise ConfigError(f"{url} holds no committed checkpoint (checkpoints/N/_OLMAX_COMMITTED)")
-        return url, step  # type: ignore[return-value]
+        return url, _latest_step(url, f"{url} holds no committed checkpoint (checkpoints/N/_OLMAX_COMMITTED)")
     p = Path(path)
     if p.parent.name == CHECKPOINT_DIR and p.name.isdigit():
         return p.parent.parent, int(p.name)
     if (p / CHECKPOINT_DIR).is_dir():
-        ck = Checkpointer(p, CheckpointConfig(), read_only=True)
-        step = ck.latest_step()
-        ck.close()
-        if step is None:
-            raise ConfigError(f"run directory {p} has no complete checkpoint")
-        return p, step
+        return p, _latest_step(p, f"run directory {p} has no complete checkpoint")
     raise ConfigError(f"{p} is neither an olmax weights directory, a run directory nor a checkpoint directory")
+
+
+def _latest_step(run: str | Path, none_msg: str) -> int:
+    ck = Checkpointer(run, CheckpointConfig(), read_only=True)
+    step = ck.latest_step()
+    ck.close()
+    if step is None:
+        raise ConfigError(none_msg)
+    return step
 
 
 def restore_train_state(path: str | Path, mesh: jax.sharding.Mesh | None = None, *, params_only: bool = False

@@ -8,6 +8,7 @@ next to SPEC (``<SPEC stem>.trace.json``). The parent (``noise_floor.run_olmo_co
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -38,7 +39,7 @@ def main(spec_path: str) -> int:
     else:
         trace = oc.run_olmax(oc.olmax_config(cfg, out, spec["paths"], spec["hf_dir"], spec["olmax_overrides"]),
                              Path(spec["work"]))
-    spec_file.with_suffix(".trace.json").write_text(json.dumps(oc.trace_to_json(trace)))
+    spec_file.with_suffix(".trace.json").write_text(json.dumps(dataclasses.asdict(trace)))
     return 0
 
 

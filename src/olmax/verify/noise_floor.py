@@ -45,7 +45,6 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +56,7 @@ from olmax.verify import olmo_core as oc
 WINDOW = 5            # steps either side of s in the running-max envelope
 FLOOR = 2e-6          # absolute |delta CE| below which a difference is not resolved (4 ulps of fp32 at CE 4..8)
 NOISE_FACTOR = 15.0   # verdict: max_s ratio(s) <= NOISE_FACTOR (measured margins in the module docstring)
+_g = oc._g  # numbers as the strict report prints them
 DIVERGENCE = oc.CE_TOLERANCE  # "leaves 1e-4": the step where a |delta CE| first exceeds it
 
 
@@ -330,10 +330,12 @@ def measure(recipe: Recipe, out: Path, olmax_overrides: list[str] | tuple[str, .
     where = "1 process" if world == 1 else f"{world} ranks (gloo, HSDP) / olmax on {world} devices"
     _say(log, f"OLMo-core: {cfg.train.steps} steps of {cfg.train.global_batch_size} x {cfg.data.sequence_length} "
               f"tokens, lr {cfg.optim.lr:g}, {where}")
-    if world == 1:
-        ref = oc.run_olmo_core_here(cfg, paths, out / "olmo_core", hf_dir)
-    else:
-        ref = run_olmo_core_ranks(recipe, [], paths, out / "olmo_core", hf_dir, world)
+
+    def reference(extra: list[str], work: Path, hf: Path | None = None) -> oc.Trace:
+        return (oc.run_olmo_core_here(recipe.config(extra), paths, work, hf) if world == 1 else
+                run_olmo_core_ranks(recipe, extra, paths, work, hf, world))
+
+    ref = reference([], out / "olmo_core", hf_dir)
     write_metrics(ref, out / "olmo_core" / "metrics.jsonl")
 
     def reference_splits(dtype_extra: list[str], prefix: str) -> list[oc.Trace]:
@@ -342,8 +344,7 @@ def measure(recipe: Recipe, out: Path, olmax_overrides: list[str] | tuple[str, .
             _say(log, f"OLMo-core again, micro-batches of {mb} per rank (the reference's noise floor)")
             extra = [*dtype_extra, f"train.micro_batch_size={mb}"]
             work = out / f"{prefix}{mb}"
-            traces.append(oc.run_olmo_core_here(recipe.config(extra), paths, work, None) if world == 1 else
-                          run_olmo_core_ranks(recipe, extra, paths, work, None, world))
+            traces.append(reference(extra, work))
             write_metrics(traces[-1], work / "metrics.jsonl")
         return traces
 
@@ -353,9 +354,7 @@ def measure(recipe: Recipe, out: Path, olmax_overrides: list[str] | tuple[str, .
         # bf16 compute: the verdict uses the bf16 reference's own noise; the fp32 floor is reported too.
         _say(log, "OLMo-core in fp32 (the fp32 noise floor, reported next to the bf16 verdict)")
         fp32 = ["model.compute_dtype=float32"]
-        work = out / "olmo_core_fp32"
-        nf.fp32_ref = (oc.run_olmo_core_here(recipe.config(fp32), paths, work, None) if world == 1 else
-                       run_olmo_core_ranks(recipe, fp32, paths, work, None, world))
+        nf.fp32_ref = reference(fp32, out / "olmo_core_fp32")
         nf.fp32_ref_perturbed = reference_splits(fp32, "olmo_core_fp32_micro")
     _say(log, "olmax from OLMo-core's initial weights" +
          (f" (olmax-only overrides: {' '.join(olmax_overrides)})" if olmax_overrides else ""))
@@ -394,8 +393,7 @@ def plots(out: Path, compare_out: Path | None = None) -> dict[str, Any]:
 
 
 def _say(log: Any, msg: str) -> None:
-    if log is not None:
-        print(f"[verify olmo-core --noise-floor] {msg}", file=log, flush=True)
+    oc._say(log, msg, tag="verify olmo-core --noise-floor")
 
 
 def run_noise_floor(steps: int = 100, seed: int | None = None, overrides: list[str] | tuple[str, ...] = (),
@@ -413,14 +411,8 @@ def run_noise_floor(steps: int = 100, seed: int | None = None, overrides: list[s
         raise ConfigError(f"--ranks must be >= 1, got {world}")
     recipe = Recipe(steps, seed, tuple(overrides))
     perturbed_micro_batches(recipe.config(), world)  # refuse before running anything
-    if out is None:
-        with tempfile.TemporaryDirectory(prefix="olmax-verify-noise-floor-") as tmp:
-            return _run(recipe, olmax_overrides, Path(tmp), log, factor, world, False)
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"--out {out} exists and is not an empty folder; give a new one (nothing is overwritten)")
-    out.mkdir(parents=True, exist_ok=True)
-    return _run(recipe, olmax_overrides, out, log, factor, world, with_plots)
+    return oc.in_out_dir(out, "olmax-verify-noise-floor-",
+                         lambda d: _run(recipe, olmax_overrides, d, log, factor, world, with_plots))
 
 
 def _run(recipe: Recipe, olmax_overrides, out: Path, log: Any, factor: float, world: int,
@@ -443,10 +435,7 @@ def _run(recipe: Recipe, olmax_overrides, out: Path, log: Any, factor: float, wo
         summary = plots(out)
         report["plots"] = {k: summary["files"][k] for k in ("loss_png", "gap_png", "report_md", "report_html")}
     report = _json_safe(report)
-    with open(out / "steps.jsonl", "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    oc.write_report(out, report, rows)
     return report
 
 
@@ -459,10 +448,6 @@ def _json_safe(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_json_safe(v) for v in x]
     return x
-
-
-def _g(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.3g}"
 
 
 def format_report(r: dict[str, Any]) -> str:

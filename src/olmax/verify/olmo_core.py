@@ -34,7 +34,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -466,14 +466,28 @@ def run_parity(steps: int = 100, seed: int | None = None, overrides: list[str] |
     if steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {steps}")
     cfg = parity_config(steps, seed, overrides)
+    return in_out_dir(out, "olmax-verify-olmo-core-", lambda d: _run(cfg, olmax_overrides, d, log))
+
+
+def in_out_dir(out: str | os.PathLike | None, prefix: str, run: Any) -> Any:
+    """``run(folder)`` with ``out`` as the folder (new or empty: nothing is overwritten), or a
+    temporary one (``prefix``) removed after."""
     if out is None:
-        with tempfile.TemporaryDirectory(prefix="olmax-verify-olmo-core-") as tmp:
-            return _run(cfg, olmax_overrides, Path(tmp), log)
+        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+            return run(Path(tmp))
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"--out {out} exists and is not an empty folder; give a new one (nothing is overwritten)")
     out.mkdir(parents=True, exist_ok=True)
-    return _run(cfg, olmax_overrides, out, log)
+    return run(out)
+
+
+def write_report(out: Path, report: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """``out/steps.jsonl`` (one row a step) and ``out/report.json``."""
+    with open(out / "steps.jsonl", "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
 def run_olmo_core_here(cfg: Config, paths: list[str], work: str | os.PathLike,
@@ -502,9 +516,9 @@ def olmax_config(cfg: Config, out: Path, paths: list[str], hf_dir: str | os.Path
                                   f"data.cache_dir={out / 'olmax_order_cache'}", *olmax_overrides]))
 
 
-def _say(log: Any, msg: str) -> None:
+def _say(log: Any, msg: str, tag: str = "verify olmo-core") -> None:
     if log is not None:
-        print(f"[verify olmo-core] {msg}", file=log, flush=True)
+        print(f"[{tag}] {msg}", file=log, flush=True)
 
 
 def _run(cfg: Config, olmax_overrides: list[str] | tuple[str, ...], out: Path, log: Any) -> dict[str, Any]:
@@ -525,21 +539,14 @@ def _run(cfg: Config, olmax_overrides: list[str] | tuple[str, ...], out: Path, l
                                                            "n_kv_heads", "head_dim", "mlp_hidden", "sliding_window")}
     report["data"] = {"seed": cfg.data.seed, "sequence_length": cfg.data.sequence_length,
                       "global_batch_size": cfg.train.global_batch_size, "files": [Path(p).name for p in paths]}
-    with open(out / "steps.jsonl", "w", encoding="utf-8") as f:
-        for s in range(1, cfg.train.steps + 1):
-            row = {"step": s, **{q: [_series(mine, q).get(s), _series(ref, q).get(s)] for q in QUANTITIES}}
-            f.write(json.dumps(row) + "\n")
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_report(out, report, [{"step": s, **{q: [_series(mine, q).get(s), _series(ref, q).get(s)]
+                                              for q in QUANTITIES}} for s in range(1, cfg.train.steps + 1)])
     return report
 
 
 
-def trace_to_json(trace: Trace) -> dict[str, Any]:
-    """A trace as JSON (the noise-floor worker processes hand theirs back this way)."""
-    return asdict(trace)
-
-
 def trace_from_json(d: dict[str, Any]) -> Trace:
+    """A trace from ``dataclasses.asdict`` JSON (how the noise-floor worker processes hand theirs back)."""
     t = Trace(seconds=float(d.get("seconds", 0.0)))
     for name in ("ce", "grad_norm", "lr", "z_loss", "skipped", "ids"):
         setattr(t, name, {int(k): v for k, v in d.get(name, {}).items()})

@@ -126,16 +126,13 @@ def run_parity(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike | None =
     ``attention_impl`` defaults to the exact reference attention in fp32 and the config's choice
     (cuDNN on GPU) in bf16. ``overrides`` (``model.KEY=VALUE``) set how the model is computed
     (``RUNTIME_MODEL_FIELDS``: kernel block sizes, remat, scanned layers), never what it is."""
-    from olmax.compat.hf import ConversionError, config_from_hf, load_hf_params
+    from olmax.compat.hf import ConversionError, config_from_hf, load_hf_params, read_hf_config
     from olmax.config import RUNTIME_MODEL_FIELDS, ConfigError, model_differences, validate
 
     if dtype not in HIDDEN_TOL:
         raise ConversionError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
     hf_dir = Path(hf_dir)
-    hf_cfg_path = hf_dir / "config.json"
-    if not hf_cfg_path.exists():
-        raise ConversionError(f"{str(hf_dir)!r} has no config.json (not a HF model directory)")
-    hf_cfg = config_from_hf(json.loads(hf_cfg_path.read_text()))  # rejects non-OLMo-3 checkpoints early
+    hf_cfg = config_from_hf(read_hf_config(hf_dir))  # rejects non-OLMo-3 checkpoints early
     if checkpoint is not None:
         from olmax.train.load import load_params
         params, cfg = load_params(checkpoint)  # a weights dir, a run dir or RUN/checkpoints/N
