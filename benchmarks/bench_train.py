@@ -13,7 +13,7 @@ import argparse
 import time
 from functools import partial
 
-import olmax  # noqa: F401  (first: keeps JAX off a TPU runtime that has no TPU here)
+import olmax  # first: keeps JAX off a TPU runtime that has no TPU here
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,6 +63,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
+    olmax.keep_freed_memory()  # as `olmax train` does
     peak = matmul_peak()
     print(f"measured fp32 matmul peak: {peak / 1e9:.1f} GFLOP/s on {jax.devices()[0].device_kind}")
     configs = [

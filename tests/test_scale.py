@@ -293,6 +293,7 @@ def test_production_recipes_fit_their_slices(recipe, topology):
 _REUSE = """
 import resource, sys
 import olmax, numpy as np
+olmax.keep_freed_memory()  # as `olmax train` and `olmax demo` do
 faults = []
 for _ in range(4):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -305,7 +306,7 @@ print(min(faults[1:]))
 
 
 def test_cpu_processes_reuse_freed_memory():
-    """On the CPU olmax keeps freed memory in the process (``olmax/__init__.py``): a large buffer
+    """On the CPU a training process keeps freed memory (``olmax.keep_freed_memory``): a large buffer
     allocated again after being freed is not faulted in again; with ``OLMAX_MALLOC=system``
     glibc gives it back to the kernel and every allocation faults its pages in anew."""
     import os

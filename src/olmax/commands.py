@@ -68,7 +68,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     info = inspect_config(cfg, n)
     if hbm is not None:
         need = info["memory_per_device"]["total_gib"]
-        info.update(hbm_gib=hbm, fits=need <= hbm, verdict=memory_verdict(need, hbm) + " (estimate)")
+        v = memory_verdict(need, hbm)
+        info.update(hbm_gib=hbm, fits=v["fits"], verdict=v["verdict"] + " (estimate)")
     if args.json:
         print(json.dumps(info, indent=2))
         return 0

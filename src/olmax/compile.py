@@ -144,6 +144,22 @@ def _parse_oom(msg: str) -> tuple[float, float] | None:
     return float(m.group(1)) * _UNITS[m.group(2)] / GiB, float(m.group(3)) * _UNITS[m.group(4)] / GiB
 
 
+def _compiled_memory(lowered: Any) -> dict:
+    """Per-device GiB of a lowered step: XLA's memory analysis by part and in all (``need``), or,
+    where XLA runs out of memory, the need and capacity its error names (with ``oom`` set)."""
+    try:
+        ma = lowered.compile().memory_analysis()
+    except Exception as e:  # XLA raises a plain XlaRuntimeError/JaxRuntimeError for out-of-memory
+        oom = _parse_oom(str(e))
+        if oom is None:
+            raise
+        return {"need": oom[0], "hbm": oom[1], "oom": str(e).splitlines()[0][:300]}
+    m = {"argument": ma.argument_size_in_bytes / GiB, "output": ma.output_size_in_bytes / GiB,
+         "alias": ma.alias_size_in_bytes / GiB, "temp": ma.temp_size_in_bytes / GiB,
+         "code": getattr(ma, "generated_code_size_in_bytes", 0) / GiB}
+    return {**m, "need": m["argument"] + m["output"] - m["alias"] + m["temp"] + m["code"]}
+
+
 def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, progress: bool = True) -> dict:
     """Lower and compile the train step (and the held-out eval step) of ``cfg`` for ``topology``;
     return the per-device memory report. Allocates nothing."""
@@ -178,45 +194,26 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
               f"{sizes}, {plan.per_device} x {L} tokens per device in {plan.accum_steps} micro-batch(es))...",
               file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    step = jit_train_step(cfg, mesh, plan, pshard, oshard)
-    try:
-        compiled = step.lower(abstract["params"], abstract["opt_state"], batch).compile()
-    except Exception as e:  # XLA raises a plain XlaRuntimeError/JaxRuntimeError for out-of-memory
-        oom = _parse_oom(str(e))
-        if oom is None:
-            raise
-        report.update(_verdict(need=oom[0], hbm=oom[1]), compile_seconds=time.perf_counter() - t0,
-                      argument_gib=None, temp_gib=None, output_gib=None, oom_message=str(e).splitlines()[0][:300])
-        report["hbm_gib"] = oom[1]
-        return report
+    m = _compiled_memory(jit_train_step(cfg, mesh, plan, pshard, oshard).lower(
+        abstract["params"], abstract["opt_state"], batch))
     report["compile_seconds"] = time.perf_counter() - t0
-    ma = compiled.memory_analysis()
-    arg, out, alias, temp = (ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.alias_size_in_bytes,
-                             ma.temp_size_in_bytes)
-    code = getattr(ma, "generated_code_size_in_bytes", 0)
-    total = arg + out - alias + temp + code
-    report.update(argument_gib=arg / GiB, output_gib=out / GiB, alias_gib=alias / GiB, temp_gib=temp / GiB,
-                  code_gib=code / GiB, **_verdict(need=total / GiB, hbm=topology.family.hbm_gib))
+    if "oom" in m:
+        report.update(memory_verdict(need=m["need"], hbm=m["hbm"]), hbm_gib=m["hbm"], argument_gib=None,
+                      temp_gib=None, output_gib=None, oom_message=m["oom"])
+        return report
+    report.update({f"{k}_gib": m[k] for k in ("argument", "output", "alias", "temp", "code")},
+                  **memory_verdict(need=m["need"], hbm=topology.family.hbm_gib))
     if eval_step:
         bs = cfg.eval.batch_size
         check_batch_divides(bs, mesh)  # the run would stop on this before training
         ev_batch = jax.ShapeDtypeStruct((bs, L), jnp.int32, sharding=bshard)
         ev_mask = jax.ShapeDtypeStruct((bs, L), jnp.bool_, sharding=bshard)
         t1 = time.perf_counter()
-        ev = jax.jit(make_eval_step(cfg, mesh), in_shardings=(pshard, bshard, bshard))
-        try:
-            ema = ev.lower(abstract["params"], ev_batch, ev_mask).compile().memory_analysis()
-            ev_total = (ema.argument_size_in_bytes + ema.output_size_in_bytes - ema.alias_size_in_bytes
-                        + ema.temp_size_in_bytes) / GiB
-            report["eval"] = {"batch_size": bs, "per_device_gib": ev_total, "temp_gib": ema.temp_size_in_bytes / GiB,
-                              "fits": ev_total <= topology.family.hbm_gib,
-                              "compile_seconds": time.perf_counter() - t1}
-        except Exception as e:
-            oom = _parse_oom(str(e))
-            if oom is None:
-                raise
-            report["eval"] = {"batch_size": bs, "per_device_gib": oom[0], "fits": False,
-                              "compile_seconds": time.perf_counter() - t1}
+        em = _compiled_memory(jax.jit(make_eval_step(cfg, mesh), in_shardings=(pshard, bshard, bshard)).lower(
+            abstract["params"], ev_batch, ev_mask))
+        report["eval"] = {"batch_size": bs, "per_device_gib": em["need"], "temp_gib": em.get("temp"),
+                          "fits": "oom" not in em and em["need"] <= topology.family.hbm_gib,
+                          "compile_seconds": time.perf_counter() - t1}
         if not report["eval"]["fits"]:
             report["verdict"] += (f"; the eval step at batch {bs} does not fit "
                                   f"({report['eval']['per_device_gib']:.1f} GiB): lower eval.batch_size")
@@ -224,14 +221,10 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
     return report
 
 
-def _verdict(need: float, hbm: float) -> dict:
+def memory_verdict(need: float, hbm: float) -> dict:
     fits = need <= hbm
     text = (f"fits with {hbm - need:.1f} GiB to spare" if fits else f"does not fit by {need - hbm:.1f} GiB")
     return {"per_device_gib": need, "fits": fits, "verdict": text}
-
-
-def memory_verdict(need_gib: float, hbm_gib: float) -> str:
-    return _verdict(need_gib, hbm_gib)["verdict"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -524,7 +524,8 @@ def _set(obj: Any, parts: list[str], raw: Any, path: str) -> Any:
         # A string field must stay a string even when YAML would read "123" as a number.
         if isinstance(raw, str) and _accepts_str(tp) and not isinstance(value, (str, type(None))):
             value = raw
-        if isinstance(raw, str) and _is_str_tuple(tp) and isinstance(value, str):
+        str_tuple = typing.get_origin(tp) is tuple and typing.get_args(tp)[:1] == (str,)
+        if isinstance(raw, str) and str_tuple and isinstance(value, str):  # a,b,c: a tuple of strings
             value = [v for v in value.split(",") if v]
         return dataclasses.replace(obj, **{key: _coerce(tp, value, where)})
     child = getattr(obj, key)
@@ -543,10 +544,6 @@ def _accepts_str(tp: Any) -> bool:
     if tp is str:
         return True
     return typing.get_origin(tp) in (typing.Union, types.UnionType) and str in typing.get_args(tp)
-
-
-def _is_str_tuple(tp: Any) -> bool:
-    return typing.get_origin(tp) is tuple and typing.get_args(tp)[:1] == (str,)
 
 
 def load_yaml(path: str) -> Config:

@@ -206,13 +206,9 @@ def _io_error(e: BaseException) -> bool:
         return False
 
 
-def retries() -> tuple[int, float]:
-    return int(os.environ.get("OLMAX_IO_RETRIES", "6")), float(os.environ.get("OLMAX_IO_BACKOFF", "0.5"))
-
-
 def with_retries(url: str, what: str, fn: Callable[[], T]) -> T:
     """``fn()``, retried with exponential backoff on transient errors; permanent ones named by URL."""
-    attempts, delay = retries()
+    attempts, delay = int(os.environ.get("OLMAX_IO_RETRIES", "6")), float(os.environ.get("OLMAX_IO_BACKOFF", "0.5"))
     for attempt in range(1, attempts + 1):
         try:
             return fn()
@@ -348,10 +344,6 @@ def remove(url: str) -> None:
 # --------------------------------------------------------------------------- token arrays
 
 
-def cache_key(url: str, nbytes: int) -> str:
-    return hashlib.sha256(f"{url}\0{nbytes}".encode()).hexdigest()[:24]
-
-
 class RemoteArray:
     """A read-only 1-D token array over a remote file: ``a[i:j]`` is one range request.
 
@@ -374,7 +366,7 @@ class RemoteArray:
         if self.cache_dir is None:
             return read_range(self.url, a, b, self.nbytes)
         bs = self.block_bytes
-        folder = os.path.join(self.cache_dir, cache_key(self.url, self.nbytes))
+        folder = os.path.join(self.cache_dir, hashlib.sha256(f"{self.url}\0{self.nbytes}".encode()).hexdigest()[:24])
         parts = []
         for blk in range(a // bs, (b - 1) // bs + 1):
             f = os.path.join(folder, f"{blk:08d}")

@@ -154,10 +154,6 @@ def _token_id(hf: dict[str, Any], key: str) -> int | None:
     return None if v is None else int(v)
 
 
-def default_padded_vocab(vocab_size: int) -> int:
-    return -(-vocab_size // PAD_MULTIPLE) * PAD_MULTIPLE
-
-
 def hf_config_to_olmax(hf: dict[str, Any], padded_vocab_size: int | None = None
                        ) -> tuple[ModelConfig, dict[str, int | None]]:
     """HF ``config.json`` dict -> (``ModelConfig``, token ids ``{eos,pad,bos}_token_id`` for DataConfig).
@@ -200,7 +196,7 @@ def hf_config_to_olmax(hf: dict[str, Any], padded_vocab_size: int | None = None
         every, force_last = _full_attention_every(layer_types, n_layers)
 
     vocab = int(hf["vocab_size"])
-    padded = default_padded_vocab(vocab) if padded_vocab_size is None else int(padded_vocab_size)
+    padded = -(-vocab // PAD_MULTIPLE) * PAD_MULTIPLE if padded_vocab_size is None else int(padded_vocab_size)
     if padded < vocab:
         raise ConversionError(f"padded vocabulary {padded} is smaller than config.json vocab_size {vocab}")
     dtype = hf.get("dtype", hf.get("torch_dtype")) or "float32"

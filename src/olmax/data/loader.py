@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
@@ -21,7 +22,7 @@ import numpy as np
 from olmax.config import Config
 from olmax.data import DataError
 from olmax.data.dataset import TokenDataset, Validate, dirty_instances
-from olmax.data.order import GlobalOrder, ShareFn, default_cache_dir, process_share
+from olmax.data.order import GlobalOrder, ShareFn, process_share
 
 if TYPE_CHECKING:
     import jax
@@ -134,7 +135,8 @@ class DataLoader:
         B = cfg.train.global_batch_size
         if B % process_count:
             raise DataError(f"train.global_batch_size={B} is not divisible by the {process_count} data processes")
-        cache = cache_dir or cfg.data.cache_dir or default_cache_dir()
+        # the system temp dir, as OLMo-core's default work_dir
+        cache = cache_dir or cfg.data.cache_dir or Path(tempfile.gettempdir()) / "olmax-order-cache"
         self.order = GlobalOrder(len(self.dataset), B, cfg.data.seed, cache_dir=cache, key=self.dataset.fingerprint)
         if resume is not None:
             self._check_resume(resume, allow_fingerprint_mismatch)

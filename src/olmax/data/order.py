@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -39,11 +38,6 @@ def build_epoch_order(num_instances: int, seed: int, epoch: int) -> np.ndarray:
     idx = np.arange(num_instances, dtype=np.uint32)
     np.random.Generator(np.random.PCG64(seed + epoch)).shuffle(idx)
     return idx
-
-
-def default_cache_dir() -> Path:
-    # OLMo-core's default work_dir is the system temp dir too.
-    return Path(tempfile.gettempdir()) / "olmax-order-cache"
 
 
 class GlobalOrder:

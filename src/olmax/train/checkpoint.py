@@ -280,6 +280,16 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ restore
 
+    def _complete_step(self, step: int | None) -> int:
+        """``step`` (default: the latest) if it is a complete checkpoint, on local disk from here on."""
+        steps = self.all_steps()
+        step = steps[-1] if step is None and steps else step
+        if step is None or step not in steps:
+            raise CheckpointError(f"no complete checkpoint{'' if step is None else f' {step}'} in {self.where} "
+                                  f"(available: {steps or 'none'})")
+        self._ensure_local(step)
+        return step
+
     def restore(self, step: int, abstract_state: Mapping[str, Any], *, verify: bool = True
                 ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Restore checkpoint ``step`` into the shapes, dtypes and shardings of ``abstract_state``.
@@ -291,10 +301,7 @@ class Checkpointer:
         ``read_only`` Checkpointer may be given some top-level entries (``{"params": ...}``) alone.
         """
         self.wait()
-        steps = self.all_steps()
-        if step not in steps:
-            raise CheckpointError(f"no complete checkpoint {step} in {self.where} (available: {steps or 'none'})")
-        self._ensure_local(step)
+        self._complete_step(step)
         if self.cfg.checksums and verify:  # verify=False: the caller has just verified it
             self.verify(step)
         where = self.directory / str(step)
@@ -323,14 +330,7 @@ class Checkpointer:
         """The meta item of checkpoint ``step`` (default: the latest), without reading arrays."""
         ckpt = Checkpointer(run_dir, CheckpointConfig(), read_only=True)
         try:
-            steps = ckpt.all_steps()
-            if step is None:
-                if not steps:
-                    raise CheckpointError(f"no complete checkpoint in {ckpt.where}")
-                step = steps[-1]
-            if step not in steps:
-                raise CheckpointError(f"no complete checkpoint {step} in {ckpt.where} (available: {steps or 'none'})")
-            ckpt._ensure_local(step)
+            step = ckpt._complete_step(step)
             try:
                 out = ckpt._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))
                 meta = out[_META]

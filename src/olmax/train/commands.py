@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from olmax import keep_freed_memory
 from olmax.recipes import add_recipe_args, get_recipe
 from olmax.train.distributed import initialise
 
@@ -39,6 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    keep_freed_memory()
     initialise(args.coordinator, args.num_processes, args.process_id)
     from olmax.train.loop import train  # Orbax, Optax, Grain: loaded when a command needs them
     overrides = list(args.overrides)
@@ -60,4 +62,5 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from olmax.demo import run_demo
+    keep_freed_memory()
     return run_demo(args.run_dir, args.overrides, corpus_mb=args.corpus_mb)

@@ -31,14 +31,11 @@ CHECKPOINTS = "checkpoints"
 _NOT_MIRRORED = ("checkpoints", "order_cache")
 
 
-def staging_root() -> Path:
-    return Path(os.environ.get("OLMAX_STAGING_DIR") or Path.home() / ".cache" / "olmax" / "staging")
-
-
 def staging_dir(url: str) -> Path:
     url = url.rstrip("/")
     name = url.split("://", 1)[-1].rstrip("/").rsplit("/", 1)[-1] or "run"
-    return staging_root() / f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:12]}"
+    root = Path(os.environ.get("OLMAX_STAGING_DIR") or Path.home() / ".cache" / "olmax" / "staging")
+    return root / f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:12]}"
 
 
 def check_multiprocess(process_count: int, url: str) -> None:
