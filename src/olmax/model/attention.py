@@ -20,6 +20,8 @@ kv head between ``h / k`` query heads. Shapes: q [b, t, h, e], k/v [b, s, k, e] 
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -81,9 +83,10 @@ def _query_blocks(t: int, window: int | None, block: int) -> list[tuple[int, int
 
 
 def _block_probs(qg: jax.Array, k: jax.Array, span: tuple[int, int, int], window: int | None,
-                 lse: jax.Array | None = None) -> tuple[jax.Array, jax.Array] | jax.Array:
-    """One block's softmax [b, kv, g, q, s] and log-sum-exp (or, given ``lse``, the probabilities
-    recomputed from it, exactly zero outside the mask)."""
+                 lse: jax.Array | None = None, with_lse: bool = True) -> tuple[jax.Array, Any] | jax.Array:
+    """One block's softmax [b, kv, g, q, s] and log-sum-exp (None without ``with_lse``: then
+    ``jax.nn.softmax``, for autodiff), or, given ``lse``, the probabilities recomputed from it,
+    exactly zero outside the mask."""
     q0, q1, k0 = span
     scores = jnp.einsum("btkge,bske->bkgts", qg[:, q0:q1], k[:, k0:q1], preferred_element_type=jnp.float32)
     scores = scores * (qg.shape[-1] ** -0.5)
@@ -92,18 +95,21 @@ def _block_probs(qg: jax.Array, k: jax.Array, span: tuple[int, int, int], window
     if lse is not None:
         return jnp.where(mask, jnp.exp(scores - lse), 0.0)
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    if not with_lse:
+        return jax.nn.softmax(scores, axis=-1), None
     top = jnp.max(scores, axis=-1, keepdims=True)
     p = jnp.exp(scores - top)
     total = jnp.sum(p, axis=-1, keepdims=True)
     return p / total, top + jnp.log(total)
 
 
-def _blocked_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, block: int):
+def _blocked_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, block: int,
+                     with_lse: bool = True):
     b, t, h, e = q.shape
     qg = q.reshape(b, t, k.shape[2], h // k.shape[2], e)
     outs, lses = [], []
     for span in _query_blocks(t, window, block):
-        p, lse = _block_probs(qg, k, span, window)
+        p, lse = _block_probs(qg, k, span, window, with_lse=with_lse)
         outs.append(jnp.einsum("bkgts,bske->btkge", p.astype(v.dtype), v[:, span[2]:span[1]],
                                preferred_element_type=jnp.float32))
         lses.append(lse)
@@ -153,7 +159,7 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | No
     block = block or cpu_block_size(t)
     if -(-t // block) > 4:
         return _blocked_vjp(q, k, v, window, block)
-    return _blocked_forward(q, k, v, window, block)[0]
+    return _blocked_forward(q, k, v, window, block, with_lse=False)[0]
 
 
 def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, implementation: str) -> jax.Array:
