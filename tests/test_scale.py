@@ -19,7 +19,8 @@ import pytest
 from olmax.compile import parse_topology
 from olmax.config import ConfigError
 from olmax.model import olmo3
-from olmax.model.attention import blocked_attention, reference_attention, resolve_impl, splash_attention
+from olmax.model.attention import (AUTODIFF_MAX_BLOCKS, blocked_attention, cpu_block_size, reference_attention,
+                                   resolve_impl, splash_attention)
 from olmax.model.olmo3 import REMAT_NAMES, layer_groups
 from olmax.model.params import init_params
 from olmax.recipes import get_recipe
@@ -67,7 +68,7 @@ def test_blocked_attention_matches_reference_forward_and_gradients(t, window, he
     kernel = lambda q, k, v: blocked_attention(q, k, v, window, block)
     q, k, v = _qkv(2, t, heads, kv, 32, seed=3)
     hand_written = "custom_vjp_call" in str(jax.make_jaxpr(kernel)(q, k, v))
-    assert hand_written == (-(-t // (block or 64)) > 4)
+    assert hand_written == (-(-t // (block or cpu_block_size(t))) > AUTODIFF_MAX_BLOCKS)
     _assert_matches_reference(kernel, q, k, v, window)
 
 
