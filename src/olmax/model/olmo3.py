@@ -54,16 +54,25 @@ def remat_policy(name: str) -> Callable | None:
     raise ConfigError(f"model.remat: unknown policy {name!r} (known: {', '.join(REMAT_NAMES)})")
 
 
+def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x [b, t, i] @ w [i, o]``. On the CPU one 2-D matmul over the b*t rows: contracting b and
+    t as two axes, XLA CPU computes the weight gradient from a transposed copy of the output
+    gradient, fused with the elementwise backward work before it (the norm's), and that fusion ran
+    at a thirtieth of memory speed (a tenth of the step). Same arithmetic, bit for bit."""
+    if target_platform() == "cpu":
+        return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[-1])
+    return jnp.einsum("bti,io->bto", x, w)
+
+
 def _attention_block(cfg: ModelConfig, p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array,
                      window: int | None) -> jax.Array:
     b, t, _ = x.shape
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     if target_platform() == "cpu":
         # One [d, (h+2k)e] projection, as the MLP's gate and up: dx is one matmul, not a sum of three.
-        q, k, v = jnp.split(jnp.einsum("btd,dq->btq", x, jnp.concatenate([p["q"], p["k"], p["v"]], axis=1)),
-                            [H * E, (H + K) * E], axis=-1)
+        q, k, v = jnp.split(_dense(x, jnp.concatenate([p["q"], p["k"], p["v"]], axis=1)), [H * E, (H + K) * E], axis=-1)
     else:
-        q, k, v = (jnp.einsum("btd,dq->btq", x, p[name]) for name in ("q", "k", "v"))
+        q, k, v = (_dense(x, p[name]) for name in ("q", "k", "v"))
     q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
     heads = ("batch", "length", "act_heads", "head_dim")
     kv_heads = ("batch", "length", "act_kv_heads", "head_dim")
@@ -71,7 +80,7 @@ def _attention_block(cfg: ModelConfig, p: dict, x: jax.Array, cos: jax.Array, si
     k = checkpoint_name(constrain(apply_rope(k.reshape(b, t, K, E), cos, sin), kv_heads), "key")
     v = checkpoint_name(constrain(v.reshape(b, t, K, E), kv_heads), "value")
     o = checkpoint_name(attend(q, k, v, window, cfg), "attn_out")
-    out = jnp.einsum("btq,qd->btd", o.reshape(b, t, H * E), p["o"])
+    out = _dense(o.reshape(b, t, H * E), p["o"])
     return checkpoint_name(constrain(out, ("batch", "length", "act_embed")), "attn_proj")
 
 
@@ -106,13 +115,13 @@ def _mlp_block(m: dict, h: jax.Array) -> jax.Array:
         # One [d, 2f] projection: one matmul for dh in the backward pass instead of two summed
         # (the sum ran as a slow transposing fusion on the CPU). On TPU/GPU the weights may be
         # sharded along f, where concatenating them would move data.
-        gu = jnp.einsum("btd,df->btf", h, jnp.concatenate([m["gate"], m["up"]], axis=1))
+        gu = _dense(h, jnp.concatenate([m["gate"], m["up"]], axis=1))
         gu = checkpoint_name(constrain(gu, hidden), "mlp_gate_up")
-        out = jnp.einsum("btf,fd->btd", _swiglu(gu), m["down"])
+        out = _dense(_swiglu(gu), m["down"])
         return checkpoint_name(constrain(out, ("batch", "length", "act_embed")), "mlp_out")
-    g = checkpoint_name(constrain(jnp.einsum("btd,df->btf", h, m["gate"]), hidden), "mlp_gate")
-    u = checkpoint_name(constrain(jnp.einsum("btd,df->btf", h, m["up"]), hidden), "mlp_up")
-    out = jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, m["down"])
+    g = checkpoint_name(constrain(_dense(h, m["gate"]), hidden), "mlp_gate")
+    u = checkpoint_name(constrain(_dense(h, m["up"]), hidden), "mlp_up")
+    out = _dense(jax.nn.silu(g) * u, m["down"])
     return checkpoint_name(constrain(out, ("batch", "length", "act_embed")), "mlp_out")
 
 
