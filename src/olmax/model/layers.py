@@ -60,12 +60,19 @@ def rope_inv_freq(cfg: ModelConfig, full_attention: bool) -> tuple[np.ndarray, f
     return inv.astype(np.float32), float(attn_factor)
 
 
-def rope_cos_sin(cfg: ModelConfig, positions: jax.Array, full_attention: bool) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables [t, e] in fp32 (rotate-half layout: frequencies concatenated twice)."""
+def rope_cos_sin(cfg: ModelConfig, positions: np.ndarray, full_attention: bool) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables [t, e] in fp32 (rotate-half layout: frequencies concatenated twice), built
+    on the host at trace time from integer ``positions``: the fp32 angle ``position * inv_freq``
+    (as torch and XLA round it), its cos and sin correctly rounded to fp32 (computed in fp64), then
+    scaled. Constants rather than traced cos/sin: the same bits on every platform, and XLA CPU no
+    longer recomputes the transcendentals inside every fusion that reads q or k (a twentieth of
+    the tiny and small training steps)."""
     inv_freq, scale = rope_inv_freq(cfg, full_attention)
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb) * scale, jnp.sin(emb) * scale
+    angles = np.asarray(positions).astype(np.float32)[:, None] * inv_freq[None, :]
+    angles = np.concatenate([angles, angles], axis=-1).astype(np.float64)
+    scale = np.float32(scale)
+    return (jnp.asarray(np.cos(angles).astype(np.float32) * scale),
+            jnp.asarray(np.sin(angles).astype(np.float32) * scale))
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

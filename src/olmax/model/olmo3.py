@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from olmax.config import ConfigError, ModelConfig
@@ -155,15 +156,16 @@ def _cast(tree: Any, dtype: jnp.dtype) -> Any:
 
 
 def hidden_states(params: Any, tokens: jax.Array, cfg: ModelConfig, *, return_hidden: bool = False,
-                  positions: jax.Array | None = None) -> Any:
+                  positions: np.ndarray | None = None) -> Any:
     """The final-normed residual stream [b, t, d] in the compute dtype (the LM head's input).
 
+    ``positions`` (host integers, default ``0..t-1``) index the RoPE tables, built at trace time.
     With ``return_hidden`` (unrolled layers) also the residual stream after the embedding and
     after each layer, for locating the first diverging layer in parity checks."""
     cdt = jnp.dtype(cfg.compute_dtype)
     t = tokens.shape[1]
     if positions is None:
-        positions = jnp.arange(t)
+        positions = np.arange(t)
     tables = {full: rope_cos_sin(cfg, positions, full) for full in {cfg.is_full_attention(i) for i in range(cfg.n_layers)}}
     x = constrain(jnp.take(params["embed"], tokens, axis=0).astype(cdt), ("batch", "length", "act_embed"))
     hidden = [x]
@@ -196,7 +198,7 @@ def lm_head(params: Any, x: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def forward(params: Any, tokens: jax.Array, cfg: ModelConfig, *, return_hidden: bool = False,
-            positions: jax.Array | None = None) -> Any:
+            positions: np.ndarray | None = None) -> Any:
     """Logits in fp32, shape [b, t, embedding_rows] (padded vocabulary rows included).
 
     With ``return_hidden`` also returns the residual stream after the embedding and after each
