@@ -19,8 +19,8 @@ import pytest
 from olmax.compile import parse_topology
 from olmax.config import ConfigError
 from olmax.model import olmo3
-from olmax.model.attention import (AUTODIFF_MAX_BLOCKS, blocked_attention, cpu_block_size, reference_attention,
-                                   resolve_impl, splash_attention)
+from olmax.model.attention import (_head_major, blocked_attention, reference_attention, resolve_impl,
+                                   splash_attention)
 from olmax.model.olmo3 import REMAT_NAMES, layer_groups
 from olmax.model.params import init_params
 from olmax.recipes import get_recipe
@@ -62,14 +62,28 @@ def test_splash_matches_reference_forward_and_gradients(window, heads, kv):
                                                      (200, 100, 4, 1, 64), (96, 7, 2, 2, 32), (64, None, 2, 1, 64),
                                                      (256, 64, 4, 2, 32), (200, 100, 4, 1, 32), (200, None, 4, 2, 24)])
 def test_blocked_attention_matches_reference_forward_and_gradients(t, window, heads, kv, block):
-    """The CPU kernel: causal and windowed, windows that do and do not align with the blocks, a
-    partial last block (200 = 3 x 64 + 8), GQA/MQA, one block for the whole sequence; up to four
-    blocks through autodiff, more through the hand-written backward pass."""
+    """The CPU kernel and its hand-written backward pass: causal and windowed, windows that do and
+    do not align with the blocks, a partial last block (200 = 3 x 64 + 8), GQA/MQA, one block for
+    the whole sequence."""
     kernel = lambda q, k, v: blocked_attention(q, k, v, window, block)
-    q, k, v = _qkv(2, t, heads, kv, 32, seed=3)
-    hand_written = "custom_vjp_call" in str(jax.make_jaxpr(kernel)(q, k, v))
-    assert hand_written == (-(-t // (block or cpu_block_size(t))) > AUTODIFF_MAX_BLOCKS)
-    _assert_matches_reference(kernel, q, k, v, window)
+    _assert_matches_reference(kernel, *_qkv(2, t, heads, kv, 32, seed=3), window)
+
+
+@pytest.mark.parametrize("corner", [1.5, float("inf"), float("nan"), -0.0])
+def test_head_major_copy_is_exact(corner):
+    """The division that keeps the head-major copy a buffer is by exactly one, whatever the
+    values (the one is built from the first element): every bit of the transpose, infs, NaNs and
+    signed zeros included, and the gradient is the transposed cotangent bit for bit. Subnormals
+    read as zero, as in every arithmetic operation of XLA CPU (the attention's matmuls too)."""
+    x = jax.random.normal(jax.random.key(5), (2, 6, 4, 8)).at[0, 0, 0, 0].set(corner)
+    x = x.at[1, 2, 3].set(jnp.array([jnp.inf, -jnp.inf, jnp.nan, -0.0, 0.0, 3e-45, 3e38, -1.0]))
+    want = np.asarray(x).reshape(2, 6, 2, 2, 8).transpose(0, 2, 3, 1, 4).copy()
+    want[(np.abs(want) < np.finfo(np.float32).tiny) & (want != 0)] = 0.0
+    got = np.asarray(jax.jit(_head_major, static_argnums=1)(x, 2))
+    assert got.tobytes() == want.tobytes()
+    w = jax.random.normal(jax.random.key(6), want.shape)
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(_head_major(x, 2) * w)))(x)
+    assert np.asarray(grad).tobytes() == np.asarray(w).transpose(0, 3, 1, 2, 4).reshape(x.shape).tobytes()
 
 
 def test_swiglu_backward_equals_autodiff():

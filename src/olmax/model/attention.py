@@ -8,8 +8,7 @@ kv head between ``h / k`` query heads. Shapes: q [b, t, h, e], k/v [b, s, k, e] 
 - ``blocked``: the same arithmetic per block of queries, over only the keys that block can see
   (its window, or the causal prefix): fewer FLOPs and a much smaller score matrix. The CPU's
   kernel; it agrees with ``reference`` to fp32 rounding (keys outside a row's window add an
-  exact zero in ``reference``). Long sequences get a hand-written backward pass (see
-  ``blocked_attention``).
+  exact zero in ``reference``), with a hand-written backward pass (see ``blocked_attention``).
 - ``splash``: TPU Pallas flash attention (``jax.experimental.pallas.ops.tpu.splash_attention``);
   the mask is lazy (causal, or local with ``window_size=(W-1, 0)``), so blocks outside the window
   are never computed. Runs per device under ``shard_map`` (batch over the data-parallel axes,
@@ -80,69 +79,78 @@ def _query_blocks(t: int, window: int | None, block: int) -> list[tuple[int, int
             for q0 in range(0, t, block)]
 
 
-def _block_scores(qg: jax.Array, k: jax.Array, span: tuple[int, int, int], window: int | None
+def _head_major(x: jax.Array, groups: int) -> jax.Array:
+    """[b, t, h, e] -> [b, k, g, t, e] (h = k*g), written once to its own buffer.
+
+    Left to itself, XLA CPU fuses this transpose, and the QK-norm and RoPE before it, into every
+    block's slice of q, k and v (one transposing copy per block, each key copied once per block
+    that sees it, at a small fraction of memory speed: about a tenth of the small benchmark's
+    step). It does not duplicate a division into several consumers, so the transposed array is
+    divided by a one that XLA cannot prove constant: ``x / 1 == x`` exactly for every value,
+    infs, NaNs and signed zeros included (subnormals read as zero, as in every XLA CPU
+    arithmetic operation, the matmuls that read the copy included), and the one carries no
+    gradient."""
+    b, t, h, e = x.shape
+    corner = jax.lax.stop_gradient(x[0, 0, 0, 0])
+    one = jnp.where(jnp.isfinite(corner), 1 + 0 * corner, 1).astype(x.dtype)
+    return x.reshape(b, t, h // groups, groups, e).transpose(0, 2, 3, 1, 4) / one
+
+
+def _block_scores(qh: jax.Array, kh: jax.Array, span: tuple[int, int, int], window: int | None
                   ) -> tuple[jax.Array, jax.Array]:
-    """One block's scaled fp32 scores [b, kv, g, q, s] and the mask of the keys each query sees."""
+    """One block's scaled fp32 scores [b, k, g, q, s] and the mask of the keys each query sees."""
     q0, q1, k0 = span
-    scores = jnp.einsum("btkge,bske->bkgts", qg[:, q0:q1], k[:, k0:q1], preferred_element_type=jnp.float32)
+    scores = jnp.einsum("bkgte,bkse->bkgts", qh[:, :, :, q0:q1], kh[:, :, 0, k0:q1], preferred_element_type=jnp.float32)
     qpos, kpos = jnp.arange(q0, q1)[:, None], jnp.arange(k0, q1)[None, :]
     mask = (kpos <= qpos) if window is None else (kpos <= qpos) & (kpos > qpos - window)
-    return scores * (qg.shape[-1] ** -0.5), mask
+    return scores * (qh.shape[-1] ** -0.5), mask
 
 
-def _blocked_forward(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, block: int,
-                     with_lse: bool = True):
-    """The output and ``_blocked_backward``'s residuals, among them each block's log-sum-exp;
-    without ``with_lse`` (the autodiff path) the softmax is ``jax.nn.softmax`` and no lse is kept."""
-    b, t, h, e = q.shape
-    qg = q.reshape(b, t, k.shape[2], h // k.shape[2], e)
+def _blocked_forward(qh: jax.Array, kh: jax.Array, vh: jax.Array, window: int | None, block: int):
+    """The head-major output [b, k, g, t, e] and ``_blocked_backward``'s residuals, among them each
+    block's log-sum-exp."""
     outs, lses = [], []
-    for span in _query_blocks(t, window, block):
-        scores, mask = _block_scores(qg, k, span, window)
+    for span in _query_blocks(qh.shape[3], window, block):
+        scores, mask = _block_scores(qh, kh, span, window)
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-        if with_lse:
-            top = jnp.max(scores, axis=-1, keepdims=True)
-            p = jnp.exp(scores - top)
-            total = jnp.sum(p, axis=-1, keepdims=True)
-            p = p / total
-            lses.append(top + jnp.log(total))
-        else:
-            p = jax.nn.softmax(scores, axis=-1)
-        outs.append(jnp.einsum("bkgts,bske->btkge", p.astype(v.dtype), v[:, span[2]:span[1]],
+        top = jnp.max(scores, axis=-1, keepdims=True)
+        p = jnp.exp(scores - top)
+        total = jnp.sum(p, axis=-1, keepdims=True)
+        lses.append(top + jnp.log(total))
+        outs.append(jnp.einsum("bkgts,bkse->bkgte", (p / total).astype(vh.dtype), vh[:, :, 0, span[2]:span[1]],
                                preferred_element_type=jnp.float32))
-    out = jnp.concatenate(outs, axis=1).reshape(b, t, h, e).astype(q.dtype)
-    return out, (q, k, v, out, lses)
+    out = jnp.concatenate(outs, axis=3).astype(qh.dtype)
+    return out, (qh, kh, vh, out, lses)
 
 
 def _blocked_backward(window: int | None, block: int, res: tuple, dout: jax.Array) -> tuple[jax.Array, ...]:
     """Per query block: probabilities recomputed from the saved log-sum-exp, then dq. Per key
     block: dk and dv from the query blocks that see it, their rows of ds and p side by side."""
-    q, k, v, out, lses = res
-    b, t, h, e = q.shape
-    qg, dog = q.reshape(b, t, k.shape[2], -1, e), dout.reshape(b, t, k.shape[2], -1, e)
-    rowsum = jnp.einsum("btkge,btkge->bkgt", dog.astype(jnp.float32), out.reshape(qg.shape).astype(jnp.float32))
-    spans = _query_blocks(t, window, block)
+    qh, kh, vh, out, lses = res
+    e = qh.shape[-1]
+    rowsum = jnp.einsum("bkgte,bkgte->bkgt", dout.astype(jnp.float32), out.astype(jnp.float32))
+    spans = _query_blocks(qh.shape[3], window, block)
     dq, ds, probs = [], [], []
     for (q0, q1, k0), lse in zip(spans, lses):
-        scores, mask = _block_scores(qg, k, (q0, q1, k0), window)
+        scores, mask = _block_scores(qh, kh, (q0, q1, k0), window)
         p = jnp.where(mask, jnp.exp(scores - lse), 0.0)  # exactly zero outside the mask
-        dp = jnp.einsum("btkge,bske->bkgts", dog[:, q0:q1], v[:, k0:q1], preferred_element_type=jnp.float32)
-        ds.append((p * (dp - rowsum[..., q0:q1, None]) * e ** -0.5).astype(q.dtype))
+        dp = jnp.einsum("bkgte,bkse->bkgts", dout[:, :, :, q0:q1], vh[:, :, 0, k0:q1], preferred_element_type=jnp.float32)
+        ds.append((p * (dp - rowsum[..., q0:q1, None]) * e ** -0.5).astype(qh.dtype))
         probs.append(p.astype(dout.dtype))
-        dq.append(jnp.einsum("bkgts,bske->btkge", ds[-1], k[:, k0:q1], preferred_element_type=jnp.float32))
+        dq.append(jnp.einsum("bkgts,bkse->bkgte", ds[-1], kh[:, :, 0, k0:q1], preferred_element_type=jnp.float32))
     dk, dv = [], []
     for j0, j1, _ in spans:
         users = [i for i, (q0, q1, k0) in enumerate(spans) if k0 <= j0 < q1]  # consecutive blocks
         rows = slice(spans[users[0]][0], spans[users[-1]][1])
         side = lambda xs: jnp.concatenate([xs[i][..., j0 - spans[i][2]:j1 - spans[i][2]] for i in users], axis=3)
-        dk.append(jnp.einsum("bkgts,btkge->bske", side(ds), qg[:, rows], preferred_element_type=jnp.float32))
-        dv.append(jnp.einsum("bkgts,btkge->bske", side(probs), dog[:, rows], preferred_element_type=jnp.float32))
-    return (jnp.concatenate(dq, axis=1).reshape(q.shape).astype(q.dtype),
-            jnp.concatenate(dk, axis=1).astype(k.dtype), jnp.concatenate(dv, axis=1).astype(v.dtype))
+        dk.append(jnp.einsum("bkgts,bkgte->bkse", side(ds), qh[:, :, :, rows], preferred_element_type=jnp.float32))
+        dv.append(jnp.einsum("bkgts,bkgte->bkse", side(probs), dout[:, :, :, rows], preferred_element_type=jnp.float32))
+    return (jnp.concatenate(dq, axis=3).astype(qh.dtype),
+            jnp.concatenate(dk, axis=2)[:, :, None].astype(kh.dtype),
+            jnp.concatenate(dv, axis=2)[:, :, None].astype(vh.dtype))
 
 
-AUTODIFF_MAX_BLOCKS = 4  # as fast as the hand-written pass up to here on 2-core CPUs (tiny: 4 blocks)
-_blocked_vjp = jax.custom_vjp(lambda q, k, v, window, block: _blocked_forward(q, k, v, window, block)[0],
+_blocked_vjp = jax.custom_vjp(lambda qh, kh, vh, window, block: _blocked_forward(qh, kh, vh, window, block)[0],
                               nondiff_argnums=(3, 4))
 _blocked_vjp.defvjp(_blocked_forward, _blocked_backward)
 
@@ -150,15 +158,17 @@ _blocked_vjp.defvjp(_blocked_forward, _blocked_backward)
 def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None,
                       block: int | None = None) -> jax.Array:
     """``reference_attention`` one block of queries at a time, each over the keys it can see
-    (``_query_blocks``). Past four blocks the backward pass is hand-written: autodiff turns each
-    block's slice of k and v into a full-length padded gradient, summed over blocks (work that
-    grows with the square of the block count: a tenth of the ~100M step at 1,024 tokens); the
-    hand-written one keeps no probabilities between the passes and writes dk and dv once."""
-    t = q.shape[1]
-    block = block or cpu_block_size(t)
-    if -(-t // block) > AUTODIFF_MAX_BLOCKS:
-        return _blocked_vjp(q, k, v, window, block)
-    return _blocked_forward(q, k, v, window, block, with_lse=False)[0]
+    (``_query_blocks``), on head-major copies of q, k and v (``_head_major``), with a
+    hand-written backward pass: autodiff would turn each block's slice of k and v into a
+    full-length padded gradient, summed over blocks (work that grows with the square of the block
+    count: a tenth of the ~100M step at 1,024 tokens), and keep every block's probabilities; this
+    one recomputes them from the saved log-sum-exp and writes dk and dv once. (It is also the
+    faster one at four blocks, the tiny benchmark's 256 tokens.)"""
+    b, t, h, e = q.shape
+    qh = _head_major(q, h // k.shape[2])
+    kh, vh = _head_major(k, 1), _head_major(v, 1)
+    out = _blocked_vjp(qh, kh, vh, window, block or cpu_block_size(t))
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, e)
 
 
 def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, implementation: str) -> jax.Array:
