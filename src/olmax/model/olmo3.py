@@ -155,17 +155,13 @@ def _cast(tree: Any, dtype: jnp.dtype) -> Any:
     return jax.tree.map(lambda a: a.astype(dtype), tree)
 
 
-def hidden_states(params: Any, tokens: jax.Array, cfg: ModelConfig, *, return_hidden: bool = False,
-                  positions: np.ndarray | None = None) -> Any:
+def hidden_states(params: Any, tokens: jax.Array, cfg: ModelConfig, *, return_hidden: bool = False) -> Any:
     """The final-normed residual stream [b, t, d] in the compute dtype (the LM head's input).
 
-    ``positions`` (host integers, default ``0..t-1``) index the RoPE tables, built at trace time.
     With ``return_hidden`` (unrolled layers) also the residual stream after the embedding and
     after each layer, for locating the first diverging layer in parity checks."""
     cdt = jnp.dtype(cfg.compute_dtype)
-    t = tokens.shape[1]
-    if positions is None:
-        positions = np.arange(t)
+    positions = np.arange(tokens.shape[1])
     tables = {full: rope_cos_sin(cfg, positions, full) for full in {cfg.is_full_attention(i) for i in range(cfg.n_layers)}}
     x = constrain(jnp.take(params["embed"], tokens, axis=0).astype(cdt), ("batch", "length", "act_embed"))
     hidden = [x]
@@ -197,13 +193,12 @@ def lm_head(params: Any, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     return constrain(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))
 
 
-def forward(params: Any, tokens: jax.Array, cfg: ModelConfig, *, return_hidden: bool = False,
-            positions: np.ndarray | None = None) -> Any:
+def forward(params: Any, tokens: jax.Array, cfg: ModelConfig, *, return_hidden: bool = False) -> Any:
     """Logits in fp32, shape [b, t, embedding_rows] (padded vocabulary rows included).
 
     With ``return_hidden`` also returns the residual stream after the embedding and after each
     layer (for locating the first diverging layer in parity checks)."""
     if return_hidden:
-        x, hidden = hidden_states(params, tokens, cfg, return_hidden=True, positions=positions)
+        x, hidden = hidden_states(params, tokens, cfg, return_hidden=True)
         return lm_head(params, x, cfg), hidden
-    return lm_head(params, hidden_states(params, tokens, cfg, positions=positions), cfg)
+    return lm_head(params, hidden_states(params, tokens, cfg), cfg)
