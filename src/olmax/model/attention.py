@@ -4,6 +4,12 @@ Every kernel computes the same function: softmax(q k^T / sqrt(e)) v with query i
 ``i - W < k <= i`` (sliding layers, W = window) or ``k <= i`` (full layers), GQA by sharing each
 kv head between ``h / k`` query heads. Shapes: q [b, t, h, e], k/v [b, s, k, e] -> [b, t, h, e].
 
+``segment_ids`` [b, t] (optional, every kernel): a query sees only keys of its own segment
+(packed documents; 0 marks padding, which forms a segment of its own). Without them each
+kernel's program is the one it always was. Decoding against a KV cache, where keys carry their
+own positions (a ring buffer's slots are not in order), goes through ``cache_attention``; the
+mask rule is ``layers.position_mask`` in both cases.
+
 - ``reference``: exact einsum that materialises fp32 [t, s] scores (tests, short sequences).
 - ``blocked``: the same arithmetic per block of queries, over only the keys that block can see
   (its window, or the causal prefix): fewer FLOPs and a much smaller score matrix. The CPU's
@@ -23,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from olmax.config import ConfigError, ModelConfig
-from olmax.model.layers import attention_mask
+from olmax.model.layers import attention_mask, position_mask, segment_mask
 from olmax.sharding import activation_spec, current_mesh
 
 
@@ -50,19 +56,36 @@ def resolve_impl(requested: str, dtype: jnp.dtype | None = None, platform: str |
     return "blocked"
 
 
-def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None) -> jax.Array:
-    """Exact attention; softmax in fp32 over masked [t, s] scores."""
+def _masked_softmax_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """softmax(q k^T / sqrt(e)) v in fp32 over the keys ``mask`` [t, s] or [b, t, s] allows."""
     b, t, h, e = q.shape
     kv = k.shape[2]
     g = h // kv
     qg = q.reshape(b, t, kv, g, e)
     scores = jnp.einsum("btkge,bske->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (e ** -0.5)
-    mask = attention_mask(t, k.shape[1], window)
-    scores = jnp.where(mask[None, None, None], scores, jnp.finfo(jnp.float32).min)
+    mask = mask[None, None, None] if mask.ndim == 2 else mask[:, None, None]
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bske->btkge", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, e).astype(q.dtype)
+
+
+def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None,
+                        segment_ids: jax.Array | None = None) -> jax.Array:
+    """Exact attention; softmax in fp32 over masked [t, s] scores."""
+    mask = attention_mask(q.shape[1], k.shape[1], window)
+    if segment_ids is not None:
+        mask = mask[None] & segment_mask(segment_ids, segment_ids)
+    return _masked_softmax_attention(q, k, v, mask)
+
+
+def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
+                    window: int | None) -> jax.Array:
+    """Queries at positions ``q_pos`` [b, t] over cached keys at ``k_pos`` [b, s] (slots in any
+    order, -1 for empty ones): the decode step's attention. Exact, as ``reference_attention``;
+    the [t, s] scores are small (t is 1 while decoding)."""
+    return _masked_softmax_attention(q, k, v, position_mask(q_pos, k_pos, window))
 
 
 def cpu_block_size(t: int) -> int:
@@ -96,22 +119,26 @@ def _head_major(x: jax.Array, groups: int) -> jax.Array:
     return x.reshape(b, t, h // groups, groups, e).transpose(0, 2, 3, 1, 4) / one
 
 
-def _block_scores(qh: jax.Array, kh: jax.Array, span: tuple[int, int, int], window: int | None
-                  ) -> tuple[jax.Array, jax.Array]:
-    """One block's scaled fp32 scores [b, k, g, q, s] and the mask of the keys each query sees."""
+def _block_scores(qh: jax.Array, kh: jax.Array, span: tuple[int, int, int], window: int | None,
+                  seg: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """One block's scaled fp32 scores [b, k, g, q, s] and the mask of the keys each query sees
+    ([q, s], or [b, 1, 1, q, s] with segment ids)."""
     q0, q1, k0 = span
     scores = jnp.einsum("bkgte,bkse->bkgts", qh[:, :, :, q0:q1], kh[:, :, 0, k0:q1], preferred_element_type=jnp.float32)
     qpos, kpos = jnp.arange(q0, q1)[:, None], jnp.arange(k0, q1)[None, :]
     mask = (kpos <= qpos) if window is None else (kpos <= qpos) & (kpos > qpos - window)
+    if seg is not None:
+        mask = (mask[None] & segment_mask(seg[:, q0:q1], seg[:, k0:q1]))[:, None, None]
     return scores * (qh.shape[-1] ** -0.5), mask
 
 
-def _blocked_forward(qh: jax.Array, kh: jax.Array, vh: jax.Array, window: int | None, block: int):
+def _blocked_forward(qh: jax.Array, kh: jax.Array, vh: jax.Array, seg: jax.Array | None, window: int | None,
+                     block: int):
     """The head-major output [b, k, g, t, e] and ``_blocked_backward``'s residuals, among them each
     block's log-sum-exp."""
     outs, lses = [], []
     for span in _query_blocks(qh.shape[3], window, block):
-        scores, mask = _block_scores(qh, kh, span, window)
+        scores, mask = _block_scores(qh, kh, span, window, seg)
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
         top = jnp.max(scores, axis=-1, keepdims=True)
         p = jnp.exp(scores - top)
@@ -120,19 +147,19 @@ def _blocked_forward(qh: jax.Array, kh: jax.Array, vh: jax.Array, window: int | 
         outs.append(jnp.einsum("bkgts,bkse->bkgte", (p / total).astype(vh.dtype), vh[:, :, 0, span[2]:span[1]],
                                preferred_element_type=jnp.float32))
     out = jnp.concatenate(outs, axis=3).astype(qh.dtype)
-    return out, (qh, kh, vh, out, lses)
+    return out, (qh, kh, vh, seg, out, lses)
 
 
 def _blocked_backward(window: int | None, block: int, res: tuple, dout: jax.Array) -> tuple[jax.Array, ...]:
     """Per query block: probabilities recomputed from the saved log-sum-exp, then dq. Per key
     block: dk and dv from the query blocks that see it, their rows of ds and p side by side."""
-    qh, kh, vh, out, lses = res
+    qh, kh, vh, seg, out, lses = res
     e = qh.shape[-1]
     rowsum = jnp.einsum("bkgte,bkgte->bkgt", dout.astype(jnp.float32), out.astype(jnp.float32))
     spans = _query_blocks(qh.shape[3], window, block)
     dq, ds, probs = [], [], []
     for (q0, q1, k0), lse in zip(spans, lses):
-        scores, mask = _block_scores(qh, kh, (q0, q1, k0), window)
+        scores, mask = _block_scores(qh, kh, (q0, q1, k0), window, seg)
         p = jnp.where(mask, jnp.exp(scores - lse), 0.0)  # exactly zero outside the mask
         dp = jnp.einsum("bkgte,bkse->bkgts", dout[:, :, :, q0:q1], vh[:, :, 0, k0:q1], preferred_element_type=jnp.float32)
         ds.append((p * (dp - rowsum[..., q0:q1, None]) * e ** -0.5).astype(qh.dtype))
@@ -147,16 +174,17 @@ def _blocked_backward(window: int | None, block: int, res: tuple, dout: jax.Arra
         dv.append(jnp.einsum("bkgts,bkgte->bkse", side(probs), dout[:, :, :, rows], preferred_element_type=jnp.float32))
     return (jnp.concatenate(dq, axis=3).astype(qh.dtype),
             jnp.concatenate(dk, axis=2)[:, :, None].astype(kh.dtype),
-            jnp.concatenate(dv, axis=2)[:, :, None].astype(vh.dtype))
+            jnp.concatenate(dv, axis=2)[:, :, None].astype(vh.dtype),
+            None)  # integer segment ids: no cotangent
 
 
-_blocked_vjp = jax.custom_vjp(lambda qh, kh, vh, window, block: _blocked_forward(qh, kh, vh, window, block)[0],
-                              nondiff_argnums=(3, 4))
+_blocked_vjp = jax.custom_vjp(lambda qh, kh, vh, seg, window, block: _blocked_forward(qh, kh, vh, seg, window, block)[0],
+                              nondiff_argnums=(4, 5))
 _blocked_vjp.defvjp(_blocked_forward, _blocked_backward)
 
 
 def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None,
-                      block: int | None = None) -> jax.Array:
+                      block: int | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
     """``reference_attention`` one block of queries at a time, each over the keys it can see
     (``_query_blocks``), on head-major copies of q, k and v (``_head_major``), with a
     hand-written backward pass: autodiff would turn each block's slice of k and v into a
@@ -167,15 +195,19 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | No
     b, t, h, e = q.shape
     qh = _head_major(q, h // k.shape[2])
     kh, vh = _head_major(k, 1), _head_major(v, 1)
-    out = _blocked_vjp(qh, kh, vh, window, block or cpu_block_size(t))
+    out = _blocked_vjp(qh, kh, vh, segment_ids, window, block or cpu_block_size(t))
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, e)
 
 
-def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, implementation: str) -> jax.Array:
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, implementation: str,
+                    segment_ids: jax.Array | None = None) -> jax.Array:
     """``jax.nn.dot_product_attention``: no [t, s] matrix per head. ``local_window_size=(W-1, 0)``
-    because query i sees W keys *including itself*; (W, 0) would be one key too many."""
+    because query i sees W keys *including itself*; (W, 0) would be one key too many. Segments
+    go in as its boolean ``mask`` [b, 1, t, s] (cuDNN takes it as a bias), beside the causal and
+    window flags."""
     local = None if window is None else (window - 1, 0)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
+    mask = None if segment_ids is None else segment_mask(segment_ids, segment_ids)[:, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=local,
                                         implementation=implementation)
 
 
@@ -205,8 +237,9 @@ def _splash_kernel(heads: int, t: int, window: int | None, block_q: int, block_k
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, cfg: ModelConfig,
-                     interpret: bool | None = None) -> jax.Array:
-    """TPU splash attention (fp32 accumulation and softmax inside the kernel)."""
+                     interpret: bool | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
+    """TPU splash attention (fp32 accumulation and softmax inside the kernel); segment ids go in
+    as the kernel's own ``SegmentIds`` (blocks are still skipped by the causal/local mask)."""
     b, t, h, e = q.shape
     if interpret is None:
         interpret = target_platform() != "tpu"
@@ -216,26 +249,33 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | Non
     qh = (q.astype(jnp.float32) * (e ** -0.5)).astype(q.dtype).transpose(0, 2, 1, 3)
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
-    def local(qh, kh, vh):
+    def local(qh, kh, vh, *seg):
         kernel = _splash_kernel(qh.shape[1], t, window, bq, bkv, bool(interpret))
-        return jax.vmap(kernel)(qh, kh, vh)
+        if not seg:
+            return jax.vmap(kernel)(qh, kh, vh)
+        from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
+        return jax.vmap(lambda q_, k_, v_, s_: kernel(q_, k_, v_, segment_ids=SegmentIds(q=s_, kv=s_)))(qh, kh, vh, seg[0])
 
+    seg = () if segment_ids is None else (segment_ids.astype(jnp.int32),)
     mesh = current_mesh()
     if mesh is not None and mesh.size > 1:
         spec = activation_spec(("batch", "act_heads", "length", "head_dim"), mesh)
         kv_spec = activation_spec(("batch", "act_kv_heads", "length", "head_dim"), mesh)
-        local = jax.shard_map(local, mesh=mesh, in_specs=(spec, kv_spec, kv_spec), out_specs=spec,
+        seg_spec = (activation_spec(("batch", "length"), mesh),) * len(seg)
+        local = jax.shard_map(local, mesh=mesh, in_specs=(spec, kv_spec, kv_spec, *seg_spec), out_specs=spec,
                               check_vma=False)
-    out = local(qh, kh, vh)
+    out = local(qh, kh, vh, *seg)
     return out.transpose(0, 2, 1, 3).astype(q.dtype)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, cfg: ModelConfig) -> jax.Array:
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, cfg: ModelConfig,
+           segment_ids: jax.Array | None = None) -> jax.Array:
+    """Self-attention of a sequence through the configured kernel (module docstring)."""
     impl = resolve_impl(cfg.attention_impl, q.dtype)
     if impl == "reference":
-        return reference_attention(q, k, v, window)
+        return reference_attention(q, k, v, window, segment_ids)
     if impl == "blocked":
-        return blocked_attention(q, k, v, window)
+        return blocked_attention(q, k, v, window, segment_ids=segment_ids)
     if impl == "splash":
-        return splash_attention(q, k, v, window, cfg)
-    return fused_attention(q, k, v, window, impl)
+        return splash_attention(q, k, v, window, cfg, segment_ids=segment_ids)
+    return fused_attention(q, k, v, window, impl, segment_ids)

@@ -75,12 +75,20 @@ def rope_cos_sin(cfg: ModelConfig, positions: np.ndarray, full_attention: bool) 
             jnp.asarray(np.sin(angles).astype(np.float32) * scale))
 
 
+def rope_at(cfg: ModelConfig, positions: jax.Array, bound: int, full_attention: bool) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [b, t, e] at traced integer ``positions`` [b, t] in ``[0, bound)``: rows of the
+    host-built ``rope_cos_sin`` table of ``0..bound-1`` (the same bits as the constant tables)."""
+    cos, sin = rope_cos_sin(cfg, np.arange(bound), full_attention)
+    return jnp.take(cos, positions, axis=0), jnp.take(sin, positions, axis=0)
+
+
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [b, t, n, e]; ``x*cos + rotate_half(x)*sin`` with ``rotate_half(x) = cat(-x2, x1)``."""
+    """x [b, t, n, e]; ``x*cos + rotate_half(x)*sin`` with ``rotate_half(x) = cat(-x2, x1)``;
+    cos/sin [t, e] (one table for every row) or [b, t, e] (per-row positions)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     rot = jnp.concatenate([-x2, x1], axis=-1)
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    c, s = (cos[None, :, None, :], sin[None, :, None, :]) if cos.ndim == 2 else (cos[:, :, None, :], sin[:, :, None, :])
     out = x.astype(jnp.float32) * c + rot.astype(jnp.float32) * s
     return out.astype(x.dtype)
 
@@ -90,9 +98,20 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def attention_mask(t: int, s: int, window: int | None) -> jax.Array:
     """Causal (and sliding-window) mask [t, s]: query q sees key k iff ``q - W < k <= q``."""
-    q = jnp.arange(t)[:, None]
-    k = jnp.arange(s)[None, :]
-    allowed = k <= q
+    return position_mask(jnp.arange(t), jnp.arange(s), window)
+
+
+def position_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None) -> jax.Array:
+    """The one mask rule, by position: query at ``q`` sees a key at ``k`` iff ``q - W < k <= q``
+    (W keys including itself on sliding layers). q_pos [..., t], k_pos [..., s] -> [..., t, s].
+    Keys at negative positions (empty cache slots) are never seen."""
+    q, k = q_pos[..., :, None], k_pos[..., None, :]
+    allowed = (k <= q) & (k >= 0)
     if window is not None:
         allowed &= k > q - window
     return allowed
+
+
+def segment_mask(q_seg: jax.Array, k_seg: jax.Array) -> jax.Array:
+    """[b, t] x [b, s] -> [b, t, s]: a query sees only keys of its own document (segment)."""
+    return q_seg[:, :, None] == k_seg[:, None, :]

@@ -9,6 +9,11 @@ per-layer tree (a bf16 copy when computing in bf16): the program does not grow w
 the parameter tree, checkpoints and HF conversion keep one entry per layer. Layers past the
 last whole group (``full_attention_last_layer`` with a depth not divisible by the period) run
 unrolled after the scan.
+
+Packed documents: ``positions`` [b, t] (RoPE) and ``segment_ids`` [b, t] (attention stays
+inside a document) are optional traced inputs; without them the program is the plain one
+(constant RoPE tables, no extra mask work). Decoding (``olmax.model.decode``) runs the same
+layers with a KV cache carried through the same scan.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from olmax.config import ConfigError, ModelConfig
 from olmax.model.attention import attend, target_platform
-from olmax.model.layers import apply_rope, rms_norm, rope_cos_sin
+from olmax.model.layers import apply_rope, rms_norm, rope_at, rope_cos_sin
 from olmax.sharding import constrain
 
 # Tensors a remat policy may keep (names given with ``checkpoint_name`` below).
@@ -67,7 +72,10 @@ def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _attention_block(cfg: ModelConfig, p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                     window: int | None) -> jax.Array:
+                     window: int | None, segment_ids: jax.Array | None = None, cache: Any = None,
+                     cache_op: Callable | None = None) -> Any:
+    """The attention sub-block: ``out`` or, with ``cache_op(q, k, v, cache) -> (o, cache)`` (the
+    KV cache's prefill or decode step, ``olmax.model.decode``), ``(out, cache)``."""
     b, t, _ = x.shape
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     if target_platform() == "cpu":
@@ -81,9 +89,13 @@ def _attention_block(cfg: ModelConfig, p: dict, x: jax.Array, cos: jax.Array, si
     q = checkpoint_name(constrain(apply_rope(q.reshape(b, t, H, E), cos, sin), heads), "query")
     k = checkpoint_name(constrain(apply_rope(k.reshape(b, t, K, E), cos, sin), kv_heads), "key")
     v = checkpoint_name(constrain(v.reshape(b, t, K, E), kv_heads), "value")
-    o = checkpoint_name(attend(q, k, v, window, cfg), "attn_out")
+    if cache_op is not None:
+        o, cache = cache_op(q, k, v, cache)
+    else:
+        o = checkpoint_name(attend(q, k, v, window, cfg, segment_ids), "attn_out")
     out = _dense(o.reshape(b, t, H * E), p["o"])
-    return checkpoint_name(constrain(out, ("batch", "length", "act_embed")), "attn_proj")
+    out = checkpoint_name(constrain(out, ("batch", "length", "act_embed")), "attn_proj")
+    return out if cache_op is None else (out, cache)
 
 
 @jax.custom_vjp
@@ -125,16 +137,22 @@ def _mlp_block(m: dict, h: jax.Array) -> jax.Array:
     return checkpoint_name(constrain(out, ("batch", "length", "act_embed")), "mlp_out")
 
 
-def _layer(cfg: ModelConfig, window: int | None, p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+def _layer(cfg: ModelConfig, window: int | None, p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array,
+           segment_ids: jax.Array | None = None, cache: Any = None, cache_op: Callable | None = None) -> Any:
+    """One block: ``x`` out, or ``(x, cache)`` with a ``cache_op`` (``_attention_block``)."""
     x = constrain(x, ("batch", "length", "act_embed"))
-    h = x + rms_norm(_attention_block(cfg, p["attn"], x, cos, sin, window), p["attn_norm"], cfg.norm_eps)
-    return h + rms_norm(_mlp_block(p["mlp"], h), p["mlp_norm"], cfg.norm_eps)
+    a = _attention_block(cfg, p["attn"], x, cos, sin, window, segment_ids, cache, cache_op)
+    if cache_op is not None:
+        a, cache = a
+    h = x + rms_norm(a, p["attn_norm"], cfg.norm_eps)
+    out = h + rms_norm(_mlp_block(p["mlp"], h), p["mlp_norm"], cfg.norm_eps)
+    return out if cache_op is None else (out, cache)
 
 
-def _layer_fn(cfg: ModelConfig, window: int | None) -> Callable:
-    fn = partial(_layer, cfg, window)
+def _layer_fn(cfg: ModelConfig, window: int | None, cache_op: Callable | None = None) -> Callable:
+    fn = partial(_layer, cfg, window, cache_op=cache_op)
     policy = remat_policy(cfg.remat)
-    if policy is not None:
+    if policy is not None and cache_op is None:  # remat only matters under differentiation
         fn = jax.checkpoint(fn, policy=policy)
     return fn
 
@@ -155,34 +173,96 @@ def _cast(tree: Any, dtype: jnp.dtype) -> Any:
     return jax.tree.map(lambda a: a.astype(dtype), tree)
 
 
-def hidden_states(params: Any, tokens: jax.Array, cfg: ModelConfig, *, return_hidden: bool = False) -> Any:
+def stack_layers(params: Any, cfg: ModelConfig, unrolled: bool = False) -> dict[str, list]:
+    """The layers as the scan reads them, in the compute dtype: ``groups[j]`` stacks layer j of
+    every group along a new leading axis, ``rest`` lists the layers after the last whole group.
+    The training forward stacks inside its step; decoding stacks once, before its loop."""
+    cdt = jnp.dtype(cfg.compute_dtype)
+    layers = params["layers"]
+    period, groups = (1, 0) if unrolled else layer_groups(cfg)
+    stacked = [jax.tree.map(lambda *xs: jnp.stack(xs), *[_cast(layers[g * period + j], cdt) for g in range(groups)])
+               for j in range(period)] if groups else []
+    return {"groups": stacked, "rest": [_cast(layers[i], cdt) for i in range(groups * period, cfg.n_layers)]}
+
+
+def run_layers(cfg: ModelConfig, layers: dict[str, list], x: jax.Array, tables: dict[bool, tuple], *,
+               segment_ids: jax.Array | None = None, caches: Any = None,
+               cache_ops: dict[bool, Callable] | None = None, hidden: list | None = None) -> tuple[jax.Array, Any]:
+    """The residual stream through every layer (``stack_layers``' layout): ``(x, new caches)``.
+
+    ``tables[full]`` are the RoPE cos/sin of full (True) or sliding (False) layers. With
+    ``cache_ops[full]`` each layer's attention goes through it (prefill or decode), and
+    ``caches`` (None when prefilling) has the layers' layout: ``{"groups": [per layer of a group,
+    stacked over groups], "rest": [per layer]}``; the new caches come back in the same layout,
+    the stacked ones as the scan's outputs."""
+    ops = cache_ops or {}
+    caches = caches if caches is not None else {"groups": [None] * len(layers["groups"]), "rest": [None] * len(layers["rest"])}
+    period = len(layers["groups"])
+    n_scanned = period * (jax.tree.leaves(layers["groups"])[0].shape[0] if period else 0)
+
+    def call(i: int, p: Any, x: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
+        full = cfg.is_full_attention(i)
+        out = _layer_fn(cfg, cfg.layer_window(i), ops.get(full))(p, x, *tables[full], segment_ids, cache)
+        return out if cache_ops else (out, None)
+
+    new = {"groups": [], "rest": []}
+    if period:
+        def group(x, xs):
+            outs = []
+            for j in range(period):
+                x, c = call(j, xs[0][j], x, xs[1][j])
+                outs.append(c)
+            return x, outs
+
+        x, new["groups"] = jax.lax.scan(group, x, (layers["groups"], caches["groups"]))
+    for n, (p, cache) in enumerate(zip(layers["rest"], caches["rest"])):
+        x, c = call(n_scanned + n, p, x, cache)
+        new["rest"].append(c)
+        if hidden is not None:
+            hidden.append(x)
+    return x, new
+
+
+def rope_tables(cfg: ModelConfig, t: int, positions: jax.Array | None = None, bound: int | None = None
+                ) -> dict[bool, tuple[jax.Array, jax.Array]]:
+    """RoPE cos/sin per layer type: host constants for 0..t-1, or rows of the table of
+    ``0..bound-1`` (default t) at the traced ``positions`` [b, t]."""
+    kinds = {cfg.is_full_attention(i) for i in range(cfg.n_layers)}
+    if positions is None:
+        return {full: rope_cos_sin(cfg, np.arange(t), full) for full in kinds}
+    return {full: rope_at(cfg, positions, bound or t, full) for full in kinds}
+
+
+def embed(params: Any, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+    x = jnp.take(params["embed"], tokens, axis=0).astype(jnp.dtype(cfg.compute_dtype))
+    return constrain(x, ("batch", "length", "act_embed"))
+
+
+def document_segments(tokens: jax.Array, eos_id: int) -> tuple[jax.Array, jax.Array]:
+    """``(positions, segment_ids)`` [b, t] of packed documents: a document ends at (and includes)
+    its EOS, the next starts after it (OLMo-core's ``generate_doc_lengths``), the last one runs to
+    the row's end. Positions restart at 0 in each document (OLMo-core 3.0.0's intra-document
+    RoPE); segment ids count the row's documents from 1."""
+    b, t = tokens.shape
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    starts = jnp.concatenate([jnp.ones((b, 1), bool), tokens[:, :-1] == eos_id], axis=1)
+    segment_ids = jnp.cumsum(starts, axis=1, dtype=jnp.int32)
+    first = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+    return idx - first, segment_ids
+
+
+def hidden_states(params: Any, tokens: jax.Array, cfg: ModelConfig, *, positions: jax.Array | None = None,
+                  segment_ids: jax.Array | None = None, return_hidden: bool = False) -> Any:
     """The final-normed residual stream [b, t, d] in the compute dtype (the LM head's input).
 
-    With ``return_hidden`` (unrolled layers) also the residual stream after the embedding and
-    after each layer, for locating the first diverging layer in parity checks."""
-    cdt = jnp.dtype(cfg.compute_dtype)
-    positions = np.arange(tokens.shape[1])
-    tables = {full: rope_cos_sin(cfg, positions, full) for full in {cfg.is_full_attention(i) for i in range(cfg.n_layers)}}
-    x = constrain(jnp.take(params["embed"], tokens, axis=0).astype(cdt), ("batch", "length", "act_embed"))
-    hidden = [x]
-    layers = params["layers"]
-    period, groups = (1, 0) if return_hidden else layer_groups(cfg)
-    if groups:
-        stacked = [jax.tree.map(lambda *xs: jnp.stack(xs), *[_cast(layers[g * period + j], cdt) for g in range(groups)])
-                   for j in range(period)]
-        fns = [_layer_fn(cfg, cfg.layer_window(j)) for j in range(period)]
-        tabs = [tables[cfg.is_full_attention(j)] for j in range(period)]
-
-        def group(x, group_params):
-            for j in range(period):
-                x = fns[j](group_params[j], x, *tabs[j])
-            return x, None
-
-        x, _ = jax.lax.scan(group, x, stacked)
-    for i in range(groups * period, cfg.n_layers):
-        x = _layer_fn(cfg, cfg.layer_window(i))(_cast(layers[i], cdt), x, *tables[cfg.is_full_attention(i)])
-        if return_hidden:
-            hidden.append(x)
+    ``positions`` [b, t] in ``[0, t)`` and ``segment_ids`` [b, t] (see ``document_segments``)
+    are optional. With ``return_hidden`` (unrolled layers) also the residual stream after the
+    embedding and after each layer, for locating the first diverging layer in parity checks."""
+    x = embed(params, tokens, cfg)
+    hidden = [x] if return_hidden else None
+    tables = rope_tables(cfg, tokens.shape[1], positions)
+    x, _ = run_layers(cfg, stack_layers(params, cfg, unrolled=return_hidden), x, tables,
+                      segment_ids=segment_ids, hidden=hidden)
     x = rms_norm(x, params["final_norm"], cfg.norm_eps)
     return (x, hidden) if return_hidden else x
 
@@ -193,12 +273,14 @@ def lm_head(params: Any, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     return constrain(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))
 
 
-def forward(params: Any, tokens: jax.Array, cfg: ModelConfig, *, return_hidden: bool = False) -> Any:
-    """Logits in fp32, shape [b, t, embedding_rows] (padded vocabulary rows included).
+def forward(params: Any, tokens: jax.Array, cfg: ModelConfig, *, positions: jax.Array | None = None,
+            segment_ids: jax.Array | None = None, return_hidden: bool = False) -> Any:
+    """Logits in fp32, shape [b, t, embedding_rows] (padded vocabulary rows included); positions
+    and segment ids as ``hidden_states``.
 
     With ``return_hidden`` also returns the residual stream after the embedding and after each
     layer (for locating the first diverging layer in parity checks)."""
+    out = hidden_states(params, tokens, cfg, positions=positions, segment_ids=segment_ids, return_hidden=return_hidden)
     if return_hidden:
-        x, hidden = hidden_states(params, tokens, cfg, return_hidden=True)
-        return lm_head(params, x, cfg), hidden
-    return lm_head(params, hidden_states(params, tokens, cfg), cfg)
+        return lm_head(params, out[0], cfg), out[1]
+    return lm_head(params, out, cfg)
