@@ -1,0 +1,131 @@
+"""KV-cache decoding through the training model's own layers (``olmax.model.olmo3.run_layers``).
+
+The cache is data, a pytree that ``prefill`` returns and ``decode_step`` takes and returns:
+
+    {"kv":  {"groups": [{"k", "v"} stacked over groups, per layer of a group],
+             "rest":   [{"k", "v"} per layer after the last whole group]},   # [b, S, kv_heads, e]
+     "pos": {"full": [b, S_full], "sliding": [b, S_sliding]},                # position in each slot, -1 empty
+     "length": [b]}                                                           # next position per row
+
+A full-attention layer keeps ``S_full = max_length`` slots (slot = position). A sliding layer
+keeps a ring of ``min(window, max_length)`` slots (slot = position mod S): the window's keys and
+nothing older (transformers keeps window - 1 per sliding layer). Slots are not in position
+order, so the keys carry their positions and attention masks by position (``cache_attention``).
+Prompts are right-padded to one length with ``lengths`` per row; padding never enters a slot
+that a query can see. The cache is in the compute dtype and sharded like the activations
+(batch over the data axes, kv heads over ``tensor``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from olmax.config import ModelConfig
+from olmax.model.attention import attend, cache_attention
+from olmax.model.layers import rms_norm
+from olmax.model.olmo3 import embed, lm_head, rope_tables, run_layers, stack_layers
+from olmax.sharding import constrain
+
+KV_AXES = ("batch", "length", "act_kv_heads", "head_dim")
+
+
+def _kind(cfg: ModelConfig, full: bool) -> str:
+    return "full" if full else "sliding"
+
+
+def slots(cfg: ModelConfig, max_length: int) -> dict[str, int]:
+    """Cache slots per layer kind."""
+    out = {}
+    for i in range(cfg.n_layers):
+        w = cfg.layer_window(i)
+        out[_kind(cfg, w is None)] = max_length if w is None else min(w, max_length)
+    return out
+
+
+def cache_bytes(cfg: ModelConfig, batch: int, max_length: int, dtype: Any = None) -> int:
+    """Bytes of the cache: per layer 2 (k, v) x batch x its slots x kv heads x head dim x the
+    dtype's size, plus an int32 position per slot of each kind and the int32 lengths."""
+    item = jnp.dtype(dtype or cfg.compute_dtype).itemsize
+    s = slots(cfg, max_length)
+    kv = sum(2 * batch * s[_kind(cfg, cfg.layer_window(i) is None)] * cfg.n_kv_heads * cfg.head_dim * item
+             for i in range(cfg.n_layers))
+    return kv + 4 * batch * (sum(s.values()) + 1)
+
+
+def prepare(params: Any, cfg: ModelConfig) -> dict[str, Any]:
+    """The parameters as the decode loop reads them: layers stacked for the scan and cast to the
+    compute dtype once (the training forward does this inside every step; decoding would copy
+    every weight once per token)."""
+    return {"embed": params["embed"], "final_norm": params["final_norm"], "lm_head": params["lm_head"],
+            "layers": stack_layers(params, cfg)}
+
+
+def slot_positions(lengths: jax.Array, n_slots: int) -> jax.Array:
+    """[b, S]: the position each slot holds after ``lengths`` tokens were written (slot j holds
+    the latest position p < length with p = j mod S), -1 when none."""
+    j = jnp.arange(n_slots, dtype=jnp.int32)[None, :]
+    last = lengths[:, None].astype(jnp.int32) - 1
+    return jnp.where(j <= last, j + n_slots * ((last - j) // n_slots), -1)
+
+
+def prefill(prepared: dict, tokens: jax.Array, lengths: jax.Array, cfg: ModelConfig, max_length: int
+            ) -> tuple[jax.Array, dict]:
+    """Run right-padded prompts ``tokens`` [b, T] (``lengths`` [b] real tokens each, T <=
+    max_length) through the model: ``(logits [b, V] at each row's last prompt token, cache)``."""
+    b, t = tokens.shape
+    n = slots(cfg, max_length)
+    lengths = lengths.astype(jnp.int32)
+    pos = {kind: slot_positions(lengths, s) for kind, s in n.items()}
+    segment_ids = (jnp.arange(t)[None, :] < lengths[:, None]).astype(jnp.int32)  # padding: segment 0
+
+    def op(full: bool, window: int | None):
+        kind = _kind(cfg, full)
+
+        def fill(q, k, v, _):
+            o = attend(q, k, v, window, cfg, segment_ids)
+            where = jnp.clip(pos[kind], 0, t - 1)[:, :, None, None]
+            entry = {name: constrain(jnp.take_along_axis(a, where, axis=1), KV_AXES) for name, a in (("k", k), ("v", v))}
+            return o, entry
+        return fill
+
+    ops = {full: op(full, None if full else cfg.sliding_window) for full in {cfg.is_full_attention(i) for i in range(cfg.n_layers)}}
+    x, kv = run_layers(cfg, prepared["layers"], embed(prepared, tokens, cfg), rope_tables(cfg, t),
+                       segment_ids=segment_ids, cache_ops=ops)
+    last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)
+    logits = lm_head(prepared, rms_norm(last, prepared["final_norm"], cfg.norm_eps), cfg)[:, 0]
+    return logits, {"kv": kv, "pos": pos, "length": lengths}
+
+
+def decode_step(prepared: dict, tokens: jax.Array, cache: dict, cfg: ModelConfig, max_length: int
+                ) -> tuple[jax.Array, dict]:
+    """One new token per row (``tokens`` [b]) at position ``cache["length"]`` (below
+    ``max_length``, the ``prefill``'s): ``(logits [b, V], cache)`` with the token's keys and
+    values written to its slot in every layer."""
+    b = tokens.shape[0]
+    length = cache["length"]
+    rows = jnp.arange(b)
+    pos, where = {}, {}
+    for kind, p in cache["pos"].items():
+        where[kind] = length % p.shape[1]
+        pos[kind] = p.at[rows, where[kind]].set(length)
+    q_pos = length[:, None]
+
+    def op(full: bool, window: int | None):
+        kind = _kind(cfg, full)
+
+        def step(q, k, v, entry):
+            entry = {name: constrain(entry[name].at[rows, where[kind]].set(a[:, 0]), KV_AXES)
+                     for name, a in (("k", k), ("v", v))}
+            return cache_attention(q, entry["k"], entry["v"], q_pos, pos[kind], window), entry
+        return step
+
+    kinds = {cfg.is_full_attention(i) for i in range(cfg.n_layers)}
+    ops = {full: op(full, None if full else cfg.sliding_window) for full in kinds}
+    tables = rope_tables(cfg, 1, q_pos, bound=max_length)
+    x, kv = run_layers(cfg, prepared["layers"], embed(prepared, tokens[:, None], cfg), tables,
+                       caches=cache["kv"], cache_ops=ops)
+    logits = lm_head(prepared, rms_norm(x, prepared["final_norm"], cfg.norm_eps), cfg)[:, 0]
+    return logits, {"kv": kv, "pos": pos, "length": length + 1}
