@@ -62,7 +62,7 @@ def mfu(out: dict, steps: int, batch: int) -> None:
     from olmax.optim import init_opt_state
     from olmax.recipes import get_recipe
     from olmax.sharding import make_mesh, plan_batch
-    from olmax.train.state import abstract_train_state, shardings
+    from olmax.checkpoint.state import abstract_train_state, shardings
     from olmax.train.step import jit_train_step
     cfg = get_recipe("olmo3_7b_stage1", ["model.n_layers=8", f"train.global_batch_size={batch}",
                                          "train.max_micro_batch_size=null", "mesh.fsdp=-1"])

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from olmax.checkpoint.store import CheckpointError, Checkpointer, StopSignal
 from olmax.config import CheckpointConfig, Config, ModelConfig
-from olmax.train.checkpoint import CheckpointError, Checkpointer, StopSignal
 
 
 class AdamLike(NamedTuple):
@@ -210,7 +210,7 @@ _SAVE_ON_4_DEVICES = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from olmax.config import CheckpointConfig
-    from olmax.train.checkpoint import Checkpointer
+    from olmax.checkpoint.store import Checkpointer
     assert jax.device_count() == 4, jax.devices()
     mesh = Mesh(np.asarray(jax.devices()).reshape(2, 2), ("data", "fsdp"))
     w = jax.device_put(jnp.arange(64 * 8, dtype=jnp.float32).reshape(64, 8), NamedSharding(mesh, P("fsdp", "data")))

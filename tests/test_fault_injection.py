@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 
 from trainlib import small_overrides
+from olmax.checkpoint.load import restore_train_state
+from olmax.checkpoint.store import CheckpointError, Checkpointer
 from olmax.config import CheckpointConfig
 from olmax.recipes import get_recipe
 from olmax.train import step as step_module  # the train step takes its optimizer update from here
-from olmax.train.checkpoint import CheckpointError, Checkpointer
 from olmax.train.loop import NONFINITE_METRIC, NonFiniteError, all_finite, train
-from olmax.train.load import restore_train_state
 from olmax.verify.resume import read_metrics
 
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}

@@ -19,15 +19,15 @@ import pytest
 
 from trainlib import small_overrides, write_corpus
 from olmax import cli
+from olmax.checkpoint.load import restore_train_state
+from olmax.checkpoint.store import Checkpointer
 from olmax.config import ConfigError, OptimConfig, ScheduleConfig, SkipStepConfig
 from olmax.data import DataError
 from olmax.data.dataset import CONTENT_RANGE_BYTES, CONTENT_RANGES, TokenDataset, validate_tokens
 from olmax.data.loader import DataLoader, DataState
 from olmax.optim import apply_update, init_opt_state
 from olmax.recipes import get_recipe
-from olmax.train.checkpoint import Checkpointer
 from olmax.train.loop import NONFINITE_METRIC, NonFiniteError, all_finite, train
-from olmax.train.load import restore_train_state
 from olmax.verify.resume import read_metrics
 
 

@@ -17,12 +17,12 @@ import pytest
 from remote_servers import RangeServer, S3Server
 from trainlib import small_overrides, write_corpus
 from olmax import io
+from olmax.checkpoint.load import load_params, restore_train_state
+from olmax.checkpoint.store import Checkpointer
 from olmax.data import DataError
 from olmax.data.dataset import TokenDataset
 from olmax.data.loader import DataLoader
 from olmax.recipes import get_recipe
-from olmax.train.checkpoint import Checkpointer
-from olmax.train.load import load_params, restore_train_state
 from olmax.train.loop import train
 from olmax.verify.resume import read_metrics
 

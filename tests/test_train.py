@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from trainlib import small_overrides, write_corpus
+from olmax.checkpoint.load import restore_train_state
+from olmax.checkpoint.store import Checkpointer
 from olmax.config import ConfigError
 from olmax.recipes import get_recipe
-from olmax.train.checkpoint import Checkpointer
 from olmax.train.loop import train
-from olmax.train.load import restore_train_state
 from olmax.verify.resume import compare, read_metrics
 
 

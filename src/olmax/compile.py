@@ -166,7 +166,7 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
     # Imported here, not at the top: the CLI imports this module for its parser, and the step
     # brings Optax (``olmax inspect --topology`` and ``--help`` stay light).
     from olmax.eval.heldout import check_batch_divides
-    from olmax.train.state import abstract_train_state, shardings
+    from olmax.checkpoint.state import abstract_train_state, shardings
     from olmax.train.step import jit_train_step, make_eval_step
 
     if topology.slices > 1 and cfg.mesh.slice == 1:

@@ -2,7 +2,7 @@
 
 One small API over fsspec (``size``, ``read_range``, ``read_bytes``, ``put_file``, ...), used by the
 data pipeline (byte-range reads: a process fetches only the instances it trains on) and by the
-run mirror (:mod:`olmax.train.remote`).
+run mirror (:mod:`olmax.checkpoint.remote`).
 
 Why these libraries: fsspec is what Grain, etils.epath (Orbax's path layer) and OLMo-core's
 readers already sit on, and its HTTP filesystem (aiohttp) does range requests. For ``s3://`` and
@@ -11,7 +11,7 @@ botocore and fsspec (s3fs needs an aiobotocore that pins an older botocore; gcsf
 its own release), so we use Apache Arrow's C++ S3 and GCS clients (``pyarrow.fs``, already
 installed through ``datasets``) behind fsspec's own ``ArrowFSWrapper``, registered as fsspec's
 ``s3`` / ``gs`` implementations only when s3fs / gcsfs are absent (if installed, they are used).
-Checkpoints do not go through Orbax's remote paths: see :mod:`olmax.train.remote`.
+Checkpoints do not go through Orbax's remote paths: see :mod:`olmax.checkpoint.remote`.
 
 Endpoints and credentials come from the standard variables: ``AWS_ENDPOINT_URL`` (or
 ``AWS_ENDPOINT_URL_S3``) for S3-compatible stores, ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``

@@ -14,12 +14,12 @@ from typing import Any
 import jax
 
 from olmax import io
+from olmax.checkpoint.state import abstract_train_state
+from olmax.checkpoint.store import CHECKPOINT_DIR, Checkpointer, config_from_meta
 from olmax.compat.hf import load_hf_params
 from olmax.config import CheckpointConfig, Config, ConfigError, MeshConfig
 from olmax.model.weights_io import is_weights_dir, load_weights
 from olmax.sharding import make_mesh
-from olmax.train.checkpoint import CHECKPOINT_DIR, Checkpointer, config_from_meta
-from olmax.train.state import abstract_train_state
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path | str, int]:

@@ -40,8 +40,8 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from olmax import io
+from olmax.checkpoint.remote import RemoteCheckpoints, check_multiprocess
 from olmax.config import CheckpointConfig, Config, ConfigError, model_differences
-from olmax.train.remote import RemoteCheckpoints, check_multiprocess
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class Checkpointer:
     def __init__(self, run_dir: str | os.PathLike, ckpt_cfg: CheckpointConfig, *, read_only: bool = False):
         self.cfg, self.read_only = ckpt_cfg, read_only
         # s3:// and gs:// run directories: Orbax writes a local staging copy, committed checkpoints
-        # are uploaded with a marker written last (olmax.train.remote).
+        # are uploaded with a marker written last (olmax.checkpoint.remote).
         self.remote = None
         if io.is_remote(run_dir):
             check_multiprocess(jax.process_count(), str(run_dir))

@@ -28,7 +28,7 @@ def export_checkpoint(weights_dir: str | os.PathLike, out_dir: str | os.PathLike
                       shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Any = None) -> Path:
     """``olmax_to_hf`` for an olmax weights directory, a training run directory or
     ``RUN/checkpoints/N`` (whose parameters alone are restored and streamed into the HF files)."""
-    from olmax.train.load import load_params, resolve_checkpoint  # Orbax: only when exporting
+    from olmax.checkpoint.load import load_params, resolve_checkpoint  # Orbax: only when exporting
     weights_dir = Path(weights_dir)
     if not weights_dir.is_dir() or is_weights_dir(weights_dir):
         return olmax_to_hf(weights_dir, out_dir, dtype=dtype, shard_bytes=shard_bytes, progress=progress)

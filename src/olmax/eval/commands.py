@@ -1,6 +1,6 @@
 """``olmax eval {loss,domains,kl,lm-eval}`` and ``olmax compare``.
 
-Checkpoints are anything ``olmax.train.load.load_params`` reads: an olmax weights directory, a
+Checkpoints are anything ``olmax.checkpoint.load.load_params`` reads: an olmax weights directory, a
 run directory (newest checkpoint), ``RUN/checkpoints/N``, or ``hf:DIR``. Token files are raw
 arrays (no header) or folders / ``manifest.json`` from ``olmax tokenize``.
 
@@ -116,7 +116,7 @@ def _positive(name: str, v: int | None) -> None:
 
 
 def _load(path: str, dtype: str | None) -> tuple[Any, Any]:
-    from olmax.train.load import load_params
+    from olmax.checkpoint.load import load_params
     return load_params(path, dtype=dtype)
 
 

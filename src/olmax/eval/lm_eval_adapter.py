@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from olmax.config import Config, ConfigError
 from olmax.model.olmo3 import forward
-from olmax.train.load import load_params
+from olmax.checkpoint.load import load_params
 
 DTYPES = ("float32", "bfloat16")
 # Smallest sequence bucket: below this, padding is cheaper than another compile.

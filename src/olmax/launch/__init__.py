@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from olmax import io
-from olmax.train.remote import RemoteCheckpoints
+from olmax.checkpoint.remote import RemoteCheckpoints
 
 
 def latest_checkpoint(run_dir: str) -> int | None:

@@ -14,10 +14,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from olmax.checkpoint.load import load_params, restore_train_state
 from olmax.config import Config, ConfigError, model_differences
 from olmax.data.loader import DataLoader, DataState, global_batch_to_device
 from olmax.optim import init_opt_state
-from olmax.train.load import load_params, restore_train_state
 
 
 def versions() -> dict[str, str]:

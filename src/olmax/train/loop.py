@@ -22,6 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from olmax import io
+from olmax.checkpoint.remote import RunMirror
+from olmax.checkpoint.state import abstract_train_state, shardings
+from olmax.checkpoint.store import CheckpointError, Checkpointer, CorruptCheckpointError, StopSignal
 from olmax.config import Config, ConfigError
 from olmax.eval.alarm import ALARM, MemorisationAlarm
 from olmax.eval.heldout import HeldoutEvaluator
@@ -30,10 +33,7 @@ from olmax.metrics.sinks import JsonlSink, MetricsLogger, ProgressBar, TensorBoa
 from olmax.model.params import init_params
 from olmax.optim import init_opt_state
 from olmax.sharding import make_mesh, plan_batch
-from olmax.train.checkpoint import CheckpointError, Checkpointer, CorruptCheckpointError, StopSignal
 from olmax.train.init import TrainData, git_commit, load_initial_state, versions
-from olmax.train.remote import RunMirror
-from olmax.train.state import abstract_train_state, shardings
 from olmax.train.step import jit_train_step
 
 
@@ -74,7 +74,7 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
     ``max_steps_this_run`` stops early (after a checkpoint) — used by the resume A/B."""
     if max_steps_this_run is not None and max_steps_this_run <= 0:
         raise ConfigError(f"--max-steps-this-run must be positive, got {max_steps_this_run}")
-    # An s3:// or gs:// run directory is written through a local mirror (olmax.train.remote).
+    # An s3:// or gs:// run directory is written through a local mirror (olmax.checkpoint.remote).
     mirror = _remote_mirror(run_dir)
     run = mirror.local if mirror is not None else Path(run_dir)
     if run.exists() and not run.is_dir():

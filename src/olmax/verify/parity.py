@@ -134,7 +134,7 @@ def run_parity(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike | None =
     hf_dir = Path(hf_dir)
     hf_cfg = config_from_hf(read_hf_config(hf_dir))  # rejects non-OLMo-3 checkpoints early
     if checkpoint is not None:
-        from olmax.train.load import load_params
+        from olmax.checkpoint.load import load_params
         params, cfg = load_params(checkpoint)  # a weights dir, a run dir or RUN/checkpoints/N
         # HF files carry neither olmax's vocabulary padding nor the master-weight dtype.
         differ = model_differences(cfg.model, hf_cfg.model, ignore=frozenset({"padded_vocab_size", "param_dtype"}))
