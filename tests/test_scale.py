@@ -18,13 +18,15 @@ import pytest
 
 from olmax.compile import parse_topology
 from olmax.config import ConfigError
+from olmax.eval.heldout import make_eval_step
 from olmax.model import olmo3
 from olmax.model.attention import (_head_major, blocked_attention, reference_attention, resolve_impl,
                                    splash_attention)
+from olmax.model.loss import head_loss, loss_denominator, loss_sums
 from olmax.model.olmo3 import REMAT_NAMES, layer_groups
 from olmax.model.params import init_params
 from olmax.recipes import get_recipe
-from olmax.train.step import head_loss, loss_sums, make_train_step
+from olmax.train.step import make_train_step
 
 RTOL = 1e-6
 
@@ -190,14 +192,52 @@ def test_head_loss_gradient_equals_autodiff_of_the_loss(chunk, z_loss):
     cfg = replace(cfg, optim=replace(cfg.optim, z_loss=z_loss))
     params = init_params(cfg.model, jax.random.key(5))
     ids, mask = _batch(cfg, b=2)
+    batch = {"input_ids": ids, "label_mask": mask}
     zm = z_loss or 0.0
-    plain = jax.value_and_grad(lambda p: (lambda ce, z: (ce + zm * z) / 300.0)(*loss_sums(p, ids, mask, cfg)))
-    fused = jax.value_and_grad(lambda p: head_loss(p, ids, mask, cfg)[0] / 300.0)
+    plain = jax.value_and_grad(lambda p: (lambda ce, z: (ce + zm * z) / 300.0)(*loss_sums(p, batch, cfg)))
+    fused = jax.value_and_grad(lambda p: head_loss(p, batch, cfg)[0] / 300.0)
     (l_p, g_p), (l_f, g_f) = plain(params), fused(params)
     assert abs(float(l_p) - float(l_f)) <= RTOL * abs(float(l_p))
-    assert [float(x) for x in head_loss(params, ids, mask, cfg)[1]] == [float(x) for x in loss_sums(params, ids, mask, cfg)]
+    assert [float(x) for x in head_loss(params, batch, cfg)[1]] == [float(x) for x in loss_sums(params, batch, cfg)]
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_f), jax.tree.leaves(g_p)):
         assert float(jnp.abs(a - b).max()) <= 1e-5 * float(jnp.abs(b).max() + 1e-30), jax.tree_util.keystr(path)
+
+
+def test_eval_step_follows_the_training_rule():
+    """One rule for training and held-out eval: the label mask is honoured, and a row whose labels
+    are all masked adds its length L to the denominator (OLMo-core's "tokens with a zero loss")."""
+    cfg = _cfg()
+    params = init_params(cfg.model, jax.random.key(6))
+    ids, mask = _batch(cfg, b=4, seed=6)
+    mask = mask.at[3].set(False)
+    batch = {"input_ids": ids, "label_mask": mask}
+    L = cfg.data.sequence_length
+    assert float(loss_denominator(mask)) == 4 * (L - 1) - 50 - (L - 1) + L
+    ce, n = jax.jit(make_eval_step(cfg))(params, batch)
+    assert float(n) == float(loss_denominator(mask))
+    assert abs(float(ce) - float(loss_sums(params, batch, cfg)[0])) <= RTOL * float(ce)
+    ce_train, _, _ = _grads(cfg, params, ids, mask)
+    assert abs(float(ce) / float(n) - ce_train) <= RTOL * ce_train
+    ce_all, _ = jax.jit(make_eval_step(cfg))(params, {"input_ids": ids, "label_mask": jnp.ones_like(mask)})
+    assert float(ce_all) > float(ce)
+
+
+def test_document_masking_reaches_the_forward_in_train_and_eval():
+    """``data.document_masking``: the train and eval steps compute positions and segment ids from
+    EOS and pass them to the forward; the loss rule is unchanged."""
+    cfg = _cfg()
+    docs = replace(cfg, data=replace(cfg.data, document_masking=True, eos_token_id=1))
+    params = init_params(cfg.model, jax.random.key(7))
+    ids, mask = _batch(cfg, b=2, seed=7)
+    ids = ids.at[0, 30].set(1).at[1, 70].set(1).at[1, 100].set(1)
+    positions, segment_ids = olmo3.document_segments(ids, 1)
+    packed = {"input_ids": ids, "label_mask": mask, "positions": positions, "segment_ids": segment_ids}
+    ce_docs, n = jax.jit(make_eval_step(docs))(params, {"input_ids": ids, "label_mask": mask})
+    assert abs(float(ce_docs) - float(jax.jit(lambda p: loss_sums(p, packed, cfg)[0])(params))) <= RTOL * float(ce_docs)
+    ce_plain, _ = jax.jit(make_eval_step(cfg))(params, {"input_ids": ids, "label_mask": mask})
+    assert float(ce_plain) != float(ce_docs)
+    ce_train, _, _ = _grads(docs, params, ids, mask, accum=2)
+    assert abs(float(ce_docs) / float(n) - ce_train) <= RTOL * ce_train
 
 
 def test_micro_batched_step_equals_single_batch():

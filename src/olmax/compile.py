@@ -165,9 +165,9 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
     return the per-device memory report. Allocates nothing."""
     # Imported here, not at the top: the CLI imports this module for its parser, and the step
     # brings Optax (``olmax inspect --topology`` and ``--help`` stay light).
-    from olmax.eval.heldout import check_batch_divides
+    from olmax.eval.heldout import check_batch_divides, make_eval_step
     from olmax.checkpoint.state import abstract_train_state, shardings
-    from olmax.train.step import jit_train_step, make_eval_step
+    from olmax.train.step import jit_train_step
 
     if topology.slices > 1 and cfg.mesh.slice == 1:
         cfg = replace(cfg, mesh=replace(cfg.mesh, slice=topology.slices))
@@ -206,11 +206,11 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
     if eval_step:
         bs = cfg.eval.batch_size
         check_batch_divides(bs, mesh)  # the run would stop on this before training
-        ev_batch = jax.ShapeDtypeStruct((bs, L), jnp.int32, sharding=bshard)
-        ev_mask = jax.ShapeDtypeStruct((bs, L), jnp.bool_, sharding=bshard)
+        ev_batch = {"input_ids": jax.ShapeDtypeStruct((bs, L), jnp.int32, sharding=bshard),
+                    "label_mask": jax.ShapeDtypeStruct((bs, L), jnp.bool_, sharding=bshard)}
         t1 = time.perf_counter()
-        em = _compiled_memory(jax.jit(make_eval_step(cfg, mesh), in_shardings=(pshard, bshard, bshard)).lower(
-            abstract["params"], ev_batch, ev_mask))
+        em = _compiled_memory(jax.jit(make_eval_step(cfg, mesh), in_shardings=(pshard, bshard)).lower(
+            abstract["params"], ev_batch))
         report["eval"] = {"batch_size": bs, "per_device_gib": em["need"], "temp_gib": em.get("temp"),
                           "fits": "oom" not in em and em["need"] <= topology.family.hbm_gib,
                           "compile_seconds": time.perf_counter() - t1}

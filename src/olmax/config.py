@@ -124,6 +124,10 @@ class DataConfig:
     repetition_min_period: int = 1
     repetition_max_period: int = 13
     repetition_max_count: int = 32
+    # Document masking (OLMo-core's ``generate_doc_lengths``): documents end at EOS, attention stays
+    # within a document and RoPE positions restart in each; the loss is unchanged. AI2's pre-training
+    # scripts don't set it.
+    document_masking: bool = False
     # Where the cached global order is written (default: beside the run directory).
     cache_dir: str | None = None
     # Optional local cache of remote (s3://, gs://, http(s)://) token files, in 16 MiB blocks

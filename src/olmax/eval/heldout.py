@@ -7,9 +7,10 @@ held-out curves of two runs are directly comparable. Held-out files come from ``
 --heldout`` and are never part of the training index.
 
 The vocabulary rule, for every held-out number olmax reports: the loss is the training loss's CE
-(``olmax.train.step.make_eval_step``: fp32, over the padded vocabulary as OLMo-core computes it,
-z-loss excluded), summed over all labels of all windows (positions 1..L-1) and divided by their
-count. A trained model puts almost no probability on the padded rows; in a model converted from HF
+(``olmax.model.loss``: fp32, over the padded vocabulary as OLMo-core computes it, the label mask
+and denominator rule of training, z-loss excluded), summed over all batches and divided by the
+summed denominators; held-out files carry no label mask, so every label of every window (positions
+1..L-1) counts. A trained model puts almost no probability on the padded rows; in a model converted from HF
 they are the mean of the real rows (``olmax.compat.hf``), which adds at most
 log(padded / real vocabulary) nats (7e-4 for OLMo 3).
 
@@ -31,8 +32,8 @@ import numpy as np
 from olmax.config import Config, ConfigError, MeshConfig
 from olmax.data.dataset import file_sizes, open_tokens, resolve_paths
 from olmax.eval.runs import mean_se
-from olmax.sharding import batch_sharding, data_parallel_size, make_mesh
-from olmax.train.step import make_eval_step
+from olmax.model.loss import loss_denominator, loss_sums, with_documents
+from olmax.sharding import activation_mesh, batch_sharding, data_parallel_size, make_mesh
 
 PER_BATCH_FMT = "{metric} [batch {i}]"   # per-batch metric names (parsed back by olmax.eval.compare)
 
@@ -91,6 +92,16 @@ def safe_exp(x: float) -> float:
     return math.exp(x) if x < 700 else float("inf")
 
 
+def make_eval_step(cfg: Config, mesh: jax.sharding.Mesh | None = None) -> Any:
+    """``eval(params, batch) -> (CE sum, loss denominator)`` of a batch dict (``olmax.model.loss``)."""
+    def ev(params, batch):
+        with activation_mesh(mesh):
+            batch = with_documents(batch, cfg)
+            ce, _ = loss_sums(params, batch, cfg)
+        return ce, loss_denominator(batch["label_mask"])
+    return ev
+
+
 @lru_cache(maxsize=8)
 def _eval_step(cfg: Config, mesh: jax.sharding.Mesh) -> Any:
     # One compiled step per (config, mesh), shared by evaluators (both are hashable).
@@ -132,9 +143,10 @@ class HeldoutEvaluator:
         self._mask = put_batch(np.ones((self.batch_size, self.seq_len), bool), sharding)
 
     def batch_sums(self, params: Any) -> dict[str, list[tuple[float, float]]]:
-        """Per set, per batch: (sum of CE, labels scored)."""
+        """Per set, per batch: (sum of CE, loss denominator: the labels scored)."""
         # Dispatch every batch, then fetch all results in one transfer.
-        got = jax.device_get({k: [self._eval(params, b, self._mask) for b in v] for k, v in self._device.items()})
+        got = jax.device_get({k: [self._eval(params, {"input_ids": b, "label_mask": self._mask}) for b in v]
+                              for k, v in self._device.items()})
         return {k: [(float(ce), float(n)) for ce, n in v] for k, v in got.items()}
 
     def evaluate_detailed(self, params: Any) -> dict[str, Any]:

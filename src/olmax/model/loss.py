@@ -1,0 +1,143 @@
+"""The LM loss, one rule for every caller: the train step (each micro-batch), held-out evaluation
+(``olmax.eval.heldout``, in the loop and offline) and the parity checks that run them.
+
+A batch is a dict: ``input_ids`` int [b, t], ``label_mask`` bool [b, t] and, with document
+masking, ``positions`` and ``segment_ids`` [b, t], which go to the forward pass.
+
+Rule (OLMo-core ``train_module.train_batch`` + ``cross_entropy_loss``): labels are the inputs
+shifted left, the last position has none, EOS is an ordinary target; position i's label counts
+where ``label_mask[:, i + 1]`` is True. CE in fp32 over the padded vocabulary, summed over the
+counted labels, plus z-loss ``mult * logsumexp^2`` summed over the same labels; both divided by
+``loss_denominator``: the counted labels, plus the full length L of every row whose label mask is
+all False. That is OLMo-core's rule for instances the repetition filter drops ("they count as
+tokens with a zero loss"), and it holds for evaluation too. OLMo-core divides per data-parallel
+rank and averages ranks; we divide once by the global count so the loss does not depend on the
+topology. The two agree whenever ranks see equal label counts (always, without the filter).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from olmax.config import Config, ModelConfig
+from olmax.model.olmo3 import hidden_states, lm_head
+from olmax.sharding import constrain
+
+Batch = dict[str, jax.Array]
+DOCUMENT_KEYS = ("positions", "segment_ids")
+
+
+def with_documents(batch: Batch, cfg: Config) -> Batch:
+    """``batch`` plus ``positions`` and ``segment_ids`` when ``data.document_masking`` is on
+    (documents end at EOS; OLMo-core's ``generate_doc_lengths``), computed on the device."""
+    if not cfg.data.document_masking or "segment_ids" in batch:
+        return batch
+    from olmax.model.olmo3 import document_segments
+    positions, segment_ids = document_segments(batch["input_ids"], cfg.data.eos_token_id)
+    return {**batch, "positions": positions, "segment_ids": segment_ids}
+
+
+def _hidden(params: Any, batch: Batch, cfg: Config) -> jax.Array:
+    docs = {k: batch[k] for k in DOCUMENT_KEYS if k in batch}  # only when given: today's program otherwise
+    return hidden_states(params, batch["input_ids"], cfg.model, **docs)
+
+
+def loss_denominator(label_mask: jax.Array) -> jax.Array:
+    """Counted labels (the shifted mask) plus L for each row whose labels are all masked."""
+    L = label_mask.shape[1]
+    valid = jnp.sum(label_mask[:, 1:].astype(jnp.float32))
+    masked_instances = jnp.sum((~jnp.any(label_mask, axis=1)).astype(jnp.float32))
+    return valid + masked_instances * L
+
+
+def _chunked(x: jax.Array, targets: jax.Array, valid: jax.Array, chunk: int | None
+             ) -> tuple[Callable[[jax.Array], jax.Array], tuple[jax.Array, jax.Array, jax.Array]]:
+    """Positions in chunks: ``(unchunk, (x, targets, valid) as [n, b, c, ...])``; padded
+    positions carry no label, ``unchunk`` maps [n, b, c, ...] back to [b, t, ...]."""
+    b, t = targets.shape
+    chunk = t if chunk is None or chunk >= t else chunk
+    n = -(-t // chunk)
+    pad = ((0, 0), (0, n * chunk - t))
+    x, targets, valid = jnp.pad(x, pad + ((0, 0),)), jnp.pad(targets, pad), jnp.pad(valid, pad)
+
+    def split(a: jax.Array) -> jax.Array:  # [b, n*c, ...] -> [n, b, c, ...]
+        return a.reshape(b, n, chunk, *a.shape[2:]).swapaxes(0, 1)
+
+    def unchunk(a: jax.Array) -> jax.Array:
+        return a.swapaxes(0, 1).reshape(b, n * chunk, *a.shape[3:])[:, :t]
+
+    return unchunk, (split(x), split(targets), split(valid))
+
+
+def _head_sums(head: jax.Array, x: jax.Array, input_ids: jax.Array, label_mask: jax.Array, cfg: ModelConfig,
+               z_mult: float = 0.0, grad: bool = False) -> tuple[tuple[jax.Array, jax.Array], Any]:
+    """``((CE sum, lse^2 sum), grads)`` over the counted labels of hidden states ``x`` [b, t, d].
+    With ``model.logits_chunk`` the fp32 logits exist for one chunk of positions at a time (the
+    7B's [b, 8192, 100352] fp32 logits would be 3.3 GB per sequence). With ``grad``, ``grads =
+    (d head, d x)`` of ``CE + z_mult * lse^2``, computed chunk by chunk from d/dlogits = ``p (1 +
+    2 z_mult lse) - onehot(target)`` on counted positions (p the softmax): the backward pass then
+    needs neither the logits nor a second LM-head matmul to recompute them."""
+    cdt = jnp.dtype(cfg.compute_dtype)
+    b = input_ids.shape[0]
+    targets = jnp.concatenate([input_ids[:, 1:], jnp.zeros((b, 1), input_ids.dtype)], axis=1)
+    valid = jnp.concatenate([label_mask[:, 1:], jnp.zeros((b, 1), label_mask.dtype)], axis=1).astype(jnp.float32)
+    unchunk, xs = _chunked(x, targets, valid, cfg.logits_chunk)
+    vocab = jnp.arange(head.shape[1])
+
+    def body(carry, xs):
+        ce, z, dhead = carry
+        xc, tc, vc = xs
+        logits = lm_head({"lm_head": head}, xc, cfg)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        target_logit = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
+        ce, z = ce + jnp.sum((lse - target_logit) * vc), z + jnp.sum((lse * lse) * vc)
+        if not grad:
+            return (ce, z, dhead), None
+        p = jnp.exp(logits - lse[..., None])
+        dlogits = (p * (1 + 2 * z_mult * lse)[..., None] - (vocab == tc[..., None])) * vc[..., None]
+        dlogits = constrain(dlogits, ("batch", "length", "act_vocab")).astype(cdt)
+        dhead = dhead + jnp.einsum("btd,btv->dv", xc, dlogits).astype(jnp.float32)
+        return (ce, z, dhead), jnp.einsum("btv,dv->btd", dlogits, head.astype(cdt))
+
+    zero = jnp.float32(0)
+    (ce, z, dhead), dx = jax.lax.scan(body, (zero, zero, jnp.zeros(head.shape, jnp.float32) if grad else zero), xs)
+    return (ce, z), ((dhead, unchunk(dx)) if grad else None)
+
+
+def loss_sums(params: Any, batch: Batch, cfg: Config) -> tuple[jax.Array, jax.Array]:
+    """(sum of CE, sum of logsumexp^2) over the counted labels of a (micro-)batch, fp32
+    (evaluation; training differentiates ``head_loss``, which returns the same sums)."""
+    x = _hidden(params, batch, cfg)
+    return _head_sums(params["lm_head"], x, batch["input_ids"], batch["label_mask"], cfg.model)[0]
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _head_loss(head: jax.Array, x: jax.Array, input_ids: jax.Array, label_mask: jax.Array, cfg: ModelConfig,
+               z_mult: float) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return _head_loss_fwd(head, x, input_ids, label_mask, cfg, z_mult)[0]
+
+
+def _head_loss_fwd(head, x, input_ids, label_mask, cfg, z_mult):
+    (ce, z), grads = _head_sums(head, x, input_ids, label_mask, cfg, z_mult, grad=True)
+    return (ce + z_mult * z, (ce, z)), grads
+
+
+def _head_loss_bwd(cfg, z_mult, grads, ct):
+    ct_total = ct[0]  # the (ce, z) outputs are reported, not differentiated (stop_gradient in head_loss)
+    return tuple((ct_total * g).astype(g.dtype) for g in grads) + (None, None)
+
+
+_head_loss.defvjp(_head_loss_fwd, _head_loss_bwd)
+
+
+def head_loss(params: Any, batch: Batch, cfg: Config) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """``(CE sum + z_mult * z sum, (CE sum, z sum))`` as ``loss_sums``, for training: the first is
+    differentiable, its LM-head gradient computed with the forward pass (no recomputed logits)."""
+    x = _hidden(params, batch, cfg)
+    total, sums = _head_loss(params["lm_head"], x, batch["input_ids"], batch["label_mask"], cfg.model,
+                             float(cfg.optim.z_loss or 0.0))
+    return total, jax.lax.stop_gradient(sums)
