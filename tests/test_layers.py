@@ -1,6 +1,8 @@
 """Layers only look down: every ``olmax`` import in ``src/olmax`` (at module level and inside
 functions, read with ``ast``) goes to the importer's own layer or below, and no chain of imports
-returns to where it started. The README's layout section describes the same layers."""
+returns to where it started, between modules or between packages (``olmax.train`` imports
+``olmax.eval``, so nothing in eval may import train). The README's layout section describes the
+same layers."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("olmax", "olmax.config", "olmax.io", "olmax.recipes")),
     ("model/data", ("olmax.model", "olmax.sharding", "olmax.optim", "olmax.data", "olmax.metrics")),
-    ("train/eval/compat", ("olmax.train", "olmax.eval", "olmax.compat")),
+    ("compat/checkpoint", ("olmax.compat", "olmax.checkpoint")),
+    ("train/eval", ("olmax.train", "olmax.eval")),
     ("verify/tools", ("olmax.verify", "olmax.compile", "olmax.launch", "olmax.demo")),
     ("CLI", ("olmax.cli", "olmax.commands")),
 ]
@@ -86,16 +89,22 @@ def test_imports_only_look_down():
     assert not upward, "upward imports:\n" + "\n".join(upward)
 
 
-def test_no_import_cycles():
-    graph = imports(modules())
-    cycles, state = [], {}  # state: 1 on the current path, 2 done
+def package(module: str) -> str | None:
+    """``olmax.train.loop`` -> ``olmax.train`` (a top-level module is its own package); None for
+    the CLI, which imports every package and which none imports."""
+    return None if layer(module) == CLI else ".".join(module.split(".")[:2])
+
+
+def cycles(graph: dict[str, dict[str, str]]) -> list[str]:
+    """Every cycle a depth-first walk meets, as ``a (where a imports b) -> b (...) -> a``."""
+    found, state = [], {}  # state: 1 on the current path, 2 done
 
     def visit(m: str, path: list[str]) -> None:
         state[m] = 1
         for t in sorted(graph[m]):
             if state.get(t) == 1:
                 cyc = path[path.index(t):] + [m, t]
-                cycles.append(" -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(cyc, cyc[1:])) + f" -> {t}")
+                found.append(" -> ".join(f"{a} ({graph[a][b]})" for a, b in zip(cyc, cyc[1:])) + f" -> {t}")
             elif t not in state:
                 visit(t, path + [m])
         state[m] = 2
@@ -103,7 +112,29 @@ def test_no_import_cycles():
     for m in sorted(graph):
         if m not in state:
             visit(m, [])
-    assert not cycles, "import cycles (each names the importing module and the line):\n" + "\n".join(cycles)
+    return found
+
+
+def test_no_import_cycles():
+    graph = {m: {t: f"line {line}" for t, line in edges.items()} for m, edges in imports(modules()).items()}
+    found = cycles(graph)
+    assert not found, "import cycles (each names the importing module and the line):\n" + "\n".join(found)
+
+
+def test_no_package_cycles():
+    """What two packages both need lives below both (the loss in ``olmax.model.loss``, checkpoints
+    and parameter loading in ``olmax.checkpoint``), so no package imports one that imports it back."""
+    graph: dict[str, dict[str, str]] = {}
+    for m, edges in imports(modules()).items():
+        if (a := package(m)) is None:
+            continue
+        out = graph.setdefault(a, {})
+        for t, line in sorted(edges.items()):
+            if (b := package(t)) not in (None, a):
+                out.setdefault(b, f"{m} line {line} imports {t}")
+                graph.setdefault(b, {})
+    found = cycles(graph)
+    assert not found, "package import cycles (each names one import that makes the edge):\n" + "\n".join(found)
 
 
 def test_cli_starts_without_heavy_libraries():

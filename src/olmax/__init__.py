@@ -1,8 +1,9 @@
 """olmax: faithful, verified reproductions of published LLM pre-training runs in JAX.
 
 Layers, lowest first; a module imports from its own layer or below (tests/test_layers.py):
-config, io, recipes | model, sharding, optim, data, metrics | train, eval, compat |
-verify, compile, launch, demo | cli, commands and every ``*.commands`` module."""
+config, io, recipes | model, sharding, optim, data, metrics | compat, checkpoint | train, eval |
+verify, compile, launch, demo | cli, commands and every ``*.commands`` module. No package imports
+a package that imports it back (train imports eval, so eval never imports train)."""
 
 import glob as _glob
 import importlib.util as _ilu
