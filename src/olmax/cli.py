@@ -18,6 +18,7 @@ from olmax.compat import commands as convert_commands
 from olmax.config import ConfigError
 from olmax.data import commands as data_commands
 from olmax.eval import commands as eval_commands
+from olmax.infer import commands as infer_commands
 from olmax.launch import commands as launch_commands
 from olmax.train import commands as train_commands
 from olmax.verify import commands as verify_commands, parity
@@ -28,7 +29,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ValueError, OSError
 
 # Modules that add subcommands, in help order.
 COMMAND_MODULES = [commands, compile, train_commands, data_commands, convert_commands, parity, verify_commands,
-                   eval_commands, launch_commands]
+                   eval_commands, infer_commands, launch_commands]
 
 
 def build_parser() -> argparse.ArgumentParser:

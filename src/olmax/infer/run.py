@@ -1,0 +1,312 @@
+"""``olmax generate``: prompts in, completions out, through the KV-cache decoder.
+
+A checkpoint is anything ``load_params`` reads (weights dir, run or checkpoint dir, ``hf:DIR``).
+Decoding is greedy unless a temperature above 0 is given; it stops at EOS (``data.eos_token_id``,
+plus ``<|im_end|>`` for chat prompts when the tokenizer has that token), at a stop string, or
+after ``max_new_tokens``. A completion's text is cut before the first stop string; its
+``token_ids`` are every generated token (EOS included when it stopped there), ``logprobs``
+each token's log-probability under the model before temperature, top-p and top-k.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, TextIO
+
+from olmax.config import ConfigError
+from olmax.infer.text import IM_END, TextCodec, check_messages, find_tokenizer
+
+DTYPES = ("float32", "bfloat16")
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+def first_stop(text: str, stops: list[str]) -> int | None:
+    """Where the earliest stop string starts in ``text``, or None."""
+    hits = [i for s in stops if s and (i := text.find(s)) >= 0]
+    return min(hits) if hits else None
+
+
+def unsafe_tail(text: str, stops: list[str]) -> int:
+    """Characters at the end of ``text`` that may be the start of a stop string (held back
+    when streaming, so a stop string is never half printed)."""
+    n = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), n, -1):
+            if text.endswith(s[:k]):
+                n = k
+                break
+    return n
+
+
+def validate_sampling(temperature: float | None, top_p: float | None, top_k: int | None) -> None:
+    if temperature is not None and not temperature >= 0:
+        raise ValueError(f"--temperature must be >= 0 (0 or none: greedy), got {temperature}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {top_p}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"--top-k must be >= 1, got {top_k}")
+    if (top_p is not None or top_k is not None) and not temperature:
+        raise ValueError("--top-p and --top-k apply to sampling: give a --temperature above 0 as well "
+                         "(without one, decoding is greedy)")
+
+
+class Streamer:
+    """Writes one completion's text to ``out`` as its tokens arrive: whole characters only, never
+    a possible start of a stop string, nothing after one."""
+
+    def __init__(self, codec: TextCodec, stops: list[str], out: TextIO) -> None:
+        self.codec, self.stops, self.out = codec, stops, out
+        self.ids: list[int] = []
+        self.shown = ""
+
+    def _show(self, text: str) -> None:
+        if len(text) > len(self.shown) and text.startswith(self.shown):
+            self.out.write(text[len(self.shown):])
+            self.out.flush()
+            self.shown = text
+
+    def on_token(self, index: int, token: int) -> None:
+        self.ids.append(int(token))
+        text = self.codec.decode(self.ids)
+        if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
+            return
+        cut = first_stop(text, self.stops)
+        self._show(text[:cut] if cut is not None else text[:len(text) - unsafe_tail(text, self.stops)])
+
+    def finish(self, text: str) -> None:
+        self._show(text)
+
+
+class Model:
+    """A checkpoint loaded for decoding, with its tokenizer (when one is known), its EOS ids and
+    the compiled decoder of each sampling setting used so far (a chat compiles once)."""
+
+    def __init__(self, checkpoint: str, tokenizer: str | None = None, dtype: str | None = None,
+                 need_tokenizer: str | None = None) -> None:
+        from olmax.checkpoint.load import load_params
+        checkpoint = str(checkpoint)
+        local = checkpoint[3:] if checkpoint.startswith("hf:") else checkpoint
+        if "://" not in local and not Path(local).exists():
+            raise ConfigError(f"checkpoint {local} does not exist")
+        if dtype is not None and dtype not in DTYPES:
+            raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+        if tokenizer is not None:
+            from olmax.infer.text import tokenizer_file
+            tokenizer_file(tokenizer)  # a wrong --tokenizer fails before the weights load
+        params, cfg = load_params(checkpoint, dtype=dtype)
+        # Decoding: no gradients (no rematerialisation). Parameters and compute in --dtype, by
+        # default in the dtype the parameters are stored in (an hf: checkpoint's config says
+        # nothing about compute; a training run's bf16 compute would not match its fp32 weights).
+        import jax
+        dtype = dtype or str(jax.tree.leaves(params)[0].dtype)
+        m = replace(cfg.model, remat="none", param_dtype=dtype, compute_dtype=dtype)
+        self.cfg = replace(cfg, model=m)
+        self.checkpoint = checkpoint
+        self.params = params
+        tok_path = tokenizer or find_tokenizer(checkpoint, cfg)
+        if tok_path is None and need_tokenizer:
+            raise ConfigError(f"checkpoint {checkpoint} ships no tokenizer and {need_tokenizer} need one: pass "
+                              "--tokenizer (a tokenizer.json file or a folder holding one)")
+        self.codec = TextCodec.load(tok_path, cfg) if tok_path is not None else None
+        self._decoders: dict[Any, Any] = {}
+
+    def eos_ids(self, chat: bool) -> tuple[int, ...]:
+        ids = [self.cfg.data.eos_token_id]
+        if chat and self.codec is not None and (im_end := self.codec.token_id(IM_END)) is not None:
+            ids.append(im_end)
+        return tuple(dict.fromkeys(ids))
+
+    def chat_stops(self) -> list[str]:
+        """``<|im_end|>`` as a stop string when the tokenizer has no such token (a model trained
+        without ChatML tokens that learned to write it as text)."""
+        return [IM_END] if self.codec is None or self.codec.token_id(IM_END) is None else []
+
+    def check_prompts(self, prompts: list[list[int]], max_new_tokens: int, what: Callable[[int], str]) -> None:
+        m = self.cfg.model
+        limit = m.max_position_embeddings
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"{what(i)} is empty")
+            if len(p) + max_new_tokens > limit:
+                raise ValueError(f"{what(i)} has {len(p)} tokens; with --max-new-tokens {max_new_tokens} that is "
+                                 f"past the model's {limit} positions (max_position_embeddings)")
+            bad = [t for t in p if not 0 <= t < m.vocab_size]
+            if bad:
+                raise ValueError(f"{what(i)}: token id {bad[0]} is outside the vocabulary (0..{m.vocab_size - 1})")
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float | None = None,
+                 top_p: float | None = None, top_k: int | None = None, seed: int = 0, batch_size: int = 8,
+                 stops: list[str] = (), chat: bool = False, stream: TextIO | None = None) -> list[dict[str, Any]]:
+        """One dict per prompt, in prompt order: ``token_ids``, ``text`` (with a tokenizer),
+        ``logprobs``, ``finish_reason`` ("stop": EOS or a stop string; "length")."""
+        from olmax.model.generate import Generator, Sampling, generate
+        stops = [s for s in stops if s] + (self.chat_stops() if chat else [])
+        if stops and self.codec is None:
+            raise ConfigError("stop strings need a tokenizer: pass --tokenizer")
+        codec = self.codec
+        stop_fn = None
+        if stops:
+            # A stop string ends within the last len(s) characters, each at most 4 UTF-8 bytes,
+            # and every token is at least one byte: the tail of tokens to decode is bounded.
+            tail = 4 * max(len(s) for s in stops) + 4
+
+            def stop_fn(i: int, ids: list[int]) -> bool:
+                return first_stop(codec.decode(ids[-tail:]), stops) is not None
+
+        streamer = Streamer(codec, stops, stream) if stream is not None and codec is not None else None
+        sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        if sampling not in self._decoders:
+            self._decoders[sampling] = Generator(self.params, self.cfg.model, sampling)
+        out = generate(self.params, self.cfg.model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                       eos_ids=self.eos_ids(chat), batch_size=batch_size, stop=stop_fn,
+                       on_token=streamer.on_token if streamer else None, generator=self._decoders[sampling])
+        results = []
+        for c in out:
+            r: dict[str, Any] = {"token_ids": [int(t) for t in c.token_ids]}
+            if codec is not None:
+                text = codec.decode(r["token_ids"])
+                cut = first_stop(text, stops)
+                r["text"] = text if cut is None else text[:cut]
+            r["logprobs"] = [float(x) for x in c.logprobs]
+            r["finish_reason"] = c.finish_reason
+            results.append(r)
+        if streamer is not None:
+            streamer.finish(results[0]["text"])
+        return results
+
+
+# --------------------------------------------------------------------------- prompt files
+
+
+def _lines(path: str) -> list[tuple[int, str]]:
+    """(1-based line number, text) of the non-blank lines of a file, or of stdin for ``-``."""
+    if path == "-":
+        text = sys.stdin.read()
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"prompt file {p} does not exist")
+        text = p.read_text(encoding="utf-8")
+    return [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+
+
+def _json_line(path: str, n: int, line: str) -> Any:
+    try:
+        return json.loads(line)
+    except ValueError as e:
+        raise ValueError(f"{path} line {n}: not valid JSON ({e.msg})") from None
+
+
+def read_prompt_ids(path: str) -> list[list[int]]:
+    """``--prompt-ids``: one JSON list of token ids per line."""
+    out = []
+    for n, line in _lines(path):
+        v = _json_line(path, n, line)
+        if not (isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v)):
+            raise ValueError(f"{path} line {n}: expected a non-empty JSON list of token ids (integers), "
+                             f"got {line.strip()[:60]}")
+        out.append(v)
+    if not out:
+        raise ValueError(f"{path} holds no prompts")
+    return out
+
+
+def read_prompts(path: str) -> list[str | list[dict]]:
+    """``--prompts``: one JSON value per line: a string, ``{"prompt": TEXT}`` or
+    ``{"messages": [{"role", "content"}, ...]}`` (a conversation, rendered with the chat template)."""
+    out: list[str | list[dict]] = []
+    for n, line in _lines(path):
+        v = _json_line(path, n, line)
+        if isinstance(v, dict) and "messages" in v:
+            out.append(check_messages(v["messages"], f"{path} line {n}"))
+        elif isinstance(v, dict) and isinstance(v.get("prompt"), str):
+            out.append(v["prompt"])
+        elif isinstance(v, str):
+            out.append(v)
+        else:
+            raise ValueError(f"{path} line {n}: expected a JSON string, {{\"prompt\": TEXT}} or "
+                             f"{{\"messages\": [...]}}, got {line.strip()[:60]}")
+    if not out:
+        raise ValueError(f"{path} holds no prompts")
+    return out
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _positive(flag: str, v: int) -> None:
+    if v < 1:
+        raise ValueError(f"{flag} must be >= 1, got {v}")
+
+
+def cmd_generate(args: Any, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
+    stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
+    if args.max_new_tokens is not None:
+        _positive("--max-new-tokens", args.max_new_tokens)
+    _positive("--batch-size", args.batch_size)
+    validate_sampling(args.temperature, args.top_p, args.top_k)
+    if args.prompt_ids is not None and (args.chat or args.system is not None):
+        raise ValueError("--chat and --system need text prompts (--prompt or --prompts), not --prompt-ids")
+    if args.system is not None and not args.chat:
+        raise ValueError("--system applies to chat prompts: add --chat")
+    # Parse the prompt files before loading the weights, so a bad line fails fast.
+    if args.prompt_ids is not None:
+        sources: list[Any] = read_prompt_ids(args.prompt_ids)
+    elif args.prompts is not None:
+        sources = read_prompts(args.prompts)
+    else:
+        sources = list(args.prompt)
+    need = ("stop strings" if args.stop else None) if args.prompt_ids is not None else \
+        "text prompts (--prompt-ids need none)"
+    gen = Model(args.checkpoint, args.tokenizer, args.dtype, need_tokenizer=need)
+    codec = gen.codec
+    chat = args.chat or (args.prompts is not None and any(isinstance(s, list) for s in sources))
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    if args.prompt_ids is not None:
+        prompts = sources
+        what = lambda i: f"{args.prompt_ids} prompt {i + 1}"  # noqa: E731
+    else:
+        prompts = []
+        for s in sources:
+            if isinstance(s, list):
+                ids = codec.encode_chat(s)
+            elif args.chat:
+                ids = codec.encode_chat(system + [{"role": "user", "content": s}])
+            else:
+                ids = codec.encode(s)
+            # An empty prompt starts a new document: the token between documents (BOS, else EOS).
+            prompts.append(ids or [gen.cfg.data.bos_token_id if gen.cfg.data.bos_token_id is not None
+                                   else gen.cfg.data.eos_token_id])
+        what = lambda i: f"prompt {i + 1}"  # noqa: E731
+    max_new = args.max_new_tokens
+    if max_new is None:  # the default, or what fits in the model's positions after the longest prompt
+        max_new = max(1, min(DEFAULT_MAX_NEW_TOKENS, gen.cfg.model.max_position_embeddings - max(map(len, prompts))))
+    gen.check_prompts(prompts, max_new, what)
+    if chat:
+        print(f"chat template: {codec.template_source}", file=stderr)
+    stream = len(prompts) == 1 and not args.json and codec is not None
+    t0 = time.perf_counter()
+    results = gen.generate(prompts, max_new_tokens=max_new, temperature=args.temperature,
+                           top_p=args.top_p, top_k=args.top_k, seed=args.seed, batch_size=args.batch_size,
+                           stops=list(args.stop or []), chat=chat, stream=stdout if stream else None)
+    dt = time.perf_counter() - t0
+    if args.json:
+        for r in results:
+            print(json.dumps(r), file=stdout)
+    elif stream:
+        print(file=stdout)
+    else:
+        for i, r in enumerate(results):
+            body = r["text"] if "text" in r else " ".join(map(str, r["token_ids"]))
+            if len(results) > 1:
+                print(f"=== {i + 1} ({r['finish_reason']}) ===", file=stdout)
+            print(body, file=stdout)
+    n = sum(len(r["token_ids"]) for r in results)
+    stderr.write(f"generate: {len(results)} prompt(s), {n} new tokens in {dt:.2f} s ({n / max(dt, 1e-9):.1f} "
+                 f"tokens/s, compilation included); finish: "
+                 f"{', '.join(sorted({r['finish_reason'] for r in results}))}\n")
+    return 0
