@@ -39,6 +39,7 @@ from olmax.config import ConfigError  # noqa: E402
 from olmax.eval import suite  # noqa: E402
 from olmax.eval.lm_eval_adapter import OlmaxLM  # noqa: E402
 from olmax.compat.hf import random_hf_model  # noqa: E402
+from olmax.model.generate import Sampling  # noqa: E402
 
 TASKS = ["olmax_mc", "olmax_ppl", "olmax_gen"]
 MAX_LENGTH = 48
@@ -167,7 +168,34 @@ def test_jit_programs_are_bucketed(results: dict[str, dict], models: tuple[objec
     # Batch buckets {1, 2, 4} x length buckets {16, 32, 48}: at most 9 programs each, however many calls.
     ox = models[1]
     assert 0 < ox._score._cache_size() <= 9
-    assert 0 < ox._next_token._cache_size() <= 9
+    # Generation: one compiled KV-cache decoder per sampling setting (the local tasks are greedy).
+    assert list(ox._decoders) == [Sampling()]
+
+
+def test_sampled_generation(models: tuple[object, OlmaxLM]) -> None:
+    """gen_kwargs that ask for sampling sample: reproducibly, whatever the batch size, and greedy
+    again when do_sample is false."""
+    from types import SimpleNamespace
+    ox = models[1]
+    ctxs = ["Q: What color is grass?\nA:", "Q: What do bees make?\nA:", "Question: sky?", "hello"]
+    sampled = {"until": ["\n\n"], "max_gen_toks": 8, "do_sample": True, "temperature": 0.8, "top_k": 40, "seed": 3}
+    greedy = {"until": ["\n\n"], "max_gen_toks": 8, "do_sample": False, "temperature": 0.8}
+
+    def run(kw: dict) -> list[str]:
+        return ox.generate_until([SimpleNamespace(args=(c, dict(kw))) for c in ctxs], disable_tqdm=True)
+
+    a = run(sampled)
+    assert a == run(sampled)
+    ox._batch_size = 1
+    try:
+        assert a == run(sampled)
+    finally:
+        ox._batch_size = BATCH
+    g = run(greedy)
+    assert g == [ox.tok_decode(t).split("\n\n")[0] for t in ox._greedy([ox._encode_context(c) for c in ctxs], 8, [],
+                                                                      {ox.eot_token_id})] and g != a
+    with pytest.raises(ValueError, match="top_p"):
+        run({**sampled, "top_p": 1.5})
 
 
 def test_tokenizer_json_file_and_dir_agree(hf_dir: Path, models: tuple[object, OlmaxLM]) -> None:

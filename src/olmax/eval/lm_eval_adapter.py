@@ -6,7 +6,8 @@ Importing this module registers the model with lm-eval (lm-eval's own CLI with i
 ``tokenizer`` (a ``tokenizer.json`` file or an HF tokenizer directory; default: the ``hf:`` dir or
 the checkpoint dir when it holds a tokenizer), ``batch_size``, ``max_length`` (default: the model's
 ``max_position_embeddings``, as lm-eval's HF model resolves it), ``dtype`` (float32 | bfloat16, for
-parameters and compute), ``max_gen_toks``, ``add_bos_token`` and ``prefix_token_id``.
+parameters and compute), ``max_gen_toks``, ``add_bos_token``, ``prefix_token_id`` and ``seed`` (of
+sampled generations whose gen_kwargs give none; default 0).
 
 Scores are comparable with ``lm_eval --model hf`` on the same weights and tokenizer: tokenisation,
 left truncation, rolling windows, request ordering and stop-sequence handling mirror
@@ -15,10 +16,18 @@ none is added here either unless the tokenizer itself (or ``add_bos_token=True``
 
 Cost: every shape is bucketed (batch and length rounded up to powers of two, capped at
 ``batch_size`` and ``max_length``), so jit compiles at most log2(batch) * log2(max_length) programs
-per function. ``generate_until`` has no KV cache: each new token re-runs the forward pass over the
-whole (bucketed) prefix, so a generation of G tokens after a C-token context costs about G full
-forward passes of length C + G instead of one. That is fine for tests and short answers at small
-scale; long generations on large models want a cached decoder.
+per function. ``generate_until`` decodes through the KV cache (``olmax.model.generate``: one
+prefill, then one token per step), all requests with the same gen_kwargs in one call (its
+batches share one prompt bucket), one compiled decoder per sampling setting.
+
+Generation kwargs: ``until``, ``max_gen_toks`` (and lm-eval's aliases), ``do_sample``,
+``temperature``, ``top_p``, ``top_k`` and ``seed``. After lm-eval's ``normalize_gen_kwargs``,
+decoding samples when ``do_sample`` is true or, without it, when ``temperature`` > 0 (as its vLLM
+model); ``do_sample`` without a temperature samples at 1.0 (transformers' default), and top-k
+and top-p are off unless given (transformers' ``generate`` would apply top_k=50 by default).
+Each request draws from its own stream (the seed folded with its place in the sorted group), so
+sampled answers are reproducible run to run and do not depend on ``batch_size``. Other
+generation kwargs are ignored, as before.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from lm_eval.models.utils import (Collator, handle_stop_sequences, has_bos_prefi
 from tqdm import tqdm
 
 from olmax.config import Config, ConfigError
+from olmax.model.generate import Generator, Sampling, generate
 from olmax.model.olmo3 import forward
 from olmax.checkpoint.load import load_params
 
@@ -80,16 +90,17 @@ def load_tokenizer(path: str | Path, cfg: Config, add_bos_token: bool | None = N
 
 @register_model("olmax")
 class OlmaxLM(TemplateLM):
-    """lm-eval model over ``olmax.model.olmo3.forward``; greedy decoding only."""
+    """lm-eval model over ``olmax.model.olmo3.forward`` (scoring) and the KV-cache decoder
+    ``olmax.model.generate`` (generation: greedy or sampled)."""
 
     def __init__(self, checkpoint: str, tokenizer: str | None = None, batch_size: int | str = 8,
                  max_length: int | None = None, dtype: str = "float32", max_gen_toks: int = 256,
                  add_bos_token: bool | None = None, prefix_token_id: int | None = None,
-                 device: str | None = None, **kwargs: Any) -> None:
+                 seed: int = 0, device: str | None = None, **kwargs: Any) -> None:
         super().__init__()
         if kwargs:
             raise ValueError(f"olmax model: unknown model args {sorted(kwargs)}; known: checkpoint, tokenizer, "
-                             "batch_size, max_length, dtype, max_gen_toks, add_bos_token, prefix_token_id")
+                             "batch_size, max_length, dtype, max_gen_toks, add_bos_token, prefix_token_id, seed")
         if dtype not in DTYPES:
             raise ValueError(f"olmax model: dtype={dtype!r}; choose one of {', '.join(DTYPES)}")
         # lm-eval's "auto" batch sizing probes for OOM by trial; with bucketed jit that would compile
@@ -126,12 +137,10 @@ class OlmaxLM(TemplateLM):
             logp = jax.nn.log_softmax(logits, axis=-1)
             return jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0], jnp.argmax(logp, axis=-1) == y
 
-        def next_token(p: Any, x: jax.Array, last: jax.Array) -> jax.Array:
-            logits = forward(p, x, m)
-            return jnp.argmax(logits[jnp.arange(x.shape[0]), last, :V], axis=-1)
-
         self._score = jax.jit(score)
-        self._next_token = jax.jit(next_token)
+        self._seed = int(seed)
+        # One compiled decoder per sampling setting (a task's requests share one).
+        self._decoders: dict[Sampling, Generator] = {}
 
     # ------------------------------------------------------------------ lm-eval properties
 
@@ -264,25 +273,28 @@ class OlmaxLM(TemplateLM):
     # ------------------------------------------------------------------ generation
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        """Greedy generation until a stop sequence, EOS or ``max_gen_toks`` tokens."""
+        """Generation until a stop sequence, EOS or ``max_gen_toks`` tokens; greedy unless the
+        gen_kwargs ask for sampling (module docstring)."""
         coll = Collator([r.args for r in requests], sort_fn=lambda a: (-len(self.tok_encode(a[0])), a[0]),
                         group_by="gen_kwargs", group_fn=lambda a: a[1])
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
         stop_ids = {self.eot_token_id, self.cfg.data.eos_token_id}
         res: list[str] = []
         pbar = tqdm(total=len(requests), disable=disable_tqdm, desc="Running generate_until requests")
-        for chunk in coll.get_batched(n=self.batch_size):
+        # n=0: each group of requests with the same gen_kwargs is one chunk, decoded in one call
+        # (batches of batch_size inside it), so every request has its own sampling stream.
+        for chunk in coll.get_batched(n=0):
             contexts, all_kwargs = zip(*chunk)
             kwargs = normalize_gen_kwargs(all_kwargs[0], self.max_gen_toks)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             max_gen = kwargs.pop("max_gen_toks")
-            if kwargs.get("do_sample") or float(kwargs.get("temperature") or 0.0) > 0.0:
-                raise ValueError(f"olmax model: greedy decoding only, got generation kwargs {all_kwargs[0]}")
+            sampling = self._sampling(kwargs, all_kwargs[0])
             max_ctx = self.max_length - max_gen
             if max_ctx <= 0:
                 raise ValueError(f"max_gen_toks {max_gen} must be below max_length {self.max_length}")
             ctx_enc = [self._encode_context(c)[-max_ctx:] for c in contexts]
-            for ctx, gen_kwargs, toks in zip(contexts, all_kwargs, self._greedy(ctx_enc, max_gen, until, stop_ids)):
+            gens = self._generate(ctx_enc, max_gen, until, stop_ids, sampling)
+            for ctx, gen_kwargs, toks in zip(contexts, all_kwargs, gens):
                 s = postprocess_generated_text(self.tok_decode(toks), until, None)
                 res.append(s)
                 self.cache_hook.add_partial("generate_until", (ctx, gen_kwargs), s)
@@ -290,33 +302,42 @@ class OlmaxLM(TemplateLM):
         pbar.close()
         return coll.get_original(res)
 
+    def _sampling(self, kwargs: dict, raw: dict) -> Sampling:
+        """The decoding a request's (normalised) gen_kwargs ask for."""
+        seed = self._seed if kwargs.get("seed") is None else int(kwargs["seed"])
+        if not kwargs.get("do_sample"):
+            return Sampling(seed=seed)
+        temperature = float(raw["temperature"]) if raw.get("temperature") is not None else 1.0
+        top_k = kwargs.get("top_k")
+        top_p = kwargs.get("top_p")
+        s = Sampling(temperature=temperature or None, top_p=None if top_p is None else float(top_p),
+                     top_k=int(top_k) if top_k else None, seed=seed)
+        try:
+            s.check()
+        except ValueError as e:
+            raise ValueError(f"olmax model: generation kwargs {raw}: {e}") from None
+        return s
+
+    def _generate(self, contexts: list[list[int]], max_gen: int, until: list[str], stop_ids: set[int],
+                  sampling: Sampling = Sampling()) -> list[list[int]]:
+        """Continuations of the contexts through the KV cache, stopping at ``stop_ids`` or once
+        the decoded text contains a string of ``until``."""
+        if sampling not in self._decoders:
+            self._decoders[sampling] = Generator(self.params, self.cfg.model, sampling)
+        stops = [s for s in until if s]
+
+        def stop(i: int, ids: list[int]) -> bool:
+            text = self.tok_decode(ids)
+            return any(s in text for s in stops)
+
+        out = generate(self.params, self.cfg.model, contexts, max_new_tokens=max_gen, sampling=sampling,
+                       eos_ids=stop_ids, batch_size=self.batch_size, stop=stop if stops else None,
+                       generator=self._decoders[sampling])
+        return [c.token_ids for c in out]
+
     def _greedy(self, contexts: list[list[int]], max_gen: int, until: list[str], stop_ids: set[int]) -> list[list[int]]:
-        """Greedy continuations of a batch of contexts, recomputing the prefix for every token."""
-        n = len(contexts)
-        B = self._batch_bucket(n)
-        lens = np.array([len(c) for c in contexts] + [1] * (B - n))
-        buf = np.zeros((B, self._len_bucket(int(lens.max()) + max_gen)), np.int32)
-        for i, c in enumerate(contexts):
-            buf[i, :len(c)] = c
-        gen: list[list[int]] = [[] for _ in range(n)]
-        active = list(range(n))
-        for _ in range(max_gen):
-            if not active:
-                break
-            # Only the prefix the longest active row needs; finished rows' indices are clipped.
-            T = self._len_bucket(int(lens[active].max()))
-            nxt = jax.device_get(self._next_token(self.params, buf[:, :T], np.minimum(lens, T) - 1))
-            still = []
-            for i in active:
-                t = int(nxt[i])
-                gen[i].append(t)
-                buf[i, lens[i]] = t
-                lens[i] += 1
-                if t in stop_ids or any(s and s in self.tok_decode(gen[i]) for s in until):
-                    continue
-                still.append(i)
-            active = still
-        return gen
+        """Greedy continuations (``_generate`` without sampling)."""
+        return self._generate(contexts, max_gen, until, stop_ids)
 
 
 if __name__ == "__main__":
