@@ -45,6 +45,7 @@ ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {
     "act_mlp": "tensor",
     "act_vocab": "tensor",
     "head_dim": None,
+    "cache_stack": None,  # the layer axis of a stacked KV cache (olmax.model.decode)
 }
 
 

@@ -2,8 +2,8 @@
 
 The cache is data, a pytree that ``prefill`` returns and ``decode_step`` takes and returns:
 
-    {"kv":  {"groups": [{"k", "v"} stacked over groups, per layer of a group],
-             "rest":   [{"k", "v"} per layer after the last whole group]},   # [b, S, kv_heads, e]
+    {"kv":  {"groups": [{"k", "v"} stacked over groups, per layer of a group],  # [G, b, S, kv_heads, e]
+             "rest":   [{"k", "v"} per layer after the last whole group]},    # [1, b, S, kv_heads, e]
      "pos": {"full": [b, S_full], "sliding": [b, S_sliding]},                # position in each slot, -1 empty
      "length": [b]}                                                           # next position per row
 
@@ -29,7 +29,7 @@ from olmax.model.layers import rms_norm
 from olmax.model.olmo3 import embed, lm_head, rope_tables, run_layers, stack_layers
 from olmax.sharding import constrain
 
-KV_AXES = ("batch", "length", "act_kv_heads", "head_dim")
+STACK_AXES = ("cache_stack", "batch", "length", "act_kv_heads", "head_dim")
 
 
 def _kind(cfg: ModelConfig, full: bool) -> str:
@@ -71,6 +71,26 @@ def slot_positions(lengths: jax.Array, n_slots: int) -> jax.Array:
     return jnp.where(j <= last, j + n_slots * ((last - j) // n_slots), -1)
 
 
+def _update(stack: dict, index: jax.Array, entry: dict) -> dict:
+    """``stack`` with layer ``index`` set to ``entry`` (in place inside the scan's carry)."""
+    return {name: constrain(jax.lax.dynamic_update_index_in_dim(stack[name], entry[name], index, 0), STACK_AXES)
+            for name in ("k", "v")}
+
+
+def empty_cache(cfg: ModelConfig, prepared: dict, batch: int, max_length: int) -> dict:
+    """Zeroed key/value stacks in the layout ``run_layers`` carries (``prepared["layers"]``')."""
+    n, dt = slots(cfg, max_length), jnp.dtype(cfg.compute_dtype)
+    period = len(prepared["layers"]["groups"])
+    groups = jax.tree.leaves(prepared["layers"]["groups"])[0].shape[0] if period else 0
+
+    def stack(count: int, layer: int) -> dict:
+        shape = (count, batch, n[_kind(cfg, cfg.layer_window(layer) is None)], cfg.n_kv_heads, cfg.head_dim)
+        return {name: constrain(jnp.zeros(shape, dt), STACK_AXES) for name in ("k", "v")}
+
+    return {"groups": [stack(groups, j) for j in range(period)],
+            "rest": [stack(1, groups * period + i) for i in range(len(prepared["layers"]["rest"]))]}
+
+
 def prefill(prepared: dict, tokens: jax.Array, lengths: jax.Array, cfg: ModelConfig, max_length: int
             ) -> tuple[jax.Array, dict]:
     """Run right-padded prompts ``tokens`` [b, T] (``lengths`` [b] real tokens each, T <=
@@ -84,16 +104,17 @@ def prefill(prepared: dict, tokens: jax.Array, lengths: jax.Array, cfg: ModelCon
     def op(full: bool, window: int | None):
         kind = _kind(cfg, full)
 
-        def fill(q, k, v, _):
+        def fill(q, k, v, cache):
+            stack, index = cache
             o = attend(q, k, v, window, cfg, segment_ids)
             where = jnp.clip(pos[kind], 0, t - 1)[:, :, None, None]
-            entry = {name: constrain(jnp.take_along_axis(a, where, axis=1), KV_AXES) for name, a in (("k", k), ("v", v))}
-            return o, entry
+            return o, _update(stack, index, {"k": jnp.take_along_axis(k, where, axis=1),
+                                             "v": jnp.take_along_axis(v, where, axis=1)})
         return fill
 
     ops = {full: op(full, None if full else cfg.sliding_window) for full in {cfg.is_full_attention(i) for i in range(cfg.n_layers)}}
     x, kv = run_layers(cfg, prepared["layers"], embed(prepared, tokens, cfg), rope_tables(cfg, t),
-                       segment_ids=segment_ids, cache_ops=ops)
+                       segment_ids=segment_ids, caches=empty_cache(cfg, prepared, b, max_length), cache_ops=ops)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)
     logits = lm_head(prepared, rms_norm(last, prepared["final_norm"], cfg.norm_eps), cfg)[:, 0]
     return logits, {"kv": kv, "pos": pos, "length": lengths}
@@ -116,10 +137,13 @@ def decode_step(prepared: dict, tokens: jax.Array, cache: dict, cfg: ModelConfig
     def op(full: bool, window: int | None):
         kind = _kind(cfg, full)
 
-        def step(q, k, v, entry):
-            entry = {name: constrain(entry[name].at[rows, where[kind]].set(a[:, 0]), KV_AXES)
+        def step(q, k, v, cache):
+            stack, index = cache
+            # Only the new token's b x kv_heads x e values are written, into the carried stack.
+            stack = {name: constrain(stack[name].at[index, rows, where[kind]].set(a[:, 0]), STACK_AXES)
                      for name, a in (("k", k), ("v", v))}
-            return cache_attention(q, entry["k"], entry["v"], q_pos, pos[kind], window), entry
+            keys, values = (jax.lax.dynamic_index_in_dim(stack[name], index, 0, keepdims=False) for name in ("k", "v"))
+            return cache_attention(q, keys, values, q_pos, pos[kind], window), stack
         return step
 
     kinds = {cfg.is_full_attention(i) for i in range(cfg.n_layers)}

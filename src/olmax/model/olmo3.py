@@ -188,35 +188,44 @@ def stack_layers(params: Any, cfg: ModelConfig, unrolled: bool = False) -> dict[
 def run_layers(cfg: ModelConfig, layers: dict[str, list], x: jax.Array, tables: dict[bool, tuple], *,
                segment_ids: jax.Array | None = None, caches: Any = None,
                cache_ops: dict[bool, Callable] | None = None, hidden: list | None = None) -> tuple[jax.Array, Any]:
-    """The residual stream through every layer (``stack_layers``' layout): ``(x, new caches)``.
+    """The residual stream through every layer (``stack_layers``' layout): ``(x, caches)``.
 
     ``tables[full]`` are the RoPE cos/sin of full (True) or sliding (False) layers. With
-    ``cache_ops[full]`` each layer's attention goes through it (prefill or decode), and
-    ``caches`` (None when prefilling) has the layers' layout: ``{"groups": [per layer of a group,
-    stacked over groups], "rest": [per layer]}``; the new caches come back in the same layout,
-    the stacked ones as the scan's outputs."""
+    ``cache_ops[full]`` each layer's attention goes through ``op(q, k, v, (stack, i))``, which
+    returns the output and ``stack`` with entry i updated (prefill or decode, ``olmax.model.
+    decode``); ``caches`` is ``{"groups": [per layer of a group, stacked over groups], "rest":
+    [per layer, stacked over one]}`` and rides in the scan's carry, so XLA updates it in place."""
     ops = cache_ops or {}
-    caches = caches if caches is not None else {"groups": [None] * len(layers["groups"]), "rest": [None] * len(layers["rest"])}
     period = len(layers["groups"])
     n_scanned = period * (jax.tree.leaves(layers["groups"])[0].shape[0] if period else 0)
 
-    def call(i: int, p: Any, x: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
+    def call(i: int, p: Any, x: jax.Array, cache: Any, index: Any) -> tuple[jax.Array, Any]:
         full = cfg.is_full_attention(i)
-        out = _layer_fn(cfg, cfg.layer_window(i), ops.get(full))(p, x, *tables[full], segment_ids, cache)
-        return out if cache_ops else (out, None)
+        fn = _layer_fn(cfg, cfg.layer_window(i), ops.get(full))
+        if not cache_ops:
+            return fn(p, x, *tables[full], segment_ids), None
+        return fn(p, x, *tables[full], segment_ids, (cache, index))
 
-    new = {"groups": [], "rest": []}
-    if period:
-        def group(x, xs):
-            outs = []
+    new: dict[str, list] = {"groups": [], "rest": []}
+    if period and cache_ops:
+        def group_cached(carry, xs):
+            x, stacks = carry
+            stacks = list(stacks)
             for j in range(period):
-                x, c = call(j, xs[0][j], x, xs[1][j])
-                outs.append(c)
-            return x, outs
+                x, stacks[j] = call(j, xs[0][j], x, stacks[j], xs[1])
+            return (x, stacks), None
 
-        x, new["groups"] = jax.lax.scan(group, x, (layers["groups"], caches["groups"]))
-    for n, (p, cache) in enumerate(zip(layers["rest"], caches["rest"])):
-        x, c = call(n_scanned + n, p, x, cache)
+        (x, new["groups"]), _ = jax.lax.scan(group_cached, (x, caches["groups"]),
+                                             (layers["groups"], jnp.arange(n_scanned // period)))
+    elif period:
+        def group(x, group_params):
+            for j in range(period):
+                x, _ = call(j, group_params[j], x, None, None)
+            return x, None
+
+        x, _ = jax.lax.scan(group, x, layers["groups"])
+    for n, p in enumerate(layers["rest"]):
+        x, c = call(n_scanned + n, p, x, caches["rest"][n] if cache_ops else None, 0)
         new["rest"].append(c)
         if hidden is not None:
             hidden.append(x)
