@@ -39,8 +39,11 @@ HIDDEN_TOL = {"float32": 1e-4, "bfloat16": 5e-2}
 # --------------------------------------------------------------------------- the two models
 
 
-def hf_reference(hf_dir: str | os.PathLike, tokens: np.ndarray) -> dict[str, Any]:
-    """Run transformers' Olmo3ForCausalLM (eager, fp32) -> logits [b, t, V] and named hidden states."""
+def hf_reference(hf_dir: str | os.PathLike, tokens: np.ndarray, position_ids: np.ndarray | None = None
+                 ) -> dict[str, Any]:
+    """Run transformers' Olmo3ForCausalLM (eager, fp32) -> logits [b, t, V] and named hidden states.
+    ``position_ids`` that restart (packed documents) make transformers mask attention to each
+    document (``masking_utils.find_packed_sequence_indices``: no attention mask, no cache)."""
     import torch
     from transformers import Olmo3ForCausalLM
 
@@ -52,8 +55,9 @@ def hf_reference(hf_dir: str | os.PathLike, tokens: np.ndarray) -> dict[str, Any
         "raw", out[0] if isinstance(out, tuple) else out))
     try:
         with torch.no_grad():
-            out = model(input_ids=torch.as_tensor(tokens, dtype=torch.long), output_hidden_states=True,
-                        use_cache=False)
+            pos = None if position_ids is None else torch.as_tensor(position_ids, dtype=torch.long)
+            out = model(input_ids=torch.as_tensor(tokens, dtype=torch.long), position_ids=pos,
+                        output_hidden_states=True, use_cache=False)
     finally:
         hook.remove()
     hs = [h.float().numpy() for h in out.hidden_states]
@@ -66,17 +70,19 @@ def hf_reference(hf_dir: str | os.PathLike, tokens: np.ndarray) -> dict[str, Any
     return {"logits": out.logits.float().numpy(), "hidden": hidden, "config": model.config.to_dict()}
 
 
-def olmax_run(params: Any, model_cfg: Any, tokens: np.ndarray) -> dict[str, Any]:
-    """olmax forward -> logits [b, t, padded V] (fp32) and named hidden states (fp32 copies)."""
+def olmax_run(params: Any, model_cfg: Any, tokens: np.ndarray, eos_id: int | None = None) -> dict[str, Any]:
+    """olmax forward -> logits [b, t, padded V] (fp32) and named hidden states (fp32 copies); with
+    ``eos_id``, documents masked and positioned as ``olmo3.document_segments``."""
     import jax
     import jax.numpy as jnp
 
     from olmax.model.layers import rms_norm
-    from olmax.model.olmo3 import forward
+    from olmax.model.olmo3 import document_segments, forward
 
     @jax.jit
     def run(p: Any, t: jax.Array) -> Any:
-        logits, hidden = forward(p, t, model_cfg, return_hidden=True)
+        pos, seg = document_segments(t, eos_id) if eos_id is not None else (None, None)
+        logits, hidden = forward(p, t, model_cfg, positions=pos, segment_ids=seg, return_hidden=True)
         final = rms_norm(hidden[-1], p["final_norm"], model_cfg.norm_eps)
         return logits, hidden, final
 
@@ -118,14 +124,17 @@ def run_parity(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike | None =
                tokens: np.ndarray | str | os.PathLike | None = None, seq_len: int = 128, batch: int = 2,
                dtype: str = "float32", seed: int = 0, dump: str | os.PathLike | None = None,
                hidden_tol: float | None = None, attention_impl: str | None = None,
-               overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+               overrides: list[str] | tuple[str, ...] = (), document_masking: bool = False) -> dict[str, Any]:
     """Run HF (fp32 eager) and olmax on the same tokens and return the parity report (a dict).
 
     Weights for olmax come from ``checkpoint`` (an olmax weights directory) or are converted from
     ``hf_dir`` in memory. ``dtype`` is olmax's compute dtype; parameters keep their stored dtype.
     ``attention_impl`` defaults to the exact reference attention in fp32 and the config's choice
     (cuDNN on GPU) in bf16. ``overrides`` (``model.KEY=VALUE``) set how the model is computed
-    (``RUNTIME_MODEL_FIELDS``: kernel block sizes, remat, scanned layers), never what it is."""
+    (``RUNTIME_MODEL_FIELDS``: kernel block sizes, remat, scanned layers), never what it is.
+    ``document_masking``: the tokens are packed documents ending at the config's EOS (random
+    tokens get EOS planted at random places); olmax gets their positions and segment ids,
+    transformers the same positions as ``position_ids``."""
     from olmax.compat.hf import ConversionError, config_from_hf, load_hf_params, read_hf_config
     from olmax.config import RUNTIME_MODEL_FIELDS, ConfigError, model_differences, validate
 
@@ -151,6 +160,11 @@ def run_parity(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike | None =
         toks = check_tokens(tokens, vocab)
     else:
         toks = load_token_array(str(tokens), vocab)
+    eos = cfg.data.eos_token_id if document_masking else None
+    if document_masking and tokens is None:  # three to five documents a row, some shorter than a window
+        rng = np.random.default_rng(seed + 1)
+        for row in toks:
+            row[rng.choice(toks.shape[1] - 1, size=min(4, toks.shape[1] - 1), replace=False)] = eos
     for o in overrides:
         key = o.split("=", 1)[0].strip()
         if not (key.startswith("model.") and key[len("model."):] in RUNTIME_MODEL_FIELDS - {"compute_dtype"}):
@@ -162,13 +176,20 @@ def run_parity(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike | None =
     impl = resolve_impl(attention_impl or ("reference" if dtype == "float32" else cfg.model.attention_impl), dtype)
     model_cfg = replace(cfg.model, compute_dtype=dtype, attention_impl=impl)
 
-    ref = hf_reference(hf_dir, toks)
-    ox = olmax_run(params, model_cfg, toks)
+    positions = None
+    if document_masking:
+        import jax.numpy as jnp
+        from olmax.model.olmo3 import document_segments
+        positions = np.array(document_segments(jnp.asarray(toks), eos)[0])
+    ref = hf_reference(hf_dir, toks, positions)
+    ox = olmax_run(params, model_cfg, toks, eos)
     hf_logits, ox_logits = ref["logits"], ox["logits"][..., :vocab]
     report: dict[str, Any] = {
         "hf_dir": str(hf_dir), "checkpoint": None if checkpoint is None else str(checkpoint),
         "dtype": dtype, "reference": "transformers Olmo3ForCausalLM, eager attention, float32",
         "attention_impl": impl, "batch": int(toks.shape[0]), "seq_len": int(toks.shape[1]),
+        "document_masking": document_masking,
+        "documents": int((toks[:, :-1] == eos).sum() + toks.shape[0]) if document_masking else int(toks.shape[0]),
         "vocab_size": vocab, "padded_vocab_size": cfg.model.embedding_rows,
     }
     report.update(compare_logits(hf_logits, ox_logits))
@@ -191,6 +212,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"parity: olmax ({r['dtype']} compute, {r['attention_impl']} attention) vs {r['reference']}",
         f"  tokens: {r['batch']} x {r['seq_len']} = {r['tokens']}   vocab {r['vocab_size']} "
         f"(olmax rows {r['padded_vocab_size']}, padded rows sliced off)",
+        f"  packed documents: {r['documents']} (masked to each document, positions restart)" if r.get("document_masking") else "",
         f"  max |logit diff|:    {r['max_abs_logit_diff']:.3e}",
         f"  KL(HF || olmax):     mean {r['kl_mean']:.3e}   max {r['kl_max']:.3e}",
         f"  top-1 agreement:     {100 * r['top1_agreement']:.2f}%",
@@ -214,7 +236,7 @@ def format_report(r: dict[str, Any]) -> str:
 def _cmd(args: argparse.Namespace) -> int:
     r = run_parity(args.hf, checkpoint=args.checkpoint, tokens=args.tokens, seq_len=args.seq_len, batch=args.batch_size,
                    dtype=args.dtype, seed=args.seed, dump=args.dump, attention_impl=args.attention,
-                   overrides=args.overrides)
+                   overrides=args.overrides, document_masking=args.document_masking)
     print(json.dumps(r, indent=2) if args.json else format_report(r))
     # A failed fp32 parity is a failed command (scripts and CI can rely on the exit code).
     return 0 if r.get("pass", True) else 1
@@ -239,6 +261,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="how the model is computed, e.g. --set model.attention_block_q=128 (repeatable)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random tokens")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--document-masking", action="store_true",
+                   help="treat the tokens as packed documents ending at EOS: attention stays within a document and "
+                        "positions restart (data.document_masking); transformers gets the same position_ids")
     p.add_argument("--dump", default=None, metavar="FILE.npz", help="write hf/olmax logits and tokens")
     p.set_defaults(func=_cmd)
 
