@@ -17,6 +17,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import jax
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 
 from olmax.config import Config, ConfigError
 from olmax.recipes import add_recipe_args, get_recipe
-from olmax.sharding import batch_sharding, make_mesh, plan_batch
+from olmax.sharding import activation_mesh, batch_sharding, data_parallel_size, make_mesh, plan_batch
 
 GiB = 1024 ** 3
 
@@ -221,6 +222,55 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
     return report
 
 
+def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: int, *, progress: bool = True) -> dict:
+    """Lower and compile KV-cache decoding of ``cfg``'s model for ``topology``: the prefill of
+    ``batch`` prompts of ``max_length`` tokens (the longest a cache of that length takes) and one
+    decode step against that full cache, with the parameters sharded as in training and the
+    stacked compute-dtype copy (``decode.prepare``) made once beside them. Allocates nothing."""
+    from olmax.checkpoint.state import abstract_train_state, shardings
+    from olmax.model.decode import cache_bytes, decode_step, prefill, prepare
+
+    devices = abstract_devices(topology)
+    mesh = make_mesh(cfg.mesh, devices)
+    m = cfg.model
+    if batch % data_parallel_size(dict(mesh.shape)):
+        raise ConfigError(f"--batch-size {batch} does not divide over the {data_parallel_size(dict(mesh.shape))} "
+                          f"data-parallel shards of mesh {dict(mesh.shape)}")
+    params = abstract_train_state(cfg, mesh)["params"]
+    bshard = batch_sharding(mesh)
+    rows = batch_sharding(mesh, 1)
+    report: dict[str, Any] = {"recipe": cfg.name, "topology": topology.name, "devices": len(devices),
+                              "mesh": dict(mesh.shape), "batch": batch, "max_length": max_length,
+                              "compute_dtype": m.compute_dtype, "attention": m.attention_impl,
+                              "hbm_gib": topology.family.hbm_gib,
+                              "cache_gib_total": cache_bytes(m, batch, max_length) / GiB}
+    if progress:
+        print(f"compiling prefill + decode of {cfg.name} for {topology.name} ({len(devices)} devices, mesh "
+              f"{dict(mesh.shape)}), batch {batch} x {max_length} tokens...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    with activation_mesh(mesh):
+        prep = jax.jit(partial(prepare, cfg=m), in_shardings=(shardings(params),)).lower(params).compile()
+        prepared = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                                jax.eval_shape(partial(prepare, cfg=m), params), prep.output_shardings)
+        tokens = jax.ShapeDtypeStruct((batch, max_length), jnp.int32, sharding=bshard)
+        lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
+        pre_lowered = jax.jit(partial(prefill, cfg=m, max_length=max_length)).lower(prepared, tokens, lengths)
+        pre = _compiled_memory(pre_lowered)
+        cache_shard = pre_lowered.compile().output_shardings[1]
+        cache = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                             jax.eval_shape(partial(prefill, cfg=m, max_length=max_length), prepared, tokens, lengths)[1],
+                             cache_shard)
+        tok = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
+        dec = _compiled_memory(jax.jit(partial(decode_step, cfg=m, max_length=max_length), donate_argnums=(2,)).lower(
+            prepared, tok, cache))
+    report["compile_seconds"] = time.perf_counter() - t0
+    hbm = topology.family.hbm_gib
+    report["prefill"], report["decode"] = ({k: v for k, v in r.items()} for r in (pre, dec))
+    need = max(pre["need"], dec["need"])
+    report.update(memory_verdict(need=need, hbm=hbm))
+    return report
+
+
 def memory_verdict(need: float, hbm: float) -> dict:
     fits = need <= hbm
     text = (f"fits with {hbm - need:.1f} GiB to spare" if fits else f"does not fit by {need - hbm:.1f} GiB")
@@ -234,6 +284,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--topology", required=True, help="v5p-128, v6e-256, tpu7x-128, v5e-256 or v5p:4x4x4")
     p.add_argument("--slices", type=int, default=1, help="number of slices (multi-slice data parallelism over DCN)")
     p.add_argument("--no-eval", action="store_true", help="compile the train step only")
+    p.add_argument("--step", choices=("train", "generate"), default="train",
+                   help="train (default): the train and eval steps; generate: KV-cache prefill + one decode step")
+    p.add_argument("--batch-size", type=int, default=32, help="--step generate: prompts per batch")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="--step generate: cache length = prompt length (default: data.sequence_length)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_compile)
 
@@ -242,6 +297,20 @@ def cmd_compile(args: argparse.Namespace) -> int:
     topology = parse_topology(args.topology, args.slices)
     quiet_libtpu(topology)
     cfg = get_recipe(args.recipe, args.overrides)
+    if args.step == "generate":
+        r = compile_generate(cfg, topology, args.batch_size, args.max_length or cfg.data.sequence_length,
+                             progress=not args.json)
+        if args.json:
+            print(json.dumps(r, indent=2))
+        else:
+            print(f"recipe         {r['recipe']} ({r['compute_dtype']} compute, attention {r['attention']})")
+            print(f"topology       {r['topology']}: {r['devices']} devices, mesh {r['mesh']}, {r['hbm_gib']:.2f} GiB HBM each")
+            print(f"cache          {r['cache_gib_total']:.2f} GiB in all at batch {r['batch']} x {r['max_length']} tokens")
+            for what in ("prefill", "decode"):
+                print(f"{what:<15}{r[what]['need']:.2f} GiB per device")
+            print(f"compile time   {r['compile_seconds']:.1f} s")
+            print(f"verdict        {r['verdict']}")
+        return 0 if r["fits"] else 1
     r = compile_for(cfg, topology, eval_step=not args.no_eval, progress=not args.json)
     if args.json:
         print(json.dumps(r, indent=2))

@@ -18,9 +18,12 @@ from typing import Any, Callable, Iterable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from olmax.config import ModelConfig
 from olmax.model.decode import decode_step, prefill, prepare
+from olmax.model.params import logical_axes
+from olmax.sharding import activation_mesh, batch_sharding, data_parallel_size, param_shardings
 
 
 @dataclass(frozen=True)
@@ -84,15 +87,28 @@ def sample(logits: jax.Array, keys: jax.Array, step: jax.Array, sampling: Sampli
     return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
 
-class Generator:
-    """The jitted prefill, decode and sampling functions of one model and sampling setting."""
+def _on_mesh(fn: Callable, mesh: Mesh | None) -> Callable:
+    """``fn`` traced with its activations (and the cache) pinned to ``mesh`` by logical axes."""
+    def traced(*args, **kwargs):
+        with activation_mesh(mesh):
+            return fn(*args, **kwargs)
+    return traced
 
-    def __init__(self, params: Any, cfg: ModelConfig, sampling: Sampling = Sampling()):
+
+class Generator:
+    """The jitted prefill, decode and sampling functions of one model and sampling setting.
+    With ``mesh``, the parameters are sharded as in training and the batch and cache as the
+    training activations (rows over the data-parallel axes, kv heads over ``tensor``)."""
+
+    def __init__(self, params: Any, cfg: ModelConfig, sampling: Sampling = Sampling(), mesh: Mesh | None = None):
         sampling.check()
-        self.cfg, self.sampling = cfg, sampling
-        self.prepared = jax.jit(partial(prepare, cfg=cfg))(params)
-        self._prefill = jax.jit(partial(prefill, cfg=cfg), static_argnames=("max_length",))
-        self._decode = jax.jit(partial(decode_step, cfg=cfg), static_argnames=("max_length",), donate_argnums=(2,))
+        self.cfg, self.sampling, self.mesh = cfg, sampling, mesh
+        if mesh is not None:
+            params = jax.device_put(params, param_shardings(logical_axes(cfg), mesh))
+        self.prepared = jax.jit(_on_mesh(partial(prepare, cfg=cfg), mesh))(params)
+        self._prefill = jax.jit(_on_mesh(partial(prefill, cfg=cfg), mesh), static_argnames=("max_length",))
+        self._decode = jax.jit(_on_mesh(partial(decode_step, cfg=cfg), mesh), static_argnames=("max_length",),
+                               donate_argnums=(2,))
         self._sample = jax.jit(partial(sample, sampling=sampling, vocab_size=cfg.vocab_size))
 
     def run(self, prompts: Sequence[Sequence[int]], indices: Sequence[int], rows: int, prompt_len: int,
@@ -107,7 +123,11 @@ class Generator:
             tokens[r, :len(p)], lengths[r] = p, len(p)
         base = jax.random.key(self.sampling.seed)
         keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.asarray([*indices, *[indices[0]] * (rows - n)]))
-        logits, cache = self._prefill(self.prepared, jnp.asarray(tokens), jnp.asarray(lengths), max_length=max_length)
+        tokens_d, lengths_d = jnp.asarray(tokens), jnp.asarray(lengths)
+        if self.mesh is not None:
+            tokens_d = jax.device_put(tokens_d, batch_sharding(self.mesh, 2))
+            lengths_d = jax.device_put(lengths_d, batch_sharding(self.mesh, 1))
+        logits, cache = self._prefill(self.prepared, tokens_d, lengths_d, max_length=max_length)
         out = [Completion() for _ in range(n)]
         live = set(range(n))
         for step in range(max_new_tokens):
@@ -132,11 +152,12 @@ def generate(params: Any, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
              sampling: Sampling = Sampling(), eos_ids: Iterable[int] = (), batch_size: int = 8,
              stop: Callable[[int, list[int]], bool] | None = None,
              on_token: Callable[[int, int], None] | None = None,
-             generator: Generator | None = None) -> list[Completion]:
+             generator: Generator | None = None, mesh: Mesh | None = None) -> list[Completion]:
     """Complete each prompt (a list of token ids) with up to ``max_new_tokens`` tokens, in
     batches of ``batch_size``; results in prompt order. ``stop(prompt_index, generated_ids)``
     is asked after each token (stop strings); ``on_token(prompt_index, token_id)`` sees each
-    token as it is made (streaming). Pass a ``Generator`` to reuse its compiled functions."""
+    token as it is made (streaming). Pass a ``Generator`` to reuse its compiled functions (its
+    sampling and mesh then apply), or ``mesh`` to shard the run (``Generator``)."""
     prompts = [list(p) for p in prompts]
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -150,10 +171,13 @@ def generate(params: Any, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
             raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {cfg.vocab_size}): {bad[:5]}")
     if not prompts:
         return []
-    gen = generator or Generator(params, cfg, sampling)
+    gen = generator or Generator(params, cfg, sampling, mesh)
     prompt_len = _bucket(max(len(p) for p in prompts))
     max_length = -(-(prompt_len + max_new_tokens) // 64) * 64
     rows = min(batch_size, _bucket(len(prompts), lo=1))
+    if gen.mesh is not None:  # whole rows per data-parallel shard
+        dp = data_parallel_size(dict(gen.mesh.shape))
+        rows = -(-rows // dp) * dp
     eos = {int(e) for e in eos_ids}
     results: list[Completion] = []
     for start in range(0, len(prompts), rows):

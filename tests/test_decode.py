@@ -1,0 +1,109 @@
+"""The KV cache itself: its size against the formula, bucketed shapes (no recompiles), the
+compute dtype, a sharded run equal to an unsharded one, and bad input. Decoding against
+transformers is tests/test_generate.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from olmax.config import ModelConfig
+from olmax.model.decode import cache_bytes, prefill, prepare
+from olmax.model.generate import Generator, Sampling, generate
+from olmax.model.params import init_params
+from olmax.recipes.olmo3 import olmo3_7b_model
+
+TINY = ModelConfig(vocab_size=100, padded_vocab_size=128, d_model=64, n_layers=5, n_heads=4, n_kv_heads=2,
+                   head_dim=16, mlp_hidden=96, norm_eps=1e-6, rope_theta=10000.0, sliding_window=8,
+                   max_position_embeddings=256, compute_dtype="float32", attention_impl="reference")
+
+
+def _cache(cfg: ModelConfig, batch: int, prompt: int, max_length: int):
+    params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    prepared = jax.eval_shape(partial(prepare, cfg=cfg), params)
+    return jax.eval_shape(partial(prefill, cfg=cfg, max_length=max_length), prepared,
+                          jax.ShapeDtypeStruct((batch, prompt), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32))[1]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cache_bytes_equal_the_formula(dtype: str) -> None:
+    """Five layers with a full layer every fourth: a scanned group of four plus one unrolled
+    layer. Full layers hold max_length slots, sliding ones a ring of `window`."""
+    cfg = replace(TINY, compute_dtype=dtype)
+    cache = _cache(cfg, batch=3, prompt=16, max_length=64)
+    kv = [a for a in jax.tree.leaves(cache["kv"])]
+    assert {a.dtype for a in kv} == {jnp.dtype(dtype)}
+    item = jnp.dtype(dtype).itemsize
+    full = [i for i in range(cfg.n_layers) if cfg.layer_window(i) is None]
+    slots = len(full) * 64 + (cfg.n_layers - len(full)) * cfg.sliding_window
+    want = 2 * 3 * slots * cfg.n_kv_heads * cfg.head_dim * item + 4 * 3 * (64 + cfg.sliding_window + 1)
+    assert sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(cache)) == want == cache_bytes(cfg, 3, 64)
+
+
+def test_7b_cache_is_a_third_of_a_dense_one() -> None:
+    """OLMo 3 7B at 32K tokens: 8 full layers keep 32,768 slots, 24 sliding ones 4,096 (a dense
+    cache keeps 32,768 in all 32): 2.9x less, computed from the config alone."""
+    m = olmo3_7b_model()
+    dense = 2 * 32 * m.n_layers * 32768 * m.n_kv_heads * m.head_dim * 2
+    ours = cache_bytes(m, 32, 32768)
+    assert 2.9 < dense / ours < 2.92
+
+
+def test_bucketed_shapes_compile_once() -> None:
+    """Prompts of 3 to 16 tokens share one prompt bucket, and at batch size 2 a short last batch
+    is padded to 2 rows: one prefill and one decode program for all the calls."""
+    params = init_params(TINY, jax.random.key(0))
+    gen = Generator(params, TINY, Sampling())
+    for prompts in ([[5, 6, 7], [4] * 5], [[1] * 16, [2] * 9, [3] * 11]):
+        out = generate(params, TINY, prompts, max_new_tokens=4, batch_size=2, generator=gen)
+        assert [len(c.token_ids) for c in out] == [4] * len(prompts)
+    assert gen._prefill._cache_size() == 1
+    assert gen._decode._cache_size() == 1
+
+
+def test_bad_requests_name_the_problem() -> None:
+    params = init_params(TINY, jax.random.key(0))
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        generate(params, TINY, [[1], []], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"prompt 0 has token ids outside the vocabulary \[0, 100\): \[100\]"):
+        generate(params, TINY, [[1, 100]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(params, TINY, [[1]], max_new_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        generate(params, TINY, [[1]], max_new_tokens=1, sampling=Sampling(temperature=1.0, top_p=0.0))
+
+
+def test_sharded_decoding_equals_one_device() -> None:
+    """On 4 CPU devices (fsdp 2 x tensor 2: rows over fsdp, kv heads over tensor) greedy tokens
+    equal the one-device run and log-probs agree to fp32 rounding."""
+    code = textwrap.dedent("""
+        import json, jax
+        from olmax.config import MeshConfig
+        from olmax.model.generate import generate
+        from olmax.model.params import init_params
+        from olmax.sharding import make_mesh
+        from test_decode import TINY
+        params = init_params(TINY, jax.random.key(0))
+        prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(2, 30))]
+        one = generate(params, TINY, prompts, max_new_tokens=12)
+        mesh = make_mesh(MeshConfig(fsdp=2, tensor=2))
+        sharded = generate(params, TINY, prompts, max_new_tokens=12, mesh=mesh)
+        print(json.dumps({"same": [a.token_ids == b.token_ids for a, b in zip(one, sharded)],
+                          "lp": max(abs(p - q) for a, b in zip(one, sharded) for p, q in zip(a.logprobs, b.logprobs))}))
+    """)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.path.dirname(__file__)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["same"] == [True, True, True]
+    assert out["lp"] <= 1e-5
