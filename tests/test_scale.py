@@ -378,3 +378,27 @@ def test_cpu_processes_reuse_freed_memory():
 
     system, kept = faults("system"), faults("")
     assert system > 0 and kept * 10 < system, (kept, system)
+
+
+def test_compile_generate_for_a_tpu_slice():
+    """`olmax compile --step generate`: the prefill (splash attention with the prompts' padding as
+    a segment) and a decode step with the cache donated and updated in place, on a v5p:2x2x1
+    slice with kv heads over tensor. The decode step's output cache aliases its input."""
+    r = _compile("tiny", "--topology", "v5p:2x2x1", "--step", "generate", "--batch-size", "4", "--max-length", "256",
+                 "--set", "model.compute_dtype=bfloat16", "--set", "mesh.tensor=2", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["fits"] is True and out["mesh"] == {"slice": 1, "data": 1, "fsdp": 2, "tensor": 2}
+    # At least each device's share of the cache comes back in the input's buffers (not a copy).
+    assert out["decode"]["alias"] >= out["cache_gib_total"] / out["devices"]
+    assert out["cache_gib_total"] > 0 and out["prefill"]["need"] < out["hbm_gib"]
+
+
+@pytest.mark.slow
+def test_7b_generates_at_batch_32_and_32k_tokens_on_v5p_8():
+    """Prefill + decode of the 7B (stage-3 model, bf16) at batch 32 x 32,768 tokens fits a v5p-8."""
+    r = _compile("olmo3_7b_stage3", "--topology", "v5p-8", "--step", "generate", "--batch-size", "32",
+                 "--max-length", "32768", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["fits"] is True and out["decode"]["need"] < out["hbm_gib"] and out["prefill"]["need"] < out["hbm_gib"]
