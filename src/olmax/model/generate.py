@@ -2,7 +2,7 @@
 top-p sampling, EOS and caller-defined stops, per-token log-probabilities.
 
 Shapes are bucketed so a run compiles once per (batch rows, prompt bucket, cache length):
-prompts are right-padded to a power of two (at least 16) that fits the longest prompt of the
+prompts are right-padded to a power of two (at least 16; 128 for splash attention) that fits the longest prompt of the
 whole call, the cache holds that plus ``max_new_tokens`` rounded up to 64, and a short last
 batch is padded with copies of its first prompt. Sampling draws from a key per prompt (the seed
 folded with the prompt's index, then with the step), so a prompt's tokens do not depend on the
@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from olmax.config import ModelConfig
+from olmax.model.attention import resolve_impl
 from olmax.model.decode import decode_step, prefill, prepare
 from olmax.model.params import logical_axes
 from olmax.sharding import activation_mesh, batch_sharding, data_parallel_size, param_shardings
@@ -172,7 +173,9 @@ def generate(params: Any, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
     if not prompts:
         return []
     gen = generator or Generator(params, cfg, sampling, mesh)
-    prompt_len = _bucket(max(len(p) for p in prompts))
+    with activation_mesh(gen.mesh):  # splash attention (TPU) tiles the prompt in blocks of 128 or more
+        splash = resolve_impl(cfg.attention_impl, jnp.dtype(cfg.compute_dtype)) == "splash"
+    prompt_len = _bucket(max(len(p) for p in prompts), lo=128 if splash else 16)
     max_length = -(-(prompt_len + max_new_tokens) // 64) * 64
     rows = min(batch_size, _bucket(len(prompts), lo=1))
     if gen.mesh is not None:  # whole rows per data-parallel shard
