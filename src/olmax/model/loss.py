@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from olmax.config import Config, ModelConfig
-from olmax.model.olmo3 import hidden_states, lm_head
+from olmax.model.olmo3 import document_segments, hidden_states, lm_head
 from olmax.sharding import constrain
 
 Batch = dict[str, jax.Array]
@@ -36,7 +36,6 @@ def with_documents(batch: Batch, cfg: Config) -> Batch:
     (documents end at EOS; OLMo-core's ``generate_doc_lengths``), computed on the device."""
     if not cfg.data.document_masking or "segment_ids" in batch:
         return batch
-    from olmax.model.olmo3 import document_segments
     positions, segment_ids = document_segments(batch["input_ids"], cfg.data.eos_token_id)
     return {**batch, "positions": positions, "segment_ids": segment_ids}
 
