@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow test-slurm bench bench-peers
+.PHONY: setup demo test test-slow test-slurm bench bench-peers bench-generate
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m venv $(VENV)
@@ -36,3 +36,8 @@ bench: $(STAMP)
 # one-time MaxText install into .peers/); run nothing else meanwhile.
 bench-peers: $(STAMP)
 	$(VENV)/bin/python benchmarks/peers.py
+
+# Decode tokens/s of olmax's KV-cache generate against transformers' generate on the same random
+# OLMo 3 (batch 1 and 8), compile time apart, and the cache's bytes against the formula.
+bench-generate: $(STAMP)
+	$(VENV)/bin/python benchmarks/bench_generate.py

@@ -6,7 +6,7 @@ from pathlib import Path
 
 here = Path(__file__).resolve().parent
 rc = 0
-for script in ("bench_train.py", "bench_data.py"):
+for script in ("bench_train.py", "bench_data.py", "bench_generate.py"):
     print(f"== {script}", flush=True)
     rc |= subprocess.run([sys.executable, str(here / script)]).returncode
 sys.exit(rc)
