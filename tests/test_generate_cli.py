@@ -171,6 +171,18 @@ def test_text_prompts_stop_strings_and_streaming(text_model: Path, capsys: pytes
     assert out == full[1]["text"] + "\n"
 
 
+def test_converted_checkpoint_keeps_its_tokenizer(text_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """olmax convert carries the tokenizer files, so a converted checkpoint generates as its HF
+    directory does, with no --tokenizer."""
+    from olmax.compat.hf import hf_to_olmax
+    out = tmp_path / "olmax_weights"
+    hf_to_olmax(text_model, out)
+    assert (out / "tokenizer.json").read_bytes() == (text_model / "tokenizer.json").read_bytes()
+    got = [run(["generate", "--checkpoint", ck, "--prompt", "hello world", "--max-new-tokens", "24", "--json"],
+               capsys) for ck in (str(out), f"hf:{text_model}")]
+    assert got[0][0] == 0 and jsonl(got[0][1]) == jsonl(got[1][1]), got
+
+
 def _cfg(d: Path) -> Config:
     from olmax.compat.hf import config_from_hf, read_hf_config
     return config_from_hf(read_hf_config(d))

@@ -423,25 +423,40 @@ def load_hf_params(hf_dir: str | os.PathLike, dtype: str | None = None, padded_v
     return unflatten(cfg.model, dict(gen())), cfg
 
 
+# Tokenizer files that travel with converted weights, so ``olmax generate`` and ``olmax chat`` find
+# the tokenizer and chat template of a converted checkpoint.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    import shutil
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+
+
 def hf_to_olmax(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | None = None,
                 padded_vocab_size: int | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
                 base: Config | None = None, progress: Any = None) -> Config:
     """Convert a HF OLMo 3 directory into an olmax weights directory (atomically: on any error
-    nothing is left at ``out_dir``). Returns the written config. ``progress``: a stream for
-    tensor-count progress lines (the CLI passes stderr)."""
+    nothing is left at ``out_dir``), with its tokenizer files (``TOKENIZER_FILES``) when it has
+    them. Returns the written config. ``progress``: a stream for tensor-count progress lines (the
+    CLI passes stderr)."""
     cfg, names, gen = _iter_hf_to_olmax(Path(hf_dir), dtype, padded_vocab_size, base)
     try:
         save_weights(out_dir, gen(), cfg, shard_bytes=shard_bytes,
                      progress=_progress(len(names), "hf-to-olmax", progress))
     except WeightsError as e:
         raise ConversionError(str(e)) from None
+    _copy_tokenizer(Path(hf_dir), Path(out_dir))
     return cfg
 
 
 def olmax_to_hf(weights_dir: str | os.PathLike, out_dir: str | os.PathLike, dtype: str | None = None,
                 shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Any = None) -> Path:
     """Export an olmax weights directory as a HF ``Olmo3ForCausalLM`` directory (safetensors, one
-    file or sharded with an index, config.json, generation_config.json), atomically.
+    file or sharded with an index, config.json, generation_config.json), atomically, then the
+    tokenizer files the weights directory holds (``TOKENIZER_FILES``).
     (``olmax convert olmax-to-hf`` also takes training checkpoints: ``olmax.compat.commands``.)"""
     weights_dir = Path(weights_dir)
     if not weights_dir.exists():
@@ -453,8 +468,10 @@ def olmax_to_hf(weights_dir: str | os.PathLike, out_dir: str | os.PathLike, dtyp
             stored = {"F32": "float32", "BF16": "bfloat16"}.get(reader.dtype("embed"), "float32")
     except WeightsError as e:
         raise ConversionError(str(e)) from None
-    return write_hf(iter_weights(weights_dir), cfg, out_dir, stored, dtype=dtype, shard_bytes=shard_bytes,
-                    progress=progress)
+    out = write_hf(iter_weights(weights_dir), cfg, out_dir, stored, dtype=dtype, shard_bytes=shard_bytes,
+                   progress=progress)
+    _copy_tokenizer(weights_dir, out)
+    return out
 
 
 def write_hf(named: Iterable[tuple[str, np.ndarray]], cfg: Config, out_dir: str | os.PathLike, stored: str,
