@@ -63,29 +63,34 @@ def _bucket(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (n - 1).bit_length())
 
 
-def sample(logits: jax.Array, keys: jax.Array, step: jax.Array, sampling: Sampling, vocab_size: int
-           ) -> tuple[jax.Array, jax.Array]:
+def sample(logits: jax.Array, keys: jax.Array, step: jax.Array, knobs: dict[str, jax.Array], greedy: bool,
+           vocab_size: int) -> tuple[jax.Array, jax.Array]:
     """Next tokens [b] and their log-probabilities [b] from fp32 logits [b, V] (padded vocabulary
-    rows never drawn); row i draws with ``fold_in(keys[i], step)``."""
+    rows never drawn); row i draws with ``fold_in(keys[i], step)``. ``knobs`` (traced, so a new
+    setting compiles nothing): ``temperature``, ``top_k`` (0: off), ``top_p`` (1: off)."""
     logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
     logp = jax.nn.log_softmax(logits, axis=-1)
-    if sampling.greedy:
+    if greedy:
         tok = jnp.argmax(logits, axis=-1)
     else:
-        z = logits / sampling.temperature
-        if sampling.top_k is not None and sampling.top_k < vocab_size:
-            kth = jax.lax.top_k(z, sampling.top_k)[0][:, -1:]
-            z = jnp.where(z < kth, -jnp.inf, z)
-        if sampling.top_p is not None and sampling.top_p < 1:
-            desc = -jnp.sort(-z, axis=-1)
-            p = jax.nn.softmax(desc, axis=-1)
-            before = jnp.cumsum(p, axis=-1) - p          # mass of the more likely tokens
-            keep = before < sampling.top_p               # the smallest set reaching top_p (>= 1 token)
-            smallest = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
-            z = jnp.where(z < smallest, -jnp.inf, z)
-        tok = jax.vmap(lambda k, zi: jax.random.categorical(jax.random.fold_in(k, step), zi))(keys, z)
+        z = logits / knobs["temperature"]
+        desc = -jnp.sort(-z, axis=-1)
+        k = jnp.where(knobs["top_k"] > 0, jnp.minimum(knobs["top_k"], vocab_size), vocab_size)
+        kth = jax.lax.dynamic_index_in_dim(desc, k - 1, axis=1)            # the k-th largest
+        desc = jnp.where(desc < kth, -jnp.inf, desc)
+        p = jax.nn.softmax(desc, axis=-1)
+        before = jnp.cumsum(p, axis=-1) - p                                  # mass of the more likely tokens
+        keep = (before < knobs["top_p"]) | (knobs["top_p"] >= 1)             # the smallest set reaching top_p
+        smallest = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+        z = jnp.where(z < jnp.maximum(kth, smallest), -jnp.inf, z)
+        tok = jax.vmap(lambda key, zi: jax.random.categorical(jax.random.fold_in(key, step), zi))(keys, z)
     tok = tok.astype(jnp.int32)
     return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+
+
+def _knobs(s: Sampling) -> dict[str, jax.Array]:
+    return {"temperature": jnp.float32(s.temperature or 1.0), "top_k": jnp.int32(s.top_k or 0),
+            "top_p": jnp.float32(1.0 if s.top_p is None else s.top_p)}
 
 
 def _on_mesh(fn: Callable, mesh: Mesh | None) -> Callable:
@@ -97,9 +102,11 @@ def _on_mesh(fn: Callable, mesh: Mesh | None) -> Callable:
 
 
 class Generator:
-    """The jitted prefill, decode and sampling functions of one model and sampling setting.
-    With ``mesh``, the parameters are sharded as in training and the batch and cache as the
-    training activations (rows over the data-parallel axes, kv heads over ``tensor``)."""
+    """The compiled prefill and decode-and-sample step of one model, and its prepared weights
+    (``decode.prepare``). Sampling settings and seeds are runtime values: one program serves
+    them all (greedy and sampled are two). With ``mesh``, the parameters are sharded as in
+    training and the batch and cache as the training activations (rows over the data-parallel
+    axes, kv heads over ``tensor``). ``sampling`` is the default for ``generate``."""
 
     def __init__(self, params: Any, cfg: ModelConfig, sampling: Sampling = Sampling(), mesh: Mesh | None = None):
         sampling.check()
@@ -107,32 +114,41 @@ class Generator:
         if mesh is not None:
             params = jax.device_put(params, param_shardings(logical_axes(cfg), mesh))
         self.prepared = jax.jit(_on_mesh(partial(prepare, cfg=cfg), mesh))(params)
-        self._prefill = jax.jit(_on_mesh(partial(prefill, cfg=cfg), mesh), static_argnames=("max_length",))
-        self._decode = jax.jit(_on_mesh(partial(decode_step, cfg=cfg), mesh), static_argnames=("max_length",),
+        self._prefill = jax.jit(_on_mesh(self._prefill_and_sample, mesh), static_argnames=("max_length", "greedy"))
+        self._decode = jax.jit(_on_mesh(self._decode_and_sample, mesh), static_argnames=("max_length", "greedy"),
                                donate_argnums=(2,))
-        self._sample = jax.jit(partial(sample, sampling=sampling, vocab_size=cfg.vocab_size))
+
+    def _prefill_and_sample(self, prepared, tokens, lengths, seed, indices, knobs, max_length, greedy):
+        logits, cache = prefill(prepared, tokens, lengths, self.cfg, max_length)
+        keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(indices)
+        return (*sample(logits, keys, jnp.int32(0), knobs, greedy, self.cfg.vocab_size), cache, keys)
+
+    def _decode_and_sample(self, prepared, tok, cache, keys, step, knobs, max_length, greedy):
+        logits, cache = decode_step(prepared, tok, cache, self.cfg, max_length)
+        return (*sample(logits, keys, step, knobs, greedy, self.cfg.vocab_size), cache)
 
     def run(self, prompts: Sequence[Sequence[int]], indices: Sequence[int], rows: int, prompt_len: int,
             max_length: int, max_new_tokens: int, eos_ids: set[int], stop: Callable | None,
-            on_token: Callable | None) -> list[Completion]:
+            on_token: Callable | None, sampling: Sampling | None = None) -> list[Completion]:
         """One batch: ``prompts`` (global ``indices``), padded to ``rows`` x ``prompt_len``."""
+        sampling = sampling or self.sampling
         n = len(prompts)
         tokens = np.zeros((rows, prompt_len), np.int32)
         lengths = np.zeros(rows, np.int32)
         for r in range(rows):
             p = prompts[r] if r < n else prompts[0]
             tokens[r, :len(p)], lengths[r] = p, len(p)
-        base = jax.random.key(self.sampling.seed)
-        keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.asarray([*indices, *[indices[0]] * (rows - n)]))
-        tokens_d, lengths_d = jnp.asarray(tokens), jnp.asarray(lengths)
+        idx = np.asarray([*indices, *[indices[0]] * (rows - n)], np.int32)
+        tokens_d, lengths_d, idx_d = jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(idx)
         if self.mesh is not None:
             tokens_d = jax.device_put(tokens_d, batch_sharding(self.mesh, 2))
-            lengths_d = jax.device_put(lengths_d, batch_sharding(self.mesh, 1))
-        logits, cache = self._prefill(self.prepared, tokens_d, lengths_d, max_length=max_length)
+            lengths_d, idx_d = (jax.device_put(a, batch_sharding(self.mesh, 1)) for a in (lengths_d, idx_d))
+        knobs, greedy = _knobs(sampling), sampling.greedy
+        tok, lp, cache, keys = self._prefill(self.prepared, tokens_d, lengths_d, jnp.uint32(sampling.seed), idx_d,
+                                             knobs, max_length=max_length, greedy=greedy)
         out = [Completion() for _ in range(n)]
         live = set(range(n))
         for step in range(max_new_tokens):
-            tok, lp = self._sample(logits, keys, jnp.int32(step))
             tok_h, lp_h = np.asarray(tok), np.asarray(lp)
             for r in sorted(live):
                 c = out[r]
@@ -145,20 +161,22 @@ class Generator:
                     live.discard(r)
             if not live or step == max_new_tokens - 1:
                 break
-            logits, cache = self._decode(self.prepared, tok, cache, max_length=max_length)
+            tok, lp, cache = self._decode(self.prepared, tok, cache, keys, jnp.int32(step + 1), knobs,
+                                          max_length=max_length, greedy=greedy)
         return out
 
 
 def generate(params: Any, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-             sampling: Sampling = Sampling(), eos_ids: Iterable[int] = (), batch_size: int = 8,
+             sampling: Sampling | None = None, eos_ids: Iterable[int] = (), batch_size: int = 8,
              stop: Callable[[int, list[int]], bool] | None = None,
              on_token: Callable[[int, int], None] | None = None,
              generator: Generator | None = None, mesh: Mesh | None = None) -> list[Completion]:
     """Complete each prompt (a list of token ids) with up to ``max_new_tokens`` tokens, in
     batches of ``batch_size``; results in prompt order. ``stop(prompt_index, generated_ids)``
     is asked after each token (stop strings); ``on_token(prompt_index, token_id)`` sees each
-    token as it is made (streaming). Pass a ``Generator`` to reuse its compiled functions (its
-    sampling and mesh then apply), or ``mesh`` to shard the run (``Generator``)."""
+    token as it is made (streaming). ``sampling`` defaults to the generator's (greedy). Pass a
+    ``Generator`` to reuse its compiled functions and prepared weights (its mesh then applies),
+    or ``mesh`` to shard the run (``Generator``)."""
     prompts = [list(p) for p in prompts]
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -172,7 +190,10 @@ def generate(params: Any, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
             raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {cfg.vocab_size}): {bad[:5]}")
     if not prompts:
         return []
-    gen = generator or Generator(params, cfg, sampling, mesh)
+    if sampling is not None:
+        sampling.check()
+    gen = generator or Generator(params, cfg, sampling or Sampling(), mesh)
+    sampling = sampling or gen.sampling
     with activation_mesh(gen.mesh):  # splash attention (TPU) tiles the prompt in blocks of 128 or more
         splash = resolve_impl(cfg.attention_impl, jnp.dtype(cfg.compute_dtype)) == "splash"
     prompt_len = _bucket(max(len(p) for p in prompts), lo=128 if splash else 16)
@@ -186,5 +207,5 @@ def generate(params: Any, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
     for start in range(0, len(prompts), rows):
         chunk = prompts[start:start + rows]
         results += gen.run(chunk, list(range(start, start + len(chunk))), rows, prompt_len, max_length,
-                           max_new_tokens, eos, stop, on_token)
+                           max_new_tokens, eos, stop, on_token, sampling)
     return results
