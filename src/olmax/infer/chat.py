@@ -3,8 +3,8 @@
 Each line read from stdin is a user turn; the reply streams to stdout. The conversation is kept
 and re-rendered with the chat template every turn (when it no longer fits in the model's
 positions, the oldest turns are dropped, with a note on stderr). ``/reset`` starts over,
-``/exit`` or end of input ends it. Every turn reuses one compiled decoder; sampled turns all
-draw with ``--seed``, so a replayed conversation samples the same replies.
+``/exit`` or end of input ends it. Every turn reuses one compiled decoder; sampled turn n draws
+with seed ``--seed + n``, so turns differ and a replayed conversation samples the same replies.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def run_chat(gen: Model, *, system: str | None = None, max_new_tokens: int = 512
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     base = [{"role": "system", "content": system}] if system is not None else []
     messages = list(base)
+    turn = -1  # the first reply draws with --seed itself, as olmax generate does
     interactive = stdin.isatty()
     stderr.write(f"olmax chat: {gen.checkpoint} ({gen.codec.template_source}). {HELP}\n")
     while True:
@@ -67,8 +68,9 @@ def run_chat(gen: Model, *, system: str | None = None, max_new_tokens: int = 512
             stderr.write(("" if cmd == "/help" else f"unknown command {cmd}; ") + HELP + "\n")
             continue
         messages, ids = _fit(gen, messages + [{"role": "user", "content": text}], max_new_tokens, stderr)
+        turn += 1
         (reply,) = gen.generate([ids], max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                top_k=top_k, seed=seed, batch_size=1, stops=list(stops), chat=True,
+                                top_k=top_k, seed=seed + turn, batch_size=1, stops=list(stops), chat=True,
                                 stream=stdout)
         stdout.write("\n")
         stdout.flush()

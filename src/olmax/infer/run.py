@@ -112,7 +112,7 @@ class Model:
             raise ConfigError(f"checkpoint {checkpoint} ships no tokenizer and {need_tokenizer} need one: pass "
                               "--tokenizer (a tokenizer.json file or a folder holding one)")
         self.codec = TextCodec.load(tok_path, cfg) if tok_path is not None else None
-        self._decoders: dict[Any, Any] = {}
+        self._generator: Any = None  # one compiled decoder for every call (sampling is a runtime value)
 
     def eos_ids(self, chat: bool) -> tuple[int, ...]:
         ids = [self.cfg.data.eos_token_id]
@@ -159,11 +159,11 @@ class Model:
 
         streamer = Streamer(codec, stops, stream) if stream is not None and codec is not None else None
         sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        if sampling not in self._decoders:
-            self._decoders[sampling] = Generator(self.params, self.cfg.model, sampling)
+        if self._generator is None:
+            self._generator = Generator(self.params, self.cfg.model)
         out = generate(self.params, self.cfg.model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                        eos_ids=self.eos_ids(chat), batch_size=batch_size, stop=stop_fn,
-                       on_token=streamer.on_token if streamer else None, generator=self._decoders[sampling])
+                       on_token=streamer.on_token if streamer else None, generator=self._generator)
         results = []
         for c in out:
             r: dict[str, Any] = {"token_ids": [int(t) for t in c.token_ids]}
