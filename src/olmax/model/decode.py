@@ -7,6 +7,8 @@ The cache is data, a pytree that ``prefill`` returns and ``decode_step`` takes a
      "pos": {"full": [b, S_full], "sliding": [b, S_sliding]},                # position in each slot, -1 empty
      "length": [b]}                                                           # next position per row
 
+On the CPU every layer is in "rest" (``prepare`` unrolls them there; see its comment).
+
 A full-attention layer keeps ``S_full = max_length`` slots (slot = position). A sliding layer
 keeps a ring of ``min(window, max_length)`` slots (slot = position mod S): the window's keys and
 nothing older (transformers keeps window - 1 per sliding layer). Slots are not in position
