@@ -37,9 +37,9 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from olmax.config import ConfigError  # noqa: E402
 from olmax.eval import suite  # noqa: E402
+from olmax.model.generate import Sampling  # noqa: E402
 from olmax.eval.lm_eval_adapter import OlmaxLM  # noqa: E402
 from olmax.compat.hf import random_hf_model  # noqa: E402
-from olmax.model.generate import Sampling  # noqa: E402
 
 TASKS = ["olmax_mc", "olmax_ppl", "olmax_gen"]
 MAX_LENGTH = 48
@@ -168,8 +168,14 @@ def test_jit_programs_are_bucketed(results: dict[str, dict], models: tuple[objec
     # Batch buckets {1, 2, 4} x length buckets {16, 32, 48}: at most 9 programs each, however many calls.
     ox = models[1]
     assert 0 < ox._score._cache_size() <= 9
-    # Generation: one compiled KV-cache decoder per sampling setting (the local tasks are greedy).
-    assert list(ox._decoders) == [Sampling()]
+    # Generation: one KV-cache decoder for every sampling setting; two sampled settings (other
+    # temperature, top-k and seed) share one more program beside the greedy one.
+    ctx = [ox.tok_encode("Q: What color is grass?\nA:")]
+    ox._greedy(ctx, 8, [], set())
+    dec, n = ox._decoder, ox._decoder._decode._cache_size()
+    ox._generate(ctx, 8, [], set(), Sampling(temperature=0.7, seed=1))
+    ox._generate(ctx, 8, [], set(), Sampling(temperature=0.9, top_k=5, seed=2))
+    assert ox._decoder is dec and dec._decode._cache_size() == n + 1
 
 
 def test_sampled_generation(models: tuple[object, OlmaxLM]) -> None:

@@ -18,7 +18,7 @@ Cost: every shape is bucketed (batch and length rounded up to powers of two, cap
 ``batch_size`` and ``max_length``), so jit compiles at most log2(batch) * log2(max_length) programs
 per function. ``generate_until`` decodes through the KV cache (``olmax.model.generate``: one
 prefill, then one token per step), all requests with the same gen_kwargs in one call (its
-batches share one prompt bucket), one compiled decoder per sampling setting.
+batches share one prompt bucket), one compiled decoder for every sampling setting.
 
 Generation kwargs: ``until``, ``max_gen_toks`` (and lm-eval's aliases), ``do_sample``,
 ``temperature``, ``top_p``, ``top_k`` and ``seed``. After lm-eval's ``normalize_gen_kwargs``,
@@ -139,8 +139,7 @@ class OlmaxLM(TemplateLM):
 
         self._score = jax.jit(score)
         self._seed = int(seed)
-        # One compiled decoder per sampling setting (a task's requests share one).
-        self._decoders: dict[Sampling, Generator] = {}
+        self._decoder: Generator | None = None  # one KV-cache decoder; sampling is a runtime value
 
     # ------------------------------------------------------------------ lm-eval properties
 
@@ -322,8 +321,8 @@ class OlmaxLM(TemplateLM):
                   sampling: Sampling = Sampling()) -> list[list[int]]:
         """Continuations of the contexts through the KV cache, stopping at ``stop_ids`` or once
         the decoded text contains a string of ``until``."""
-        if sampling not in self._decoders:
-            self._decoders[sampling] = Generator(self.params, self.cfg.model, sampling)
+        if self._decoder is None:
+            self._decoder = Generator(self.params, self.cfg.model)
         stops = [s for s in until if s]
 
         def stop(i: int, ids: list[int]) -> bool:
@@ -332,7 +331,7 @@ class OlmaxLM(TemplateLM):
 
         out = generate(self.params, self.cfg.model, contexts, max_new_tokens=max_gen, sampling=sampling,
                        eos_ids=stop_ids, batch_size=self.batch_size, stop=stop if stops else None,
-                       generator=self._decoders[sampling])
+                       generator=self._decoder)
         return [c.token_ids for c in out]
 
     def _greedy(self, contexts: list[list[int]], max_gen: int, until: list[str], stop_ids: set[int]) -> list[list[int]]:
