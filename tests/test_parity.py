@@ -192,3 +192,18 @@ def test_bf16_production_settings_below_the_noise_floor(models: dict[str, Path])
 def test_parity_set_changes_only_how_the_model_is_computed(models: dict[str, Path]) -> None:
     with pytest.raises(ConfigError, match="only how the model is computed"):
         run_parity(models["mha_plain_rope_3_layers"], overrides=["model.n_layers=2"])
+
+
+def test_document_masking_parity_and_its_control(models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`olmax parity --document-masking`: packed documents (EOS planted at random) through the
+    blocked kernel meet the fp32 criteria against transformers given the restarted position_ids;
+    the same tokens with olmax's masking disabled (positions restart, attention spans documents)
+    fail them, so the reference really masks across documents."""
+    name = "gqa_yarn_legacy_5_layers"
+    r = run_parity(models[name], seq_len=64, batch=2, seed=1, attention_impl="blocked", document_masking=True)
+    assert r["pass"] is True and r["documents"] > 2 and r["top1_agreement"] == 1.0, r
+    from olmax.verify import parity
+    real = parity.olmax_run  # the control: olmax gets the positions but no segment ids
+    monkeypatch.setattr(parity, "olmax_run", lambda p, m, t, docs: real(p, m, t, (docs[0], np.ones_like(docs[1]))))
+    control = run_parity(models[name], seq_len=64, batch=2, seed=1, attention_impl="blocked", document_masking=True)
+    assert control["pass"] is False and control["kl_max"] > 1e-3, control

@@ -70,23 +70,23 @@ def hf_reference(hf_dir: str | os.PathLike, tokens: np.ndarray, position_ids: np
     return {"logits": out.logits.float().numpy(), "hidden": hidden, "config": model.config.to_dict()}
 
 
-def olmax_run(params: Any, model_cfg: Any, tokens: np.ndarray, eos_id: int | None = None) -> dict[str, Any]:
+def olmax_run(params: Any, model_cfg: Any, tokens: np.ndarray, documents: tuple | None = None) -> dict[str, Any]:
     """olmax forward -> logits [b, t, padded V] (fp32) and named hidden states (fp32 copies); with
-    ``eos_id``, documents masked and positioned as ``olmo3.document_segments``."""
+    ``documents`` = ``(positions, segment_ids)``, packed documents (``olmo3.document_segments``)."""
     import jax
     import jax.numpy as jnp
 
     from olmax.model.layers import rms_norm
-    from olmax.model.olmo3 import document_segments, forward
+    from olmax.model.olmo3 import forward
 
     @jax.jit
-    def run(p: Any, t: jax.Array) -> Any:
-        pos, seg = document_segments(t, eos_id) if eos_id is not None else (None, None)
+    def run(p: Any, t: jax.Array, docs: Any) -> Any:
+        pos, seg = docs if docs is not None else (None, None)
         logits, hidden = forward(p, t, model_cfg, positions=pos, segment_ids=seg, return_hidden=True)
         final = rms_norm(hidden[-1], p["final_norm"], model_cfg.norm_eps)
         return logits, hidden, final
 
-    logits, hidden, final = run(params, jnp.asarray(tokens, dtype=jnp.int32))
+    logits, hidden, final = run(params, jnp.asarray(tokens, dtype=jnp.int32), documents)
     named = {"embedding": np.asarray(hidden[0], np.float32)}
     named.update({f"layer {i}": np.asarray(h, np.float32) for i, h in enumerate(hidden[1:])})
     named["final_norm"] = np.asarray(final, np.float32)
@@ -176,13 +176,12 @@ def run_parity(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike | None =
     impl = resolve_impl(attention_impl or ("reference" if dtype == "float32" else cfg.model.attention_impl), dtype)
     model_cfg = replace(cfg.model, compute_dtype=dtype, attention_impl=impl)
 
-    positions = None
+    docs = None
     if document_masking:
-        import jax.numpy as jnp
         from olmax.model.olmo3 import document_segments
-        positions = np.array(document_segments(jnp.asarray(toks), eos)[0])
-    ref = hf_reference(hf_dir, toks, positions)
-    ox = olmax_run(params, model_cfg, toks, eos)
+        docs = tuple(np.array(a) for a in document_segments(np.asarray(toks), eos))
+    ref = hf_reference(hf_dir, toks, None if docs is None else docs[0])
+    ox = olmax_run(params, model_cfg, toks, docs)
     hf_logits, ox_logits = ref["logits"], ox["logits"][..., :vocab]
     report: dict[str, Any] = {
         "hf_dir": str(hf_dir), "checkpoint": None if checkpoint is None else str(checkpoint),
