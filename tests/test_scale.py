@@ -402,3 +402,12 @@ def test_7b_generates_at_batch_32_and_32k_tokens_on_v5p_8():
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert out["fits"] is True and out["decode"]["need"] < out["hbm_gib"] and out["prefill"]["need"] < out["hbm_gib"]
+
+
+def test_compile_generate_reports_a_prefill_that_does_not_fit():
+    r = _compile("tiny", "--topology", "v5e:2x2", "--step", "generate", "--batch-size", "4096", "--max-length", "4096",
+                 "--set", "model.d_model=1024", "--json")
+    assert r.returncode == 1, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["fits"] is False and "oom" in out["prefill"] and "decode" not in out
+    assert out["verdict"].startswith("does not fit by")

@@ -147,9 +147,11 @@ def _parse_oom(msg: str) -> tuple[float, float] | None:
 
 def _compiled_memory(lowered: Any) -> dict:
     """Per-device GiB of a lowered step: XLA's memory analysis by part and in all (``need``), or,
-    where XLA runs out of memory, the need and capacity its error names (with ``oom`` set)."""
+    where XLA runs out of memory, the need and capacity its error names (with ``oom`` set). The
+    compiled executable is under ``compiled`` when there is one."""
     try:
-        ma = lowered.compile().memory_analysis()
+        compiled = lowered.compile()
+        ma = compiled.memory_analysis()
     except Exception as e:  # XLA raises a plain XlaRuntimeError/JaxRuntimeError for out-of-memory
         oom = _parse_oom(str(e))
         if oom is None:
@@ -158,7 +160,7 @@ def _compiled_memory(lowered: Any) -> dict:
     m = {"argument": ma.argument_size_in_bytes / GiB, "output": ma.output_size_in_bytes / GiB,
          "alias": ma.alias_size_in_bytes / GiB, "temp": ma.temp_size_in_bytes / GiB,
          "code": getattr(ma, "generated_code_size_in_bytes", 0) / GiB}
-    return {**m, "need": m["argument"] + m["output"] - m["alias"] + m["temp"] + m["code"]}
+    return {**m, "need": m["argument"] + m["output"] - m["alias"] + m["temp"] + m["code"], "compiled": compiled}
 
 
 def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, progress: bool = True) -> dict:
@@ -254,9 +256,12 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
                                 jax.eval_shape(partial(prepare, cfg=m), params), prep.output_shardings)
         tokens = jax.ShapeDtypeStruct((batch, max_length), jnp.int32, sharding=bshard)
         lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
-        pre_lowered = jax.jit(partial(prefill, cfg=m, max_length=max_length)).lower(prepared, tokens, lengths)
-        pre = _compiled_memory(pre_lowered)
-        cache_shard = pre_lowered.compile().output_shardings[1]
+        pre = _compiled_memory(jax.jit(partial(prefill, cfg=m, max_length=max_length)).lower(prepared, tokens, lengths))
+        if "oom" in pre:
+            report.update(prefill=pre, compile_seconds=time.perf_counter() - t0,
+                          **memory_verdict(need=pre["need"], hbm=pre["hbm"]))
+            return report
+        cache_shard = pre.pop("compiled").output_shardings[1]
         cache = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                              jax.eval_shape(partial(prefill, cfg=m, max_length=max_length), prepared, tokens, lengths)[1],
                              cache_shard)
@@ -264,10 +269,9 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
         dec = _compiled_memory(jax.jit(partial(decode_step, cfg=m, max_length=max_length), donate_argnums=(2,)).lower(
             prepared, tok, cache))
     report["compile_seconds"] = time.perf_counter() - t0
-    hbm = topology.family.hbm_gib
-    report["prefill"], report["decode"] = ({k: v for k, v in r.items()} for r in (pre, dec))
-    need = max(pre["need"], dec["need"])
-    report.update(memory_verdict(need=need, hbm=hbm))
+    dec.pop("compiled", None)
+    report["prefill"], report["decode"] = pre, dec
+    report.update(memory_verdict(need=max(pre["need"], dec["need"]), hbm=topology.family.hbm_gib))
     return report
 
 
@@ -307,7 +311,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
             print(f"topology       {r['topology']}: {r['devices']} devices, mesh {r['mesh']}, {r['hbm_gib']:.2f} GiB HBM each")
             print(f"cache          {r['cache_gib_total']:.2f} GiB in all at batch {r['batch']} x {r['max_length']} tokens")
             for what in ("prefill", "decode"):
-                print(f"{what:<15}{r[what]['need']:.2f} GiB per device")
+                if what in r:
+                    oom = " (XLA: out of memory)" if "oom" in r[what] else ""
+                    print(f"{what:<15}{r[what]['need']:.2f} GiB per device{oom}")
             print(f"compile time   {r['compile_seconds']:.1f} s")
             print(f"verdict        {r['verdict']}")
         return 0 if r["fits"] else 1
