@@ -130,6 +130,9 @@ class DataConfig:
     document_masking: bool = False
     # Where the cached global order is written (default: beside the run directory).
     cache_dir: str | None = None
+    # train.objective=dpo: a preference-pair folder (``pairs_token_ids.npy``, ``pairs_labels_mask.npy``,
+    # ``pairs_index.npy``, ``manifest.json``; ``olmax tokenize --chat`` writes it). Used instead of ``paths``.
+    preference_path: str | None = None
     # Optional local cache of remote (s3://, gs://, http(s)://) token files, in 16 MiB blocks
     # fetched on first use; None reads every instance with a range request.
     remote_cache_dir: str | None = None
@@ -220,6 +223,9 @@ class TrainConfig:
     # Append each process's global instance ids per step to RUN_DIR/instance_ids.p<r>.jsonl
     # (audits of what every process actually read).
     trace_instance_ids: bool = False
+    # What a step optimises: lm (next-token CE over data.paths) or dpo (preference pairs from
+    # data.preference_path, the ``dpo`` section; global_batch_size then counts pairs).
+    objective: Literal["lm", "dpo"] = "lm"
 
 
 @dataclass(frozen=True)
@@ -246,6 +252,24 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class DpoConfig:
+    """Direct preference optimisation (``olmax.train.dpo``), as open-instruct's ``dpo_tune_cache.py``."""
+
+    # dpo_norm: per-sequence log-prob = mean over the response tokens (open-instruct ``dpo_norm``,
+    # TRL ``sigmoid_norm``); dpo: their sum (the original DPO).
+    loss: Literal["dpo_norm", "dpo"] = "dpo_norm"
+    beta: float = 5.0
+    # Conservative DPO: -(1 - e) log sigmoid(beta x) - e log sigmoid(-beta x); 0 = plain DPO.
+    label_smoothing: float = 0.0
+    # The frozen reference model: "init" (the policy's initial weights) or a checkpoint
+    # (hf:DIR, olmax:PATH, a run or weights directory). Its log-probs are computed once, before
+    # the first step, into RUN_DIR/reference_logps/ (resumable, fingerprinted).
+    reference: str = "init"
+    # Pairs per forward pass of that first pass; None = one micro-batch's worth of pairs.
+    reference_batch_size: int | None = None
+
+
+@dataclass(frozen=True)
 class Config:
     name: str = "custom"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -255,6 +279,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(self)
@@ -349,6 +374,15 @@ def validate(cfg: Config) -> Config:
     if t.micro_batch_size is not None and t.max_micro_batch_size is not None:
         raise ConfigError("set train.micro_batch_size or train.max_micro_batch_size, not both "
                           f"(got {t.micro_batch_size} and {t.max_micro_batch_size})")
+    if t.objective == "dpo":
+        if not cfg.data.preference_path:
+            raise ConfigError("train.objective=dpo needs data.preference_path (a folder of preference pairs)")
+        if not (math.isfinite(cfg.dpo.beta) and cfg.dpo.beta > 0):
+            raise ConfigError(f"dpo.beta must be a finite number > 0, got {cfg.dpo.beta!r}")
+        if not 0.0 <= cfg.dpo.label_smoothing < 0.5:
+            raise ConfigError(f"dpo.label_smoothing must be >= 0 and < 0.5, got {cfg.dpo.label_smoothing!r}")
+        if cfg.dpo.reference_batch_size is not None and cfg.dpo.reference_batch_size < 1:
+            raise ConfigError(f"dpo.reference_batch_size must be positive or null, got {cfg.dpo.reference_batch_size}")
     return cfg
 
 
