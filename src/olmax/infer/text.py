@@ -12,11 +12,15 @@ jinja2 the way transformers renders it (sandboxed, ``trim_blocks``, ``lstrip_blo
 one (or without jinja2) the OLMo 3 Instruct template is rendered in Python: ChatML turns
 ``<|im_start|>role\\n...<|im_end|>\\n``, the Instruct model's default system message when the
 conversation has none, a final assistant turn closed by the EOS token, and the generation prompt
-``<|im_start|>assistant\\n``.
+``<|im_start|>assistant\\n``; tools go in the system turn as a JSON list inside
+``<functions>...</functions>``. ``render_olmo3_chat(..., think=True)`` is the Think variant,
+whose generation prompt adds ``<think>`` (``olmax tokenize --chat`` keeps that ``<think>`` out of
+the masked prompt: see ``olmax.data.chat``).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -30,8 +34,19 @@ TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 # The system message OLMo 3 Instruct's template inserts when a conversation has none.
-OLMO3_DEFAULT_SYSTEM = ("You are a helpful function-calling AI assistant. You do not currently have access to any "
-                        "functions. <functions></functions>")
+OLMO3_SYSTEM_PREFIX = "You are a helpful function-calling AI assistant. "
+OLMO3_DEFAULT_SYSTEM = OLMO3_SYSTEM_PREFIX + "You do not currently have access to any functions. <functions></functions>"
+# With tools and no system message, this preamble and the tools' JSON replace the "no functions" text.
+OLMO3_FUNCTIONS_PREAMBLE = ("You are provided with function signatures within <functions></functions> XML tags. You may "
+                            "call one or more functions to assist with the user query. Output any function calls within "
+                            "<function_calls></function_calls> XML tags. Do not make assumptions about what values to "
+                            "plug into functions.")
+# OLMo 3 7B Think's SFT template (open-instruct ``olmo_thinker_no_think_7b``): default system message, and
+# the suffix a given system message gets when there are no tools.
+OLMO3_THINK_DEFAULT_SYSTEM = ("You are Olmo, a helpful AI assistant built by Ai2. Your date cutoff is December 2024, "
+                              "and your model weights are available at https://huggingface.co/allenai.")
+OLMO3_THINK_NO_FUNCTIONS = " You do not currently have access to any functions. <functions></functions>"
+THINK_OPEN = "<think>"
 ROLES = ("system", "user", "assistant", "environment", "tool")
 # Special-token roles a template may read (``{{ eos_token }}``), as tokenizer_config.json names them.
 SPECIAL_ROLES = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -115,26 +130,73 @@ def _template_from(folder: Path) -> tuple[str | None, str | None, dict]:
     return (t, str(cpath), conf) if isinstance(t, str) and t else (None, None, conf)
 
 
-def render_olmo3_chat(messages: list[dict], add_generation_prompt: bool = True, eos_token: str = "<|endoftext|>") -> str:
-    """OLMo 3 Instruct's chat template (without tools), rendered in Python."""
+def _tools_json(tools: Any) -> str:
+    """The tool list as the OLMo 3 templates print it inside ``<functions>``: JSON (``, `` and
+    ``: `` separators, non-ASCII kept); a string is taken as already-serialised JSON."""
+    return tools if isinstance(tools, str) else json.dumps(tools, ensure_ascii=False)
+
+
+def _function_calls(m: dict) -> str:
+    """An assistant turn's calls as ``<function_calls>...</function_calls>``: open-instruct's
+    ``function_calls`` string, or HF-style ``tool_calls`` printed as ``name(key=json, ...)``, one
+    call a line; empty when the turn makes none."""
+    if isinstance(m.get("function_calls"), str):
+        return f"<function_calls>{m['function_calls']}</function_calls>"
+    calls = m.get("tool_calls")
+    if not calls:
+        return ""
+    out = []
+    for c in calls:
+        f = c.get("function", c) if isinstance(c, dict) else {}
+        args = f.get("arguments") or {}
+        if isinstance(args, str):
+            args = json.loads(args)
+        out.append(f"{f.get('name')}(" + ", ".join(f"{k}={json.dumps(args[k], ensure_ascii=False)}"
+                                                   for k in sorted(args)) + ")")
+    return "<function_calls>" + "\n".join(out) + "</function_calls>"
+
+
+def render_olmo3_chat(messages: list[dict], add_generation_prompt: bool = True, eos_token: str = "<|endoftext|>",
+                      tools: Any = None, think: bool = False) -> str:
+    """OLMo 3's chat template rendered in Python: Instruct, or Think with ``think=True``.
+
+    Tools (a list, or its JSON) go inside ``<functions>...</functions>`` at the end of the system
+    turn, after the function-calling preamble when the default system message is used; an
+    assistant's calls follow its content as ``<function_calls>...</function_calls>``; ``tool``
+    turns are ``environment`` turns. The Think variant has 7B Think's default system message, a
+    given system message gets the "no functions" suffix (open-instruct's ``olmo_thinker``
+    templates), and its generation prompt is ``<|im_start|>assistant\\n<think>``."""
     out = []
     if not any(m["role"] == "system" for m in messages):
-        out.append(f"{IM_START}system\n{OLMO3_DEFAULT_SYSTEM}{IM_END}\n")
+        if think:
+            default = OLMO3_THINK_DEFAULT_SYSTEM + (f" <functions>{_tools_json(tools)}</functions>" if tools else "")
+        elif tools:
+            default = OLMO3_SYSTEM_PREFIX + OLMO3_FUNCTIONS_PREAMBLE + f"<functions>{_tools_json(tools)}</functions>"
+        else:
+            default = OLMO3_DEFAULT_SYSTEM
+        out.append(f"{IM_START}system\n{default}{IM_END}\n")
     for i, m in enumerate(messages):
         role = "environment" if m["role"] == "tool" else m["role"]
+        content = m.get("content") or ""
         if role == "assistant":
             end = f"{IM_END}\n" if i < len(messages) - 1 else eos_token
-            out.append(f"{IM_START}assistant\n{m['content']}{end}")
+            out.append(f"{IM_START}assistant\n{content}{_function_calls(m)}{end}")
+        elif role == "system":
+            if tools:
+                content += (" " if think else "") + f"<functions>{_tools_json(tools)}</functions>"
+            elif think:
+                content += OLMO3_THINK_NO_FUNCTIONS
+            out.append(f"{IM_START}system\n{content}{IM_END}\n")
         else:
-            out.append(f"{IM_START}{role}\n{m['content']}{IM_END}\n")
+            out.append(f"{IM_START}{role}\n{content}{IM_END}\n")
     if add_generation_prompt:
-        out.append(f"{IM_START}assistant\n")
+        out.append(f"{IM_START}assistant\n" + (THINK_OPEN if think else ""))
     return "".join(out)
 
 
-def _render_jinja(source: str, where: str, messages: list[dict], add_generation_prompt: bool,
-                  special: dict[str, str | None]) -> str:
-    """A transformers-style chat template (its sandbox, filters and globals)."""
+@functools.lru_cache(maxsize=8)
+def _jinja_template(source: str) -> Any:
+    """A transformers-style chat template compiled once (its sandbox, filters and globals)."""
     import datetime
 
     import jinja2
@@ -152,9 +214,16 @@ def _render_jinja(source: str, where: str, messages: list[dict], add_generation_
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _render_jinja(source: str, where: str, messages: list[dict], add_generation_prompt: bool,
+                  special: dict[str, str | None], tools: Any = None) -> str:
+    """Render a transformers-style chat template; errors name ``where``."""
+    import jinja2
     try:
-        return env.from_string(source).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                              tools=None, documents=None, **special)
+        return _jinja_template(source).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                              tools=tools, documents=None, **special)
     except jinja2.exceptions.TemplateError as e:
         raise ConfigError(f"chat template {where}: {e}") from None
 
