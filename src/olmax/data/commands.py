@@ -28,7 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="new or empty output folder")
     p.add_argument("--heldout", type=float, default=0.0, metavar="FRACTION",
                    help="documents split off by a hash of their text into DIR/heldout (rest: DIR/train)")
-    p.add_argument("--shard-tokens", type=int, default=1 << 28, metavar="N", help="tokens per output file")
+    p.add_argument("--shard-tokens", type=int, default=None, metavar="N",
+                   help="tokens per output file (default 2**28; --chat: 1 GiB of token ids, as open-instruct)")
     p.add_argument("--processes", type=int, default=os.cpu_count() or 1, metavar="P",
                    help="tokenizer processes (default: one per core; the output is the same for any P)")
     p.add_argument("--text-field", default="text", help="JSONL field holding the text (Dolma: text)")
@@ -36,6 +37,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="document unit of plain-text inputs (default: blank-line separated blocks)")
     p.add_argument("--eos-token-id", type=int, help="EOS id (default: the tokenizer's <|endoftext|>)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c = p.add_argument_group("chat data (olmax.data.chat)")
+    c.add_argument("--chat", action="store_true",
+                   help="JSONL conversations ({messages, tools?}) -> token_ids_part_*.npy + labels_mask_part_*.npy "
+                        "(OLMo-core / open-instruct layout); labels on assistant turns only")
+    c.add_argument("--preference", action="store_true",
+                   help="with --chat: chosen/rejected pairs -> pairs_{token_ids,labels_mask,index}.npy (for DPO)")
+    c.add_argument("--template", default="olmo3", metavar="NAME|PATH",
+                   help="olmo3 (default), olmo3-think, tokenizer (the jinja template beside --tokenizer), "
+                        "a tokenizer folder or a .jinja file")
+    c.add_argument("--max-length", type=int, metavar="N", help="keep the first N tokens of each sequence")
+    c.add_argument("--skip-bad", action="store_true", help="skip and count bad conversations instead of failing")
     p.add_argument("inputs", nargs="+", metavar="INPUT")
     p.set_defaults(func=_tokenize)
 
@@ -60,14 +72,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _tokenize(args: argparse.Namespace) -> int:
+    if args.chat or args.preference:
+        return _tokenize_chat(args)
     manifests = tokenize(args.inputs, args.out, tokenizer=args.tokenizer, train_bpe_vocab=args.train_bpe,
-                         heldout=args.heldout, shard_tokens=args.shard_tokens, processes=args.processes,
+                         heldout=args.heldout, shard_tokens=args.shard_tokens or 1 << 28, processes=args.processes,
                          text_field=args.text_field, text_unit=args.text_unit, eos_token_id=args.eos_token_id,
                          progress=not args.no_progress)
     for split, m in manifests.items():
         where = args.out if split == "all" else os.path.join(args.out, split)
         print(f"{where}: {m['total_documents']} documents, {m['total_tokens']} tokens ({m['dtype']}, "
               f"eos {m['eos_token_id']}) in {len(m['files'])} files")
+    return 0
+
+
+def _tokenize_chat(args: argparse.Namespace) -> int:
+    from olmax.data.chat import summary, tokenize_chat
+    if not args.chat:
+        raise DataError("--preference goes with --chat")
+    if args.tokenizer is None:
+        raise DataError("--chat needs --tokenizer FILE.json (a chat template's special tokens must be in it)")
+    if args.heldout:
+        raise DataError("--heldout is for plain text; split chat JSONL before tokenizing")
+    m = tokenize_chat(args.inputs, args.out, tokenizer=args.tokenizer, template=args.template,
+                      preference=args.preference, max_length=args.max_length, skip_bad=args.skip_bad,
+                      processes=args.processes, part_tokens=args.shard_tokens, eos_token_id=args.eos_token_id,
+                      progress=not args.no_progress)
+    print(summary(m, args.out))
     return 0
 
 
