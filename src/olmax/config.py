@@ -128,6 +128,17 @@ class DataConfig:
     # within a document and RoPE positions restart in each; the loss is unchanged. AI2's pre-training
     # scripts don't set it.
     document_masking: bool = False
+    # Label-mask files (raw bool, one byte per token, ``labels_mask_*.npy`` as open-instruct's SFT
+    # converter writes them), one per token file of ``paths`` and in the same order (globs allowed):
+    # a position counts in the loss only where its label's mask is True. Empty: every label counts.
+    label_mask_paths: tuple[str, ...] = ()
+    # How instances are cut from documents: none = the token files cut into L-token windows
+    # (pre-training, OLMo-core ``NumpyFSLDataset``); obfd = EOS-delimited documents bin-packed per file
+    # by best-fit decreasing and padded to L (SFT, OLMo-core ``NumpyPackedFSLDataset``).
+    packing: Literal["none", "obfd"] = "none"
+    # packing=obfd: a document longer than L is cut to its first L tokens (truncate) or into L-token
+    # pieces (fragment), OLMo-core's ``LongDocStrategy``.
+    long_doc_strategy: Literal["truncate", "fragment"] = "truncate"
     # Where the cached global order is written (default: beside the run directory).
     cache_dir: str | None = None
     # train.objective=dpo: a preference-pair folder (``pairs_token_ids.npy``, ``pairs_labels_mask.npy``,
@@ -223,6 +234,13 @@ class TrainConfig:
     # Append each process's global instance ids per step to RUN_DIR/instance_ids.p<r>.jsonl
     # (audits of what every process actually read).
     trace_instance_ids: bool = False
+    # Loss normalisation over the global batch. 1: CE summed over every counted label of the batch,
+    # divided by their number (the exact global token mean; does not depend on the topology).
+    # R > 1: OLMo-core's SFT rule with R data-parallel ranks: rank r holds columns r::R of the global
+    # batch (the split of ``olmax.data.order``); each rank's CE sum is divided by its own label count
+    # and the R quotients are averaged (a rank with no counted label adds 0: OLMo-core divides by
+    # zero). The two agree when every rank counts as many labels, as in pre-training.
+    loss_ranks: int = 1
     # What a step optimises: lm (next-token CE over data.paths) or dpo (preference pairs from
     # data.preference_path, the ``dpo`` section; global_batch_size then counts pairs).
     objective: Literal["lm", "dpo"] = "lm"
@@ -243,6 +261,10 @@ class CheckpointConfig:
 class EvalConfig:
     # Held-out token files (never part of the training index).
     heldout_paths: tuple[str, ...] = ()
+    # Label-mask files of the held-out token files (as data.label_mask_paths): only their True
+    # labels are scored (SFT: the assistant tokens). With data.packing=obfd the held-out documents
+    # are packed as the training ones are.
+    heldout_label_mask_paths: tuple[str, ...] = ()
     interval: int = 10000
     batches: int = 8
     batch_size: int = 8
@@ -374,9 +396,13 @@ def validate(cfg: Config) -> Config:
     if t.micro_batch_size is not None and t.max_micro_batch_size is not None:
         raise ConfigError("set train.micro_batch_size or train.max_micro_batch_size, not both "
                           f"(got {t.micro_batch_size} and {t.max_micro_batch_size})")
-    if t.objective == "dpo":
-        if not cfg.data.preference_path:
-            raise ConfigError("train.objective=dpo needs data.preference_path (a folder of preference pairs)")
+    if t.global_batch_size % t.loss_ranks:
+        raise ConfigError(f"train.loss_ranks ({t.loss_ranks}) must divide train.global_batch_size "
+                          f"({t.global_batch_size}): each rank holds the same number of instances")
+    if cfg.data.label_mask_paths and cfg.data.repetition_filter:
+        raise ConfigError("data.repetition_filter masks whole instances and data.label_mask_paths masks labels: "
+                          "use one (OLMo-core's SFT runs have no repetition filter)")
+    if t.objective == "dpo":  # data.preference_path is checked when a run opens it (recipes leave it unset)
         if not (math.isfinite(cfg.dpo.beta) and cfg.dpo.beta > 0):
             raise ConfigError(f"dpo.beta must be a finite number > 0, got {cfg.dpo.beta!r}")
         if not 0.0 <= cfg.dpo.label_smoothing < 0.5:
@@ -432,7 +458,7 @@ def _validate_ranges(cfg: Config) -> None:
         "checkpoint.keep_last": (cfg.checkpoint.keep_last, 1, False),  # 0 would delete the newest checkpoint
         "checkpoint.keep_every": (cfg.checkpoint.keep_every, 1, True),
         "eval.interval": (cfg.eval.interval, 1, False), "eval.batches": (cfg.eval.batches, 1, False),
-        "eval.batch_size": (cfg.eval.batch_size, 1, False),
+        "eval.batch_size": (cfg.eval.batch_size, 1, False), "train.loss_ranks": (t.loss_ranks, 1, False),
     }
     for name, (v, lo, optional) in ints.items():
         if v is None and optional:

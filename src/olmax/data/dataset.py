@@ -268,7 +268,7 @@ class TokenDataset:
     def __init__(self, paths: Sequence[str], *, sequence_length: int, vocab_size: int, eos_token_id: int,
                  pad_token_id: int, bos_token_id: int | None = None, dtype: str = "uint32",
                  mix_root: str | None = None, mix_tokenizer: str | None = None, validate: Validate = "sample",
-                 remote_cache_dir: str | None = None):
+                 remote_cache_dir: str | None = None, label_mask_paths: Sequence[str] = ()):
         if not paths:
             raise DataError("data.paths is empty: give token files, mix files or `olmax tokenize` folders")
         if sequence_length <= 0:
@@ -295,9 +295,14 @@ class TokenDataset:
         if start >= np.iinfo(np.uint32).max:  # OLMo-core keeps instance ids in uint32
             raise DataError(f"{start} instances do not fit the uint32 global order")
         self.files: tuple[TokenFile, ...] = tuple(files)
+        self.mask_paths: tuple[str, ...] = ()
+        if label_mask_paths:
+            from olmax.data.packed import check_mask_sizes, label_mask_files
+            self.mask_paths = tuple(label_mask_files([f.path for f in files], label_mask_paths))
+            check_mask_sizes([(f.path, m, f.size) for f, m in zip(files, self.mask_paths)], item)
         self.num_instances = start
         self._starts = np.array([f.start for f in files] + [start], dtype=np.int64)
-        self._maps: dict[int, np.ndarray] = {}
+        self._maps: dict = {}
         if validate != "none":
             def check(f: TokenFile) -> None:
                 try:
@@ -319,7 +324,7 @@ class TokenDataset:
         return cls(d.paths, sequence_length=d.sequence_length, vocab_size=cfg.model.vocab_size,
                    eos_token_id=d.eos_token_id, pad_token_id=d.pad_token_id, bos_token_id=d.bos_token_id,
                    dtype=d.dtype, mix_root=d.mix_root, mix_tokenizer=d.mix_tokenizer, validate=validate,
-                   remote_cache_dir=getattr(d, "remote_cache_dir", None))
+                   remote_cache_dir=getattr(d, "remote_cache_dir", None), label_mask_paths=d.label_mask_paths)
 
     def __len__(self) -> int:
         return self.num_instances
@@ -333,7 +338,30 @@ class TokenDataset:
         return {"class": "NumpyFSLDataset", "vocab_size": self.vocab_size, "pad_token_id": self.pad_token_id,
                 "eos_token_id": self.eos_token_id, "bos_token_id": self.bos_token_id, "dtype": self.dtype.name,
                 "sequence_length": self.sequence_length,
-                "files": [[os.path.basename(f.path), f.size] for f in self.files]}
+                "files": [[os.path.basename(f.path), f.size] for f in self.files],
+                **({"label_masks": [os.path.basename(m) for m in self.mask_paths]} if self.mask_paths else {})}
+
+    @property
+    def label_masked(self) -> bool:
+        return bool(getattr(self, "mask_paths", ()))
+
+    def read_label_mask(self, ids: np.ndarray) -> np.ndarray:
+        """Label masks of instances ``ids``, bool ``[len(ids), L]``, from ``data.label_mask_paths``
+        (OLMo-core ``NumpyFSLDataset`` reads the same windows of the mask files)."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        L = self.sequence_length
+        out = np.ones((len(ids), L), dtype=bool)
+        if not self.label_masked:
+            return out
+        file_idx = np.searchsorted(self._starts, ids, side="right") - 1
+        for row, (i, fi) in enumerate(zip(ids, file_idx)):
+            key = ("mask", int(fi))
+            if key not in self._maps:
+                self._maps[key] = open_tokens(self.mask_paths[fi], np.uint8, self.files[fi].tokens,
+                                              getattr(self, "remote_cache_dir", None))
+            local = int(i - self._starts[fi])
+            out[row] = np.asarray(self._maps[key][local * L:(local + 1) * L]) != 0
+        return out
 
     @functools.cached_property
     def fingerprint(self) -> str:  # the files are fixed at construction: hash once
@@ -358,7 +386,8 @@ class TokenDataset:
     def content_hashes(self) -> list[list[str | None]]:
         """``[basename, sha256]`` per file over sampled byte ranges (:func:`content_hash`); the hash
         is None for a remote file (s3://, gs://, http(s)://), whose object-store metadata stands in."""
-        return [[os.path.basename(f.path), None if io.is_remote(f.path) else content_hash(f.path)] for f in self.files]
+        paths = [f.path for f in self.files] + list(getattr(self, "mask_paths", ()))
+        return [[os.path.basename(p), None if io.is_remote(p) else content_hash(p)] for p in paths]
 
     def _map(self, i: int) -> np.ndarray:
         if i not in self._maps:

@@ -23,6 +23,7 @@ from olmax.config import Config
 from olmax.data import DataError
 from olmax.data.dataset import TokenDataset, Validate, dirty_instances
 from olmax.data.order import GlobalOrder, ShareFn, process_share
+from olmax.data.packed import PackedDataset
 
 if TYPE_CHECKING:
     import jax
@@ -61,13 +62,21 @@ class DataState:
         return cls(**d)
 
 
+def build_dataset(cfg: Config, *, validate: Validate = "sample") -> TokenDataset | PackedDataset:
+    """The training dataset ``data.packing`` asks for (both with ``data.label_mask_paths``)."""
+    if cfg.data.packing == "obfd":
+        return PackedDataset.from_config(cfg, validate=validate)
+    return TokenDataset.from_config(cfg, validate=validate)
+
+
 def state_mismatches(saved: DataState, dataset: TokenDataset) -> list[str]:
     """What differs between a saved state's dataset and ``dataset``, in words."""
     now = dataset.describe()
     old = saved.dataset
     out = []
-    for k in ("class", "vocab_size", "eos_token_id", "pad_token_id", "bos_token_id", "dtype", "sequence_length"):
-        if k in old and old[k] != now[k]:
+    for k in ("class", "vocab_size", "eos_token_id", "pad_token_id", "bos_token_id", "dtype", "sequence_length",
+              "long_doc_strategy", "label_masks"):
+        if old.get(k) != now.get(k) and (k in old or k in now):
             out.append(f"{k} changed: {old[k]} -> {now[k]}")
     if "files" in old:
         # Align the file lists (mixes repeat basenames such as 000000.npy) to name what changed.
@@ -100,7 +109,10 @@ class StepSource:
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         ids = self.ids(int(step))
         tokens = self.dataset.read(ids, step=int(step))
-        mask = np.ones(tokens.shape, dtype=bool)
+        if self.dataset.label_masked:
+            mask = self.dataset.read_label_mask(ids)  # label-mask files; False on packing's padding
+        else:
+            mask = np.ones(tokens.shape, dtype=bool)
         if self.repetition_filter is not None:
             lo, hi, count = self.repetition_filter
             # OLMo-core keeps dirty instances but ignores all their labels (instance_mask).
@@ -131,7 +143,7 @@ class DataLoader:
         if not 0 <= process_index < process_count:
             raise DataError(f"process index {process_index} is outside 0..{process_count - 1}")
         self.cfg = cfg
-        self.dataset = dataset or TokenDataset.from_config(cfg, validate=validate)
+        self.dataset = dataset or build_dataset(cfg, validate=validate)
         B = cfg.train.global_batch_size
         if B % process_count:
             raise DataError(f"train.global_batch_size={B} is not divisible by the {process_count} data processes")

@@ -32,7 +32,7 @@ import numpy as np
 from olmax.config import Config, ConfigError, MeshConfig
 from olmax.data.dataset import file_sizes, open_tokens, resolve_paths
 from olmax.eval.runs import mean_se
-from olmax.model.loss import loss_denominator, loss_sums, with_documents
+from olmax.model.loss import loss_denominator, loss_sums, whole_rows_count, with_documents
 from olmax.sharding import activation_mesh, batch_sharding, data_parallel_size, make_mesh
 
 PER_BATCH_FMT = "{metric} [batch {i}]"   # per-batch metric names (parsed back by olmax.eval.compare)
@@ -61,6 +61,22 @@ def heldout_windows(paths: tuple[str, ...] | list[str], dtype: str, seq_len: int
     if not out:
         raise ConfigError(f"held-out files {list(paths)} hold no window of {seq_len} tokens")
     return np.concatenate(out)
+
+
+def sft_instances(cfg: Config, files: list[str], seq_len: int, n: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``n`` instances of the held-out files built as training builds its own
+    (``data.packing``) with ``eval.heldout_label_mask_paths``: (tokens, label masks), so the
+    held-out loss of an SFT run counts the assistant tokens only."""
+    from olmax.data.dataset import TokenDataset
+    from olmax.data.packed import PackedDataset
+    d = cfg.data
+    kw = dict(sequence_length=seq_len, vocab_size=cfg.model.vocab_size, eos_token_id=d.eos_token_id,
+              pad_token_id=d.pad_token_id, bos_token_id=d.bos_token_id, dtype=d.dtype,
+              label_mask_paths=cfg.eval.heldout_label_mask_paths)
+    ds = (PackedDataset(files, long_doc_strategy=d.long_doc_strategy, **kw) if d.packing == "obfd"
+          else TokenDataset(files, **kw))
+    ids = np.arange(len(ds) if n is None else min(n, len(ds)))
+    return ds.read(ids), ds.read_label_mask(ids)
 
 
 def fixed_batches(windows: np.ndarray, batch_size: int, vocab_size: int, what: str = "held-out files") -> np.ndarray:
@@ -98,7 +114,7 @@ def make_eval_step(cfg: Config, mesh: jax.sharding.Mesh | None = None) -> Any:
         with activation_mesh(mesh):
             batch = with_documents(batch, cfg)
             ce, _ = loss_sums(params, batch, cfg)
-        return ce, loss_denominator(batch["label_mask"])
+        return ce, loss_denominator(batch["label_mask"], whole_rows_count(cfg))
     return ev
 
 
@@ -128,12 +144,18 @@ class HeldoutEvaluator:
             raise ConfigError(f"sequence length must be >= 2 to score a label, got {self.seq_len}")
         self.files: dict[str, list[str]] = {}
         self.batches: dict[str, np.ndarray] = {}
+        self.masks: dict[str, np.ndarray] = {}
         for name, p in (sets or {"": paths or cfg.eval.heldout_paths}).items():
             self.files[name] = [f for f, _ in resolve_paths(list(p), dtype=self.dtype)]
-            windows = heldout_windows(self.files[name], self.dtype, self.seq_len,
-                                      self.max_batches * self.batch_size or None)
-            self.batches[name] = fixed_batches(windows, self.batch_size, cfg.model.vocab_size,
-                                               f"held-out files of {name!r}" if name else "held-out files")
+            n = self.max_batches * self.batch_size or None
+            what = f"held-out files of {name!r}" if name else "held-out files"
+            if not sets and (cfg.data.packing != "none" or cfg.eval.heldout_label_mask_paths):
+                windows, masks = sft_instances(cfg, self.files[name], self.seq_len, n)
+                self.batches[name] = fixed_batches(windows, self.batch_size, cfg.model.vocab_size, what)
+                self.masks[name] = masks[: self.batches[name].size // self.seq_len].reshape(self.batches[name].shape)
+                continue
+            windows = heldout_windows(self.files[name], self.dtype, self.seq_len, n)
+            self.batches[name] = fixed_batches(windows, self.batch_size, cfg.model.vocab_size, what)
         mesh = mesh or make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1))
         check_batch_divides(self.batch_size, mesh)
         sharding = batch_sharding(mesh)
@@ -141,11 +163,14 @@ class HeldoutEvaluator:
         # The batches never change: put them on the devices once, not at every evaluation.
         self._device = {k: [put_batch(b, sharding) for b in v] for k, v in self.batches.items()}
         self._mask = put_batch(np.ones((self.batch_size, self.seq_len), bool), sharding)
+        self._masks = {k: [put_batch(m, sharding) for m in v] for k, v in self.masks.items()}
 
     def batch_sums(self, params: Any) -> dict[str, list[tuple[float, float]]]:
         """Per set, per batch: (sum of CE, loss denominator: the labels scored)."""
         # Dispatch every batch, then fetch all results in one transfer.
-        got = jax.device_get({k: [self._eval(params, {"input_ids": b, "label_mask": self._mask}) for b in v]
+        got = jax.device_get({k: [self._eval(params, {"input_ids": b, "label_mask": self._masks[k][i]
+                                                      if k in self._masks else self._mask})
+                                  for i, b in enumerate(v)]
                               for k, v in self._device.items()})
         return {k: [(float(ce), float(n)) for ce, n in v] for k, v in got.items()}
 

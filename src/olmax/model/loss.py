@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from olmax.config import Config, ModelConfig
 from olmax.model.olmo3 import document_segments, hidden_states, lm_head
@@ -45,12 +46,44 @@ def _hidden(params: Any, batch: Batch, cfg: Config) -> jax.Array:
     return hidden_states(params, batch["input_ids"], cfg.model, **docs)
 
 
-def loss_denominator(label_mask: jax.Array) -> jax.Array:
-    """Counted labels (the shifted mask) plus L for each row whose labels are all masked."""
+def loss_denominator(label_mask: jax.Array, whole_rows: bool = True) -> jax.Array:
+    """Counted labels (the shifted mask) plus, with ``whole_rows``, L for each row whose labels
+    are all masked (OLMo-core counts the rows its instance filter drops; a row that label-mask
+    files mask entirely counts nothing, as in OLMo-core's SFT)."""
     L = label_mask.shape[1]
     valid = jnp.sum(label_mask[:, 1:].astype(jnp.float32))
+    if not whole_rows:
+        return valid
     masked_instances = jnp.sum((~jnp.any(label_mask, axis=1)).astype(jnp.float32))
     return valid + masked_instances * L
+
+
+def whole_rows_count(cfg: Config) -> bool:
+    """Whether a fully masked row counts L labels: only where the instance filter masks rows (the
+    pre-training data path), never with label-mask files or packed documents."""
+    return not cfg.data.label_mask_paths and cfg.data.packing == "none"
+
+
+def rank_of_rows(batch_rows: int, process_count: int, ranks: int) -> np.ndarray:
+    """OLMo-core's data-parallel rank of each row of a global batch as the train step sees it.
+    Process p's share (columns p::P of the global batch, ``olmax.data.order``) sits in rows
+    p*B/P .. (p+1)*B/P; OLMo-core's rank r of R holds columns r::R."""
+    j = np.arange(batch_rows)
+    per = batch_rows // process_count
+    column = j // per + (j % per) * process_count
+    return column % ranks
+
+
+def per_rank_weights(label_mask: jax.Array, ranks: int, process_count: int) -> jax.Array:
+    """Label weights [b, t] (fp32) for ``train.loss_ranks`` R > 1: a counted label of a row on
+    rank r weighs 1 / (R * rank r's counted labels), so the weighted CE sum is OLMo-core's SFT loss
+    (each rank's token mean, averaged over ranks). A rank without counted labels weighs 0."""
+    b = label_mask.shape[0]
+    groups = jnp.asarray(rank_of_rows(b, process_count, ranks))
+    per_row = jnp.sum(label_mask[:, 1:].astype(jnp.float32), axis=1)
+    per_rank = jax.ops.segment_sum(per_row, groups, num_segments=ranks)
+    w = jnp.where(per_rank > 0, 1.0 / (ranks * jnp.maximum(per_rank, 1.0)), 0.0)[groups]
+    return label_mask.astype(jnp.float32) * w[:, None]
 
 
 def _chunked(x: jax.Array, targets: jax.Array, valid: jax.Array, chunk: int | None

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from olmax.config import Config
-from olmax.model.loss import head_loss, loss_denominator, with_documents
+from olmax.model.loss import head_loss, loss_denominator, per_rank_weights, whole_rows_count, with_documents
 from olmax.optim import apply_update
 from olmax.sharding import BatchPlan, activation_mesh, batch_sharding
 
@@ -38,7 +38,12 @@ def make_train_step(cfg: Config, accum_steps: int, apply_update: Callable,
 
     def _step(params, opt_state, batch):
         batch = with_documents(batch, cfg)  # positions and segment ids, traced, when data.document_masking
-        denom = loss_denominator(batch["label_mask"])
+        if cfg.train.loss_ranks > 1:  # OLMo-core's per-rank token mean: weights carry the denominators
+            batch = {**batch, "label_mask": per_rank_weights(batch["label_mask"], cfg.train.loss_ranks,
+                                                             jax.process_count())}
+            denom = jnp.float32(1.0)
+        else:
+            denom = loss_denominator(batch["label_mask"], whole_rows_count(cfg))
         micro = jax.tree.map(lambda x: split_micro(x, accum_steps), batch)
 
         def micro_loss(p, mb):

@@ -1,0 +1,143 @@
+"""SFT data: packed instances and label masks equal OLMo-core 3.0.0's ``NumpyPackedFSLDataset``
+(which runs in the test), the global order and process split equal its data loader's for 1 to 4
+processes, label masks reach the loss, and bad label-mask files are errors naming them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from olmax.config import ConfigError
+from olmax.data import DataError
+from olmax.data.packed import PackedDataset, best_fit_decreasing, document_spans
+
+V, EOS, PAD, L = 512, 0, 1, 128
+
+
+def write_sft_files(folder, n_files=2, docs=1600, seed=0, tail=True):
+    """Token files of EOS-ended documents (lengths 1..300, so some exceed L=128 and are cut),
+    optionally a tail without EOS (not a document), and label-mask files (one bool byte a token)."""
+    rng = np.random.default_rng(seed)
+    toks, masks = [], []
+    for i in range(n_files):
+        parts, mparts = [], []
+        for _ in range(docs):
+            n = int(rng.choice([rng.integers(1, 40), rng.integers(40, 128), rng.integers(128, 300)], p=[.5, .4, .1]))
+            doc = rng.integers(2, V, size=n).astype(np.uint16)
+            doc[-1] = EOS
+            parts.append(doc)
+            m = np.zeros(n, dtype=bool)
+            m[int(rng.integers(0, n)):] = True  # a prompt, then the trained response
+            mparts.append(m)
+        if tail:
+            parts.append(rng.integers(2, V, size=7).astype(np.uint16))
+            mparts.append(np.ones(7, dtype=bool))
+        t, m = folder / f"token_ids_part_{i:04d}.npy", folder / f"labels_mask_{i:04d}.npy"
+        np.concatenate(parts).tofile(t)
+        np.concatenate(mparts).tofile(m)
+        toks.append(str(t))
+        masks.append(str(m))
+    return toks, masks
+
+
+def olmo_core_packed(paths, masks, work, strategy="truncate", seq=L):
+    from olmo_core.data import NumpyPackedFSLDatasetConfig, TokenizerConfig
+    from olmo_core.data.types import LongDocStrategy, NumpyDatasetDType
+    tok = TokenizerConfig(vocab_size=V, eos_token_id=EOS, pad_token_id=PAD)
+    ds = NumpyPackedFSLDatasetConfig(paths=list(paths), sequence_length=seq, tokenizer=tok,
+                                     dtype=NumpyDatasetDType.uint16, work_dir=str(work), label_mask_paths=list(masks),
+                                     generate_doc_lengths=True,
+                                     long_doc_strategy=LongDocStrategy(strategy)).build()
+    ds.prepare()
+    return ds
+
+
+@pytest.mark.parametrize("strategy", ["truncate", "fragment"])
+def test_packed_instances_equal_olmo_core(tmp_path, strategy):
+    paths, masks = write_sft_files(tmp_path)
+    ref = olmo_core_packed(paths, masks, tmp_path / "work", strategy)
+    mine = PackedDataset(paths, sequence_length=L, vocab_size=V, eos_token_id=EOS, pad_token_id=PAD, dtype="uint16",
+                         label_mask_paths=masks, long_doc_strategy=strategy)
+    assert len(mine) == len(ref) > 100
+    assert mine.fingerprint == ref.fingerprint
+    ids = np.arange(len(mine))
+    toks, lm, dl = mine.read(ids), mine.read_label_mask(ids), mine.doc_lens(ids)
+    truncated = 0
+    for i in ids:
+        r = ref[int(i)]
+        np.testing.assert_array_equal(toks[i], r["input_ids"].numpy(), err_msg=f"instance {i}")
+        np.testing.assert_array_equal(lm[i], r["label_mask"].numpy(), err_msg=f"instance {i}")
+        assert dl[i] == r["doc_lens"].tolist(), f"instance {i}"
+        truncated += toks[i][-1] != EOS and toks[i][-1] != PAD
+    assert truncated > 0  # documents longer than L were cut (truncate) or split (fragment)
+
+
+def test_best_fit_decreasing_rule():
+    # Longest first; each into the fullest instance that still holds it, the oldest among equals.
+    spans = np.array([[0, 5], [5, 12], [12, 15], [15, 17], [17, 18]])  # lengths 5, 7, 3, 2, 1
+    sorted_spans, bins = best_fit_decreasing(spans, 8)
+    assert (sorted_spans[:, 1] - sorted_spans[:, 0]).tolist() == [7, 5, 3, 2, 1]
+    assert bins == [[0, 4], [1, 2], [3]]
+    with pytest.raises(DataError):
+        best_fit_decreasing(np.array([[0, 9]]), 8)
+
+
+def test_document_spans_truncate_and_fragment():
+    t = np.array([5, 6, 0, 7, 7, 7, 7, 7, 0, 9], dtype=np.uint16)  # docs of 3 and 6 tokens, a 1-token tail
+    assert document_spans(t, 0, 4).tolist() == [[0, 3], [3, 7]]
+    assert document_spans(t, 0, 4, "fragment").tolist() == [[0, 3], [3, 7], [7, 9]]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_packed_batches_equal_olmo_core_loader(tmp_path, world):
+    """Every process's share of every step (instance ids, tokens, label masks) is OLMo-core's
+    data loader's for that rank, across an epoch boundary."""
+    from olmo_core.data import DataCollator, NumpyDataLoaderBase
+
+    from olmax.data.loader import DataLoader
+    from olmax.recipes import get_recipe
+    paths, masks = write_sft_files(tmp_path, docs=400)
+    ref_ds = olmo_core_packed(paths, masks, tmp_path / "work")
+    B = 12
+    cfg = get_recipe("tiny", [f"model.vocab_size={V}", "data.dtype=uint16", f"data.eos_token_id={EOS}",
+                              f"data.pad_token_id={PAD}", f"data.sequence_length={L}", "data.packing=obfd",
+                              "data.paths=" + ",".join(paths), "data.label_mask_paths=" + ",".join(masks),
+                              f"train.global_batch_size={B}", "data.workers=0", "data.seed=7"])
+    steps = len(ref_ds) // B + 2  # into the second epoch
+    for r in range(world):
+        ref = NumpyDataLoaderBase.wrap_numpy_dataset(
+            ref_ds, global_batch_size=B * L, collator=DataCollator(pad_token_id=PAD), work_dir=tmp_path / "work",
+            seed=7, dp_world_size=world, dp_rank=r, num_threads=0, num_workers=0)
+        got = []
+        for epoch in (1, 2):
+            ref.reshuffle(epoch=epoch)
+            got += list(ref)
+            ref.reset()
+        mine = DataLoader(cfg, process_index=r, process_count=world, stop_step=steps, cache_dir=tmp_path / "order")
+        for k in range(steps):
+            b, rb = mine.batch(k), got[k]
+            assert b["instance_ids"].tolist() == rb["index"].tolist(), (r, k)
+            np.testing.assert_array_equal(b["input_ids"], rb["input_ids"].numpy())
+            np.testing.assert_array_equal(b["label_mask"], rb["label_mask"].numpy())
+
+
+def test_label_mask_file_errors(tmp_path):
+    paths, masks = write_sft_files(tmp_path, docs=50)
+    kw = dict(sequence_length=L, vocab_size=V, eos_token_id=EOS, pad_token_id=PAD, dtype="uint16")
+    with pytest.raises(DataError, match="2 token files"):
+        PackedDataset(paths, label_mask_paths=masks[:1], **kw)
+    with pytest.raises(DataError, match="not found: .*missing.npy"):
+        PackedDataset(paths, label_mask_paths=[masks[0], str(tmp_path / "missing.npy")], **kw)
+    short = tmp_path / "short.npy"
+    short.write_bytes(open(masks[1], "rb").read()[:-3])
+    with pytest.raises(DataError, match="short.npy.*label-mask bytes"):
+        PackedDataset(paths, label_mask_paths=[masks[0], str(short)], **kw)
+    with pytest.raises(DataError, match="matches no file"):
+        PackedDataset(paths, label_mask_paths=[str(tmp_path / "nothing_*.npy")], **kw)
+    # Globs pair in sorted order.
+    ds = PackedDataset([str(tmp_path / "token_ids_part_*.npy")], label_mask_paths=[str(tmp_path / "labels_mask_*.npy")],
+                       **kw)
+    assert [f.mask_path for f in ds.files] == masks
+    from olmax.recipes import get_recipe
+    with pytest.raises(ConfigError, match="loss_ranks"):
+        get_recipe("tiny", ["train.global_batch_size=6", "train.loss_ranks=4"])
