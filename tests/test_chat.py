@@ -143,6 +143,25 @@ def test_masks_follow_prefix_spans(tok, k: int, think: bool) -> None:
     assert (ids == EOS).sum() == 1 and ids[-1] == EOS  # one EOS, at the end
 
 
+@pytest.mark.parametrize("think", [False, True])
+def test_open_instruct_count_rule(tok, think: bool) -> None:
+    """--labels open-instruct-counts (open-instruct before #1746, OLMo 3's SFT data): the same
+    labels except the \\n after each non-final <|im_end|>, which token counts of the prefix
+    renders (the turn rendered last, with EOS in place of <|im_end|>\\n) put in the next message."""
+    im_end = tok.token_to_id("<|im_end|>")
+    template = "olmo3-think" if think else "olmo3"
+    for msgs, tools in CONVS:
+        ids, mask = chat.encode_conversation(msgs, tok, template, tools=tools)
+        ids2, counted = chat.encode_conversation(msgs, tok, template, tools=tools, labels="open-instruct-counts")
+        np.testing.assert_array_equal(ids, ids2)
+        want = mask.copy()
+        after = np.flatnonzero((ids[:-1] == im_end) & mask[:-1]) + 1
+        assert len(after) == sum(m["role"] == "assistant" for m in msgs) - 1
+        assert all(tok.id_to_token(int(ids[i])) == "Ċ" for i in after)  # byte-level "\\n"
+        want[after] = False
+        np.testing.assert_array_equal(counted, want)
+
+
 def test_trained_text(tok) -> None:
     """Readable form of the rule: assistant content + <|im_end|>\\n, or EOS after the final turn;
     <think> trained under the Think template; tools in the (masked) system turn."""

@@ -18,9 +18,11 @@ Spans are found by rendering message prefixes through the template. OLMo 3's tem
 prefix-stable: a turn rendered last ends with EOS, the same turn followed by more messages ends
 with ``<|im_end|>\\n``. That one difference is recognised (the prefix render minus its final EOS
 must be a prefix of the full render, followed there by ``<|im_end|>``); any other mismatch is an
-error rather than a guess. (open-instruct counted tokens of the prefix renders instead, which
-for these templates trains ``<|im_end|>`` and masks the ``\\n`` after it; we train both, as the
-issue and the OLMo 3 recipe describe the terminator.)
+error rather than a guess. (open-instruct until its PR #1746, July 2026, hence for OLMo 3's
+SFT data, counted the tokens of prefix renders instead, masking each non-assistant message from
+the token count of the messages before it: with these templates that trains ``<|im_end|>`` and
+masks the ``\\n`` after it. We train both by default, as the issue and the OLMo 3 recipe describe
+the terminator; ``labels="open-instruct-counts"`` (``--labels``) reproduces the token-count rule.)
 
 Think (``<think>``): a generation prompt that ends with ``<think>`` (the Think template's
 ``<|im_start|>assistant\\n<think>``) has that tag cut off the masked header, so a ``<think>`` that
@@ -78,9 +80,14 @@ PAIRS_TOKEN_IDS, PAIRS_LABELS_MASK, PAIRS_INDEX = "pairs_token_ids.npy", "pairs_
 PART_BYTES = 1 << 30   # open-instruct's converter: at most 1 GiB of token ids a part
 BUILTIN_TEMPLATES = ("olmo3", "olmo3-think")
 ROLES = ("system", "user", "assistant", "environment", "tool")
-LABEL_RULE = ("trained: each assistant turn from the end of the prompt rendered with add_generation_prompt=True "
+LABEL_RULES = {
+    "turns": ("trained: each assistant turn from the end of the prompt rendered with add_generation_prompt=True "
               "(a trailing <think> excluded) to the end of the turn (content, function calls, <|im_end|>\\n or the "
-              "final EOS); masked: system/user/environment/tool turns and assistant headers")
+              "final EOS); masked: system/user/environment/tool turns and assistant headers"),
+    "open-instruct-counts": ("masked: each non-assistant message from the token count of the messages before it "
+                             "(rendered alone) to the token count through it (with add_generation_prompt=True when "
+                             "an assistant turn follows, a trailing <think> excluded); trained: the rest"),
+}
 _CHUNK_LINES, _CHUNK_CHARS = 512, 1 << 22
 
 
@@ -264,26 +271,51 @@ class ChatTokenizer:
         return ids, mask
 
 
-_TOKENIZERS: dict[int, tuple[Any, ChatTokenizer]] = {}
+_TOKENIZERS: dict[Any, tuple[Any, ChatTokenizer]] = {}
 
 
 def _chat_tokenizer(tokenizer: Any, eos_token_id: int | None) -> ChatTokenizer:
     if isinstance(tokenizer, ChatTokenizer):
         return tokenizer
-    key = id(tokenizer)
+    key: Any = str(tokenizer) if isinstance(tokenizer, (str, Path)) else id(tokenizer)
     hit = _TOKENIZERS.get(key)
-    if hit is None or hit[0] is not tokenizer or (eos_token_id is not None and hit[1].eos_id != eos_token_id):
+    if hit is None or (hit[0] is not tokenizer and not isinstance(key, str)) or (eos_token_id is not None and hit[1].eos_id != eos_token_id):
         if len(_TOKENIZERS) > 8:
             _TOKENIZERS.clear()
         hit = _TOKENIZERS[key] = (tokenizer, ChatTokenizer(tokenizer, eos_token_id))
     return hit[1]
 
 
-def _encode_full(messages: Any, tools: Any, tok: ChatTokenizer, template: ChatTemplate
+def _count_mask(messages: list[dict], template: ChatTemplate, tools: Any, tok: ChatTokenizer, n: int
+                ) -> np.ndarray:
+    """open-instruct's token-count rule (see the module doc): start everything trained, mask each
+    non-assistant message between token counts of prefix renders."""
+    from olmax.infer.text import THINK_OPEN
+
+    def count(text: str) -> int:
+        return len(tok.tok.encode(text, add_special_tokens=False).ids)
+    mask = np.ones(n, dtype=bool)
+    for j, m in enumerate(messages):
+        if m["role"] == "assistant":
+            continue
+        start = 0 if j == 0 else count(template.render(messages[:j], False, tools))
+        header = j + 1 < len(messages) and messages[j + 1]["role"] == "assistant"
+        through = template.render(messages[:j + 1], header, tools)
+        if header and through.endswith(THINK_OPEN):
+            through = through[:-len(THINK_OPEN)]
+        mask[start:count(through)] = False
+    return mask
+
+
+def _encode_full(messages: Any, tools: Any, tok: ChatTokenizer, template: ChatTemplate, labels: str = "turns"
                  ) -> tuple[np.ndarray, np.ndarray]:
+    if labels not in LABEL_RULES:
+        raise DataError(f"labels {labels!r}: use one of {', '.join(LABEL_RULES)}")
     messages, tools = check_conversation(messages, tools)
     text, spans = assistant_spans(messages, template, tools)
     ids, mask = tok.encode_spans(text, spans)
+    if labels == "open-instruct-counts":
+        mask = _count_mask(messages, template, tools, tok, len(ids))
     n_eos = int((ids == tok.eos_id).sum())
     if n_eos != 1 or ids[-1] != tok.eos_id:
         raise ChatError(f"the conversation must render to exactly one EOS (id {tok.eos_id}) at its end, got "
@@ -293,19 +325,20 @@ def _encode_full(messages: Any, tools: Any, tok: ChatTokenizer, template: ChatTe
 
 
 def encode_conversation(messages: list[dict], tokenizer: Any, template: str | ChatTemplate = "olmo3",
-                        tools: Any = None, *, eos_token_id: int | None = None, max_length: int | None = None
-                        ) -> tuple[np.ndarray, np.ndarray]:
+                        tools: Any = None, *, eos_token_id: int | None = None, max_length: int | None = None,
+                        labels: str = "turns") -> tuple[np.ndarray, np.ndarray]:
     """``(ids int64[n], label_mask bool[n])`` of one conversation.
 
     ``tokenizer``: a ``tokenizers.Tokenizer``, a ``tokenizer.json`` path or a :class:`ChatTokenizer`;
     ``template``: ``olmo3``, ``olmo3-think``, ``tokenizer``, a template folder / ``.jinja`` file, or
     a :class:`ChatTemplate`; ``tools``: a list of tool definitions (or its JSON). ``max_length``
-    keeps the first N tokens. Raises :class:`ChatError` for a bad conversation.
+    keeps the first N tokens. ``labels``: ``turns`` (the rule above) or ``open-instruct-counts``.
+    Raises :class:`ChatError` for a bad conversation.
     """
     tok = _chat_tokenizer(tokenizer, eos_token_id)
     tfile = tokenizer if isinstance(tokenizer, (str, Path)) else None
     tpl = load_template(template, tfile, tok.tok.id_to_token(tok.eos_id))
-    ids, mask = _encode_full(messages, tools, tok, tpl)
+    ids, mask = _encode_full(messages, tools, tok, tpl, labels)
     if max_length is not None:
         ids, mask = ids[:max_length], mask[:max_length]
     return ids, mask
@@ -352,15 +385,15 @@ def preference_messages(rec: Any) -> tuple[list[dict], list[dict], Any]:
 
 # --------------------------------------------------------------------------- workers
 
-_WORKER: tuple[ChatTokenizer, ChatTemplate] | None = None
+_WORKER: tuple[ChatTokenizer, ChatTemplate, str] | None = None
 
 
-def _init_worker(tok_json: str, eos_id: int, template: ChatTemplate, single_thread: bool) -> None:
+def _init_worker(tok_json: str, eos_id: int, template: ChatTemplate, labels: str, single_thread: bool) -> None:
     global _WORKER
     if single_thread:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
-    _WORKER = (ChatTokenizer(Tokenizer.from_str(tok_json), eos_id), template)
+    _WORKER = (ChatTokenizer(Tokenizer.from_str(tok_json), eos_id), template, labels)
 
 
 @dataclass
@@ -388,7 +421,7 @@ def _reason(msg: str) -> str:
 def _encode_chunk(task: tuple[list[tuple[int, str]], bool, int | None]) -> _Chunk:
     lines, preference, max_length = task
     assert _WORKER is not None
-    tok, template = _WORKER
+    tok, template, labels = _WORKER
     out = _Chunk()
     for n, line in lines:
         try:
@@ -398,11 +431,12 @@ def _encode_chunk(task: tuple[list[tuple[int, str]], bool, int | None]) -> _Chun
                 raise ChatError(f"not valid JSON ({e.msg})") from None
             if preference:
                 chosen, rejected, tools = preference_messages(rec)
-                seqs = [_encode_full(chosen, tools, tok, template), _encode_full(rejected, tools, tok, template)]
+                seqs = [_encode_full(chosen, tools, tok, template, labels),
+                        _encode_full(rejected, tools, tok, template, labels)]
             else:
                 if not isinstance(rec, dict) or "messages" not in rec:
                     raise ChatError("a conversation needs \"messages\" (a list of {\"role\", \"content\"})")
-                seqs = [_encode_full(rec["messages"], rec.get("tools"), tok, template)]
+                seqs = [_encode_full(rec["messages"], rec.get("tools"), tok, template, labels)]
         except ChatError as e:
             out.bad.append((n, _reason(str(e)), str(e)))
             continue
@@ -554,7 +588,7 @@ class _PairWriter:
 def tokenize_chat(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: str | Path,
                   template: str = "olmo3", preference: bool = False, max_length: int | None = None,
                   skip_bad: bool = False, processes: int = 1, part_tokens: int | None = None,
-                  eos_token_id: int | None = None, progress: bool = True) -> dict:
+                  eos_token_id: int | None = None, labels: str = "turns", progress: bool = True) -> dict:
     """Encode chat JSONL ``inputs`` into ``out_dir`` (SFT parts, or preference pairs); return the
     manifest (its ``report`` has the counts). Built in a temporary sibling folder and renamed
     into place; an existing non-empty ``out_dir`` is refused. Output is byte-identical for any
@@ -565,6 +599,8 @@ def tokenize_chat(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenize
     from olmax.data.tokenize import _check_inputs, _find_eos, smallest_dtype
     if processes <= 0:
         raise DataError(f"--processes must be positive, got {processes}")
+    if labels not in LABEL_RULES:
+        raise DataError(f"--labels {labels!r}: use one of {', '.join(LABEL_RULES)}")
     if max_length is not None and max_length <= 0:
         raise DataError(f"--max-length must be positive, got {max_length}")
     if part_tokens is not None and part_tokens <= 0:
@@ -629,13 +665,13 @@ def tokenize_chat(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenize
                    disable=not progress, file=sys.stderr)
         tasks = ((name, (lines, preference, max_length), nbytes) for name, lines, nbytes in _read_chunks(paths))
         if processes == 1:
-            _init_worker(tok.to_str(), eos, tpl, single_thread=False)
+            _init_worker(tok.to_str(), eos, tpl, labels, single_thread=False)
             for name, task, nbytes in tasks:
                 consume(name, _encode_chunk(task))
                 bar.update(nbytes)
         else:
             with ProcessPoolExecutor(processes, mp.get_context("spawn"), _init_worker,
-                                     (tok.to_str(), eos, tpl, True)) as pool:
+                                     (tok.to_str(), eos, tpl, labels, True)) as pool:
                 pending: deque = deque()
 
                 def drain(keep: int) -> None:
@@ -670,7 +706,7 @@ def tokenize_chat(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenize
         meta = {"dtype": dtype.name, "eos_token_id": eos, "vocab_size": vocab,
                 "tokenizer": {"file": "tokenizer.json", "sha256": hashlib.sha256(tok_json.encode()).hexdigest(),
                               "vocab_size": vocab},
-                "template": tpl.describe(), "label_rule": LABEL_RULE, "max_length": max_length,
+                "template": tpl.describe(), "labels": labels, "label_rule": LABEL_RULES[labels], "max_length": max_length,
                 "inputs": [p.name for p in paths], "report": report}
         if preference:
             shas = writer.finish()  # type: ignore[union-attr]

@@ -48,6 +48,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "a tokenizer folder or a .jinja file")
     c.add_argument("--max-length", type=int, metavar="N", help="keep the first N tokens of each sequence")
     c.add_argument("--skip-bad", action="store_true", help="skip and count bad conversations instead of failing")
+    c.add_argument("--labels", choices=("turns", "open-instruct-counts"), default="turns",
+                   help="turns: assistant content + <|im_end|>\\n / final EOS (default); open-instruct-counts: "
+                        "open-instruct's rule before its PR #1746, which tokenized OLMo 3's SFT data (masks the \\n "
+                        "after a non-final <|im_end|>)")
     p.add_argument("inputs", nargs="+", metavar="INPUT")
     p.set_defaults(func=_tokenize)
 
@@ -96,7 +100,7 @@ def _tokenize_chat(args: argparse.Namespace) -> int:
     m = tokenize_chat(args.inputs, args.out, tokenizer=args.tokenizer, template=args.template,
                       preference=args.preference, max_length=args.max_length, skip_bad=args.skip_bad,
                       processes=args.processes, part_tokens=args.shard_tokens, eos_token_id=args.eos_token_id,
-                      progress=not args.no_progress)
+                      labels=args.labels, progress=not args.no_progress)
     print(summary(m, args.out))
     return 0
 
