@@ -160,6 +160,9 @@ class ScheduleConfig:
     # ``switch_step``); constant.
     name: Literal["cosine", "half_cosine", "linear", "two_part_cosine", "constant"] = "cosine"
     warmup: int = 2000
+    # Warmup as a fraction of the schedule's horizon instead: round(t_max * fraction) steps
+    # (OLMo-core's ``warmup_fraction``; AI2's SFT uses 0.03 of the whole run). Replaces warmup.
+    warmup_fraction: float | None = None
     # Steps the (first) schedule is defined over; None means train.steps.
     t_max: int | None = None
     alpha_f: float = 0.1
@@ -234,6 +237,10 @@ class TrainConfig:
     # Append each process's global instance ids per step to RUN_DIR/instance_ids.p<r>.jsonl
     # (audits of what every process actually read).
     trace_instance_ids: bool = False
+    # Train this many epochs instead of train.steps: at the start of the run, train.steps becomes
+    # epochs x the whole global batches in one epoch of the dataset (OLMo-core's
+    # ``Duration.epochs``; AI2's SFT runs 2). The resolved count is what the run directory records.
+    epochs: int | None = None
     # Loss normalisation over the global batch. 1: CE summed over every counted label of the batch,
     # divided by their number (the exact global token mean; does not depend on the topology).
     # R > 1: OLMo-core's SFT rule with R data-parallel ranks: rank r holds columns r::R of the global
@@ -433,6 +440,9 @@ def _validate_ranges(cfg: Config) -> None:
     number("optim.max_grad_norm", o.max_grad_norm, strict=True, optional=True)
     number("optim.z_loss", o.z_loss, optional=True)
     number("optim.schedule.alpha_f", s.alpha_f)
+    number("optim.schedule.warmup_fraction", s.warmup_fraction, optional=True)
+    if s.warmup_fraction is not None and s.warmup_fraction > 1:
+        raise ConfigError(f"optim.schedule.warmup_fraction must be between 0 and 1, got {s.warmup_fraction!r}")
     number("optim.skip_step.sigma_factor", sk.sigma_factor, strict=True)
     m, t = cfg.model, cfg.train
     ints = {  # name: (value, lowest valid value, None allowed)
@@ -445,7 +455,7 @@ def _validate_ranges(cfg: Config) -> None:
         "train.global_batch_size": (t.global_batch_size, 1, False), "train.steps": (t.steps, 1, False),
         "train.micro_batch_size": (t.micro_batch_size, 1, True),
         "train.max_micro_batch_size": (t.max_micro_batch_size, 1, True),
-        "train.log_interval": (t.log_interval, 1, False), "checkpoint.interval": (cfg.checkpoint.interval, 1, False),
+        "train.log_interval": (t.log_interval, 1, False), "train.epochs": (t.epochs, 1, True), "checkpoint.interval": (cfg.checkpoint.interval, 1, False),
         "optim.schedule.warmup": (s.warmup, 0, False),
         "optim.schedule.t_max": (s.t_max, 1, True), "optim.schedule.t_max_2": (s.t_max_2, 1, True),
         "optim.schedule.switch_step": (s.switch_step, 0, True), "optim.schedule.part2_warmup": (s.part2_warmup, 0, True),

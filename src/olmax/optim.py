@@ -114,7 +114,9 @@ def make_schedule(optim_cfg: OptimConfig, total_steps: int) -> Schedule:
     sc = optim_cfg.schedule
     lr = float(optim_cfg.lr)
     t_max = int(sc.t_max if sc.t_max is not None else total_steps)
-    kw = dict(lr=lr, warmup=int(sc.warmup), t_max=t_max, alpha_f=float(sc.alpha_f))
+    # warmup_fraction: OLMo-core's round(t_max * warmup_fraction) (Python's round).
+    warmup = round(t_max * sc.warmup_fraction) if sc.warmup_fraction is not None else int(sc.warmup)
+    kw = dict(lr=lr, warmup=warmup, t_max=t_max, alpha_f=float(sc.alpha_f))
     if sc.name == "cosine":
         return lambda step: cos_with_warmup(step, **kw)
     if sc.name == "half_cosine":
@@ -122,7 +124,7 @@ def make_schedule(optim_cfg: OptimConfig, total_steps: int) -> Schedule:
     if sc.name == "linear":
         return lambda step: linear_with_warmup(step, **kw)
     if sc.name == "constant":
-        return lambda step: constant_with_warmup(step, lr=lr, warmup=int(sc.warmup))
+        return lambda step: constant_with_warmup(step, lr=lr, warmup=warmup)
     if sc.name == "two_part_cosine":  # switch_step and t_max_2 are set (olmax.config.validate)
         # part2_warmup None: part 2's warmup is the switch step (see two_part_cosine).
         p2w = int(sc.part2_warmup if sc.part2_warmup is not None else sc.switch_step)

@@ -91,10 +91,14 @@ def read_mix(mix_path: str | Path, mix_root: str | None = None,
     return out
 
 
+CHAT_FORMAT = "olmax-chat/1"   # `olmax tokenize --chat`: token ids and label masks per part
+
+
 def _read_manifest(path: Path | str) -> tuple[dict, list[tuple[str, None]]]:
     try:
         m = json.loads(io.read_text(str(path)))
-        files = [(io.join(io.parent(str(path)) if io.is_remote(path) else str(Path(path).parent), f["path"]),
+        key = "token_ids" if m.get("format") == CHAT_FORMAT else "path"
+        files = [(io.join(io.parent(str(path)) if io.is_remote(path) else str(Path(path).parent), f[key]),
                   int(f["tokens"])) for f in m["files"]]
     except io.RemoteError as e:
         raise DataError(f"manifest {e}") from None
@@ -140,6 +144,31 @@ def resolve_paths(paths: Sequence[str], mix_root: str | None = None, *, dtype: s
         # Remote files are checked when their sizes are read (one metadata request each).
         if not io.is_remote(path) and not os.path.isfile(path):
             raise DataError(f"token file not found: {path} (data.paths)")
+    return out
+
+
+def chat_label_masks(paths: Sequence[str]) -> list[str]:
+    """The label-mask files of ``data.paths`` entries that are ``olmax tokenize --chat`` folders
+    (or their manifests), in file order; [] when none is. Mixed with other kinds of entry it is an
+    error: give ``data.label_mask_paths`` then."""
+    out: list[str] = []
+    chat = 0
+    for p in paths:
+        mpath = (io.join(p, "manifest.json") if p.endswith("/") else p) if io.is_remote(p) else (
+            str(Path(p) / "manifest.json") if os.path.isdir(p) else p)
+        if not mpath.endswith(".json") or not (io.is_remote(mpath) or os.path.isfile(mpath)):
+            continue
+        try:
+            m = json.loads(io.read_text(mpath))
+        except (io.RemoteError, OSError, ValueError):
+            continue
+        if isinstance(m, dict) and m.get("format") == CHAT_FORMAT:
+            chat += 1
+            base = io.parent(mpath) if io.is_remote(mpath) else str(Path(mpath).parent)
+            out += [io.join(base, f["labels_mask"]) for f in m["files"]]
+    if chat and chat != len(paths):
+        raise DataError("data.paths mixes `olmax tokenize --chat` folders with other token files: give "
+                        "data.label_mask_paths for all of them")
     return out
 
 
@@ -296,6 +325,7 @@ class TokenDataset:
             raise DataError(f"{start} instances do not fit the uint32 global order")
         self.files: tuple[TokenFile, ...] = tuple(files)
         self.mask_paths: tuple[str, ...] = ()
+        label_mask_paths = label_mask_paths or chat_label_masks(paths)
         if label_mask_paths:
             from olmax.data.packed import check_mask_sizes, label_mask_files
             self.mask_paths = tuple(label_mask_files([f.path for f in files], label_mask_paths))

@@ -39,7 +39,7 @@ import numpy as np
 from olmax import io
 from olmax.config import Config
 from olmax.data import DataError
-from olmax.data.dataset import Validate, content_hash, file_sizes, open_tokens, resolve_paths, validate_tokens
+from olmax.data.dataset import Validate, chat_label_masks, content_hash, file_sizes, open_tokens, resolve_paths, validate_tokens
 
 LongDocStrategy = Literal["truncate", "fragment"]
 
@@ -177,6 +177,7 @@ class PackedDataset:
                                                 mix_tokenizer=mix_tokenizer)]
         sizes = file_sizes(resolved)
         masks: list[str | None] = [None] * len(resolved)
+        label_mask_paths = label_mask_paths or chat_label_masks(expand_globs(paths))
         if label_mask_paths:
             masks = list(label_mask_files(resolved, label_mask_paths))
             check_mask_sizes([(t, m, s) for t, m, s in zip(resolved, masks, sizes)], self.dtype.itemsize)

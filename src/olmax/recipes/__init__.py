@@ -10,6 +10,8 @@ from typing import Callable
 
 from olmax.config import Config, ConfigError, load_yaml, validate
 from olmax.recipes.olmo3 import olmo3_7b_stage1, olmo3_7b_stage2, olmo3_7b_stage3, olmo3_32b
+from olmax.recipes.dpo import olmo3_7b_instruct_dpo, olmo3_7b_think_dpo, tiny_dpo
+from olmax.recipes.sft import olmo3_7b_instruct_sft, olmo3_7b_think_sft, tiny_sft
 from olmax.recipes.tiny import tiny
 
 RECIPES: dict[str, Callable[[], Config]] = {
@@ -18,6 +20,12 @@ RECIPES: dict[str, Callable[[], Config]] = {
     "olmo3_7b_stage2": olmo3_7b_stage2,
     "olmo3_7b_stage3": olmo3_7b_stage3,
     "olmo3_32b": olmo3_32b,
+    "olmo3_7b_think_dpo": olmo3_7b_think_dpo,
+    "olmo3_7b_instruct_dpo": olmo3_7b_instruct_dpo,
+    "tiny_dpo": tiny_dpo,
+    "olmo3_7b_think_sft": olmo3_7b_think_sft,
+    "olmo3_7b_instruct_sft": olmo3_7b_instruct_sft,
+    "tiny_sft": tiny_sft,
 }
 
 

@@ -74,6 +74,7 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
     ``max_steps_this_run`` stops early (after a checkpoint) — used by the resume A/B."""
     if max_steps_this_run is not None and max_steps_this_run <= 0:
         raise ConfigError(f"--max-steps-this-run must be positive, got {max_steps_this_run}")
+    cfg = resolve_epochs(cfg)
     # An s3:// or gs:// run directory is written through a local mirror (olmax.checkpoint.remote).
     mirror = _remote_mirror(run_dir)
     run = mirror.local if mirror is not None else Path(run_dir)
@@ -99,8 +100,7 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
 
     # -- data first: a bad path or a changed dataset fails before anything is allocated or compiled.
     # The order is a pure function of the step; resume checks the fingerprint.
-    loader = TrainData(cfg, start or 0, data_state, allow_fingerprint_mismatch, mesh, cache_dir=run / "order_cache",
-                       trace_dir=run)
+    loader = _train_data(cfg, start or 0, data_state, allow_fingerprint_mismatch, mesh, run)
     evaluator = HeldoutEvaluator(cfg, mesh, per_batch=True) if cfg.eval.heldout_paths else None
     alarm = None
     if cfg.eval.reference:
@@ -118,8 +118,7 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
             loader.close()
             candidates = [c for c in candidates if c < start]
             start, data_state = _pick_checkpoint(ckpt, ckpt_root, cfg, candidates, damaged)
-            loader = TrainData(cfg, start or 0, data_state, allow_fingerprint_mismatch, mesh,
-                               cache_dir=run / "order_cache", trace_dir=run)
+            loader = _train_data(cfg, start or 0, data_state, allow_fingerprint_mismatch, mesh, run)
     # Damaged checkpoints newer than the one resumed are renamed (never deleted): the run will
     # write those steps again, and rotation must not count them as good ones.
     for bad in [c for c in ckpt.all_steps() if start is None or c > start]:
@@ -147,8 +146,17 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
                 "devices": jax.device_count(), "processes": jax.process_count(),
                 "device_kind": jax.devices()[0].device_kind, "batch_plan": dataclasses.asdict(plan)}, indent=2))
 
+    dpo = cfg.train.objective == "dpo"
+    if dpo:  # the reference log-probs, computed once before the first update (olmax.train.dpo)
+        loader.prepare(lambda: params if start == 0 else _initial_params(cfg, mesh, pshard, oshard), pshard, plan,
+                       say=lambda m: print(m, file=sys.stderr, flush=True) if is_main else None)
+
     # -- the step -------------------------------------------------------------------------------
-    step_fn = jit_train_step(cfg, mesh, plan, pshard, oshard)
+    if dpo:
+        from olmax.train.dpo import jit_dpo_step
+        step_fn = jit_dpo_step(cfg, mesh, plan, pshard, oshard)
+    else:
+        step_fn = jit_train_step(cfg, mesh, plan, pshard, oshard)
 
     sinks = []
     if is_main:
@@ -160,7 +168,7 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
     bar = ProgressBar(total, start) if (is_main and progress) else None
     fl_tok = flops_per_token(cfg.model, L)["total"]
     peak = device_peak_flops(jax.devices()[0].device_kind)
-    tokens_per_step = cfg.train.global_batch_size * L
+    tokens_per_step = cfg.train.global_batch_size * L * (2 if dpo else 1)  # DPO: a chosen and a rejected row per pair
 
     losses: dict[int, float] = {}
     pending: tuple[int, dict, float] | None = None
@@ -179,13 +187,16 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
     def emit(step: int, metrics: dict, dt: float) -> None:
         nonlocal failure
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if dpo:  # the DPO loss stands where the CE loss stands; its metrics are full names (dpo/...)
+            m["ce_loss"] = m.pop("loss")
         losses[step] = m["ce_loss"]
         tps_dev = tokens_per_step / dt / jax.device_count() if dt > 0 else 0.0
         # OLMo-core's names, each value once (``named``).
-        row = named({"ce_loss": m["ce_loss"], "z_loss": m["z_loss"], "grad_norm": m["grad_norm"], "lr": m["lr"],
+        row = named({**({} if dpo else {"ce_loss": m["ce_loss"], "z_loss": m["z_loss"]}),
+                     "grad_norm": m["grad_norm"], "lr": m["lr"],
                      "step_skipped": m["step_skipped"], "total_tokens": step * tokens_per_step,
                      "tps_device": tps_dev, "mfu": mfu(fl_tok, tps_dev, peak),
-                     NONFINITE_METRIC: m["nonfinite"]})
+                     NONFINITE_METRIC: m["nonfinite"], **{k: v for k, v in m.items() if k.startswith("dpo/")}})
         bad = m["nonfinite"] > 0
         nonfinite_run[:] = nonfinite_run + [step] if bad else []
         if bad and is_main:
@@ -276,6 +287,40 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
 
 
 NONFINITE_METRIC = "optim/non-finite step"
+
+
+def resolve_epochs(cfg: Config) -> Config:
+    """``train.epochs`` as ``train.steps``: epochs x the whole global batches of one epoch."""
+    if cfg.train.epochs is None:
+        return cfg
+    if cfg.train.objective != "lm":
+        raise ConfigError("train.epochs is for train.objective=lm; set train.steps for the number of updates")
+    from olmax.data.loader import build_dataset
+    n = len(build_dataset(cfg, validate="none"))
+    per_epoch = n // cfg.train.global_batch_size
+    if per_epoch < 1:
+        raise ConfigError(f"train.global_batch_size={cfg.train.global_batch_size} is larger than the dataset's "
+                          f"{n} instances: not one whole batch per epoch")
+    steps = cfg.train.epochs * per_epoch
+    if jax.process_index() == 0:
+        print(f"olmax: train.epochs={cfg.train.epochs}: {n} instances, {per_epoch} global batches an epoch -> "
+              f"train.steps={steps}", file=sys.stderr, flush=True)
+    return cfg.override([f"train.steps={steps}"])
+
+
+def _train_data(cfg: Config, start: int, data_state: dict | None, allow_mismatch: bool, mesh: Any, run: Path) -> Any:
+    """The loop's data: token instances (LM) or preference pairs with reference log-probs (DPO)."""
+    if cfg.train.objective == "dpo":
+        from olmax.train.dpo import DpoData
+        return DpoData(cfg, start, data_state, allow_mismatch, mesh, run)
+    return TrainData(cfg, start, data_state, allow_mismatch, mesh, cache_dir=run / "order_cache", trace_dir=run)
+
+
+def _initial_params(cfg: Config, mesh: Any, pshard: Any, oshard: Any) -> Any:
+    """The weights a fresh run starts from (``train.init_from`` or the seeded init), again."""
+    if cfg.train.init_from:
+        return load_initial_state(cfg, cfg.train.init_from, mesh, pshard, oshard)[0]
+    return jax.jit(partial(init_params, cfg.model), out_shardings=pshard)(jax.random.key(cfg.train.seed))
 
 
 class NonFiniteError(ValueError):

@@ -5,15 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 
-from olmax.verify import noise_floor, olmo_core, resume
+from olmax.verify import noise_floor, olmo_core, resume, trl
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("verify", help="prove equivalences: resume A/B, parity with OLMo-core")
+    p = sub.add_parser("verify", help="prove equivalences: resume A/B, parity with OLMo-core and TRL")
     vs = p.add_subparsers(dest="verify_command", metavar="CHECK")
     vs.required = True
     resume.register(vs)
     olmo_core.register(vs, func=_olmo_core)
+    trl.register(vs)
 
 
 def _olmo_core(args: argparse.Namespace) -> int:
@@ -22,7 +23,10 @@ def _olmo_core(args: argparse.Namespace) -> int:
     if not args.noise_floor:
         return olmo_core._main(args)
     factor = noise_floor.NOISE_FACTOR if args.noise_factor is None else args.noise_factor
-    report = noise_floor.run_noise_floor(args.steps, args.seed, args.overrides, args.olmax_overrides, args.out,
+    # OLMo-core's SFT loss is each rank's token mean, averaged over ranks: olmax's train.loss_ranks.
+    overrides = ([*olmo_core.SFT_OVERRIDES, f"train.loss_ranks={args.ranks}", *args.overrides] if args.sft
+                 else args.overrides)
+    report = noise_floor.run_noise_floor(args.steps, args.seed, overrides, args.olmax_overrides, args.out,
                                          factor=factor, world=args.ranks, with_plots=args.plots)
     print(json.dumps(report, indent=2) if args.json else noise_floor.format_report(report))
     return 0 if report["within_noise"] else 1

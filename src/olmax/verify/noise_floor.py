@@ -325,7 +325,7 @@ def measure(recipe: Recipe, out: Path, olmax_overrides: list[str] | tuple[str, .
     cfg = recipe.config()
     mbs = perturbed_micro_batches(cfg, world)
     pert = [f"train.micro_batch_size={mbs[0]}"]
-    paths = oc.write_corpus(out / "tokens", cfg)
+    paths = oc.corpus(out / "tokens", cfg)
     hf_dir = out / "olmo_core_init_hf"
     where = "1 process" if world == 1 else f"{world} ranks (gloo, HSDP) / olmax on {world} devices"
     _say(log, f"OLMo-core: {cfg.train.steps} steps of {cfg.train.global_batch_size} x {cfg.data.sequence_length} "

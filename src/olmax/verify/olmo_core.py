@@ -87,6 +87,19 @@ def parity_config(steps: int = 100, seed: int | None = None, overrides: list[str
     return cfg
 
 
+# SFT parity (issue 21): OLMo-core's SFT recipe on the parity model. Packed documents with label
+# masks and intra-document attention (``NumpyPackedFSLDataset``, ``generate_doc_lengths``), AdamW
+# (0.9, 0.95) without weight decay or z-loss, clip 1.0, linear warmup then decay to 0
+# (``LinearWithWarmup``, alpha_f 0), lr 1e-4 as the issue asks for the 1e-4 CE target.
+SFT_OVERRIDES: tuple[str, ...] = (
+    "data.packing=obfd", "data.long_doc_strategy=truncate", "data.document_masking=true",
+    "optim.lr=1e-4", "optim.beta1=0.9", "optim.beta2=0.95", "optim.weight_decay=0.0", "optim.z_loss=null",
+    "optim.max_grad_norm=1.0", "optim.schedule.name=linear", "optim.schedule.warmup=3",
+    "optim.schedule.alpha_f=0.0", "train.loss_ranks=1",
+)
+SFT_DOCS = (700, 500)   # conversations per file: ~300 packed instances of 64 tokens
+
+
 def _check_supported(cfg: Config) -> None:
     """Refuse settings this check cannot mirror in OLMo-core, naming the field."""
     m, d, o = cfg.model, cfg.data, cfg.optim
@@ -149,6 +162,92 @@ def write_corpus(out_dir: str | os.PathLike, cfg: Config, sizes: tuple[int, ...]
         toks.astype(np.dtype(cfg.data.dtype).newbyteorder("<")).tofile(path)
         paths.append(str(path))
     return paths
+
+
+def write_sft_corpus(out_dir: str | os.PathLike, cfg: Config, docs: tuple[int, ...] = SFT_DOCS
+                     ) -> tuple[list[str], list[str]]:
+    """Token files and label-mask files as ``olmax tokenize --chat`` writes them, with learnable
+    structure: each document is a "prompt" (random tokens, masked) then a "response" that repeats
+    the prompt's first tokens in an arithmetic progression (trained), then EOS (trained). Some
+    documents are longer than the sequence and get truncated. Fixed content (seed 0)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    V, eos, pad, L = cfg.model.vocab_size, cfg.data.eos_token_id, cfg.data.pad_token_id, cfg.data.sequence_length
+    first = max(eos, pad) + 1
+    span = V - first
+    rng = np.random.default_rng(0)
+    toks_out, masks_out = [], []
+    for i, n in enumerate(docs):
+        toks, masks = [], []
+        for _ in range(n):
+            p = int(rng.integers(2, 16))
+            r = int(rng.integers(2, L + 24 if rng.random() < 0.05 else 40))
+            prompt = first + rng.integers(0, span, size=p)
+            step = int(rng.integers(1, 5))
+            resp = first + (int(prompt[0]) - first + step * np.arange(1, r + 1)) % span
+            toks.append(np.concatenate([prompt, resp, [eos]]))
+            masks.append(np.concatenate([np.zeros(p, bool), np.ones(r + 1, bool)]))
+        t, m = out / f"token_ids_part_{i:04d}.npy", out / f"labels_mask_part_{i:04d}.npy"
+        np.concatenate(toks).astype(np.dtype(cfg.data.dtype).newbyteorder("<")).tofile(t)
+        np.concatenate(masks).tofile(m)
+        toks_out.append(str(t))
+        masks_out.append(str(m))
+    return toks_out, masks_out
+
+
+def corpus(out_dir: str | os.PathLike, cfg: Config) -> list[str]:
+    """The token files of the check: the SFT corpus (label masks beside it) for a packed recipe."""
+    return write_sft_corpus(out_dir, cfg)[0] if cfg.data.packing == "obfd" else write_corpus(out_dir, cfg)
+
+
+def sft_masks(cfg: Config, paths: list[str]) -> list[str] | None:
+    """The label-mask files ``write_sft_corpus`` wrote beside ``paths`` (None unless packed SFT)."""
+    if cfg.data.packing != "obfd":
+        return None
+    return [str(Path(p).with_name(Path(p).name.replace("token_ids_part_", "labels_mask_part_"))) for p in paths]
+
+
+class intra_document_masking:
+    """OLMo-core's torch (CPU) attention backend refuses ``cu_doc_lens`` (only flash-attention
+    varlen kernels take it). Within this context it accepts them: the mask it builds is its own
+    causal / sliding-window mask AND same-document, given to torch SDPA as a boolean mask. RoPE
+    positions per document are OLMo-core's own (``RotaryEmbedding`` with ``cu_doc_lens``)."""
+
+    def __enter__(self):
+        import torch
+        import torch.nn.functional as F
+        from olmo_core.nn.attention import backend as B
+        self._cls, self._orig = B.TorchAttentionBackend, B.TorchAttentionBackend.forward
+        orig = self._orig
+
+        def forward(be, qkv, cu_doc_lens=None, cu_doc_lens_q=None, cu_doc_lens_k=None, max_doc_len=None,
+                    max_doc_len_q=None, max_doc_len_k=None, local_k_slice=None, kv_cache_manager=None, sinks=None):
+            if cu_doc_lens is None:
+                return orig(be, qkv, cu_doc_lens_q=cu_doc_lens_q, cu_doc_lens_k=cu_doc_lens_k,
+                            max_doc_len_q=max_doc_len_q, max_doc_len_k=max_doc_len_k, local_k_slice=local_k_slice,
+                            kv_cache_manager=kv_cache_manager, sinks=sinks)
+            if sinks is not None or kv_cache_manager is not None or be.cp_enabled:
+                raise RuntimeError("intra_document_masking: sinks, KV caches and context parallelism are not mirrored")
+            q, k, v = qkv
+            b, t = q.shape[0], q.shape[1]
+            flat = torch.arange(b * t, dtype=cu_doc_lens.dtype)
+            doc = torch.bucketize(flat, cu_doc_lens[1:], right=True).view(b, t)
+            same = doc[:, :, None] == doc[:, None, :]
+            base = (be._get_sliding_window_mask(seq_len_q=t, seq_len_kv=t, device=q.device, window_size=be.window_size)
+                    if be.window_size != (-1, -1) else torch.ones(t, t, dtype=torch.bool).tril())
+            mask = (same & base[None]).unsqueeze(1)  # [b, 1, t, t]
+            rep = be.n_heads // be.n_kv_heads
+            k = k.repeat_interleave(rep, dim=2) if rep > 1 else k
+            v = v.repeat_interleave(rep, dim=2) if rep > 1 else v
+            att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 attn_mask=mask, dropout_p=be.dropout_p, scale=be.scale)
+            return att.transpose(1, 2).contiguous()
+
+        B.TorchAttentionBackend.forward = forward
+        return self
+
+    def __exit__(self, *exc):
+        self._cls.forward = self._orig
 
 
 # --------------------------------------------------------------------------- records
@@ -224,12 +323,15 @@ def _olmo_core_scheduler(cfg: Config):
     if s.name == "half_cosine":
         return HalfCosWithWarmup(warmup=s.warmup, alpha_f=s.alpha_f, t_max=s.t_max)
     if s.name == "linear":
+        if s.warmup_fraction is not None:  # AI2's SFT schedule
+            return LinearWithWarmup(warmup_fraction=s.warmup_fraction, alpha_f=s.alpha_f, t_max=s.t_max)
         return LinearWithWarmup(warmup=s.warmup, alpha_f=s.alpha_f, t_max=s.t_max)
     return ConstantWithWarmup(warmup=s.warmup)
 
 
 def run_olmo_core(cfg: Config, paths: list[str], work: str | os.PathLike,
-                  hf_dir: str | os.PathLike | None, world_size: int = 1, metrics_interval: int = 1) -> Trace:
+                  hf_dir: str | os.PathLike | None, world_size: int = 1, metrics_interval: int = 1,
+                  label_mask_paths: list[str] | None = None) -> Trace:
     """Train ``cfg`` in OLMo-core on ``paths``; write its initial weights to ``hf_dir`` (HF format)
     before the first step (None: do not export). Returns the per-step trace; metrics are collected
     every ``metrics_interval`` steps (OLMo-core's own default is 5, which syncs less often).
@@ -308,8 +410,18 @@ def run_olmo_core(cfg: Config, paths: list[str], work: str | os.PathLike,
 
     tokenizer = TokenizerConfig(vocab_size=m.vocab_size, eos_token_id=d.eos_token_id, pad_token_id=d.pad_token_id,
                                 bos_token_id=d.bos_token_id)
-    dataset = NumpyFSLDatasetConfig(paths=list(paths), sequence_length=L, tokenizer=tokenizer,
-                                    dtype=NumpyDatasetDType(d.dtype), work_dir=str(work / "dataset")).build()
+    masks = list(label_mask_paths) if label_mask_paths else sft_masks(cfg, list(paths))
+    if d.packing == "obfd":  # OLMo-core's SFT data path (its SFT scripts)
+        from olmo_core.data import NumpyPackedFSLDatasetConfig
+        from olmo_core.data.types import LongDocStrategy
+        dataset = NumpyPackedFSLDatasetConfig(
+            paths=list(paths), sequence_length=L, tokenizer=tokenizer, dtype=NumpyDatasetDType(d.dtype),
+            work_dir=str(work / "dataset"), label_mask_paths=masks, generate_doc_lengths=d.document_masking,
+            long_doc_strategy=LongDocStrategy(d.long_doc_strategy)).build()
+    else:
+        dataset = NumpyFSLDatasetConfig(paths=list(paths), sequence_length=L, tokenizer=tokenizer,
+                                        dtype=NumpyDatasetDType(d.dtype), work_dir=str(work / "dataset"),
+                                        label_mask_paths=masks).build()
     loader = NumpyDataLoaderConfig(global_batch_size=tr.global_batch_size * L, seed=d.seed, num_workers=0,
                                    num_threads=1, work_dir=str(work / "dataset")).build(dataset)
 
@@ -335,7 +447,11 @@ def run_olmo_core(cfg: Config, paths: list[str], work: str | os.PathLike,
         max_duration=Duration.steps(tr.steps), metrics_collect_interval=metrics_interval, cancel_check_interval=10**9,
         callbacks={"olmax_recorder": Recorder()},
     ).build(train_module, loader)
-    trainer.fit()
+    if d.document_masking:
+        with intra_document_masking():
+            trainer.fit()
+    else:
+        trainer.fit()
     trace.seconds = time.perf_counter() - t0
     return trace
 
@@ -458,14 +574,14 @@ def compare(olmax: Trace, ref: Trace, steps: int) -> dict[str, Any]:
 
 def run_parity(steps: int = 100, seed: int | None = None, overrides: list[str] | tuple[str, ...] = (),
                olmax_overrides: list[str] | tuple[str, ...] = (), out: str | os.PathLike | None = None,
-               log: Any = sys.stderr) -> dict[str, Any]:
+               log: Any = sys.stderr, sft: bool = False) -> dict[str, Any]:
     """Build, export, train both sides and compare. ``overrides`` apply to both sides (the recipe);
     ``olmax_overrides`` to olmax only (to show the check catches a difference, or to bisect one).
     ``out`` keeps the token files, the HF export, both runs and ``report.json`` / ``steps.jsonl``;
     it must be new or empty (nothing is overwritten). None: a temporary folder, removed after."""
     if steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {steps}")
-    cfg = parity_config(steps, seed, overrides)
+    cfg = parity_config(steps, seed, [*SFT_OVERRIDES, *overrides] if sft else overrides)
     return in_out_dir(out, "olmax-verify-olmo-core-", lambda d: _run(cfg, olmax_overrides, d, log))
 
 
@@ -491,7 +607,7 @@ def write_report(out: Path, report: dict[str, Any], rows: list[dict[str, Any]]) 
 
 
 def run_olmo_core_here(cfg: Config, paths: list[str], work: str | os.PathLike,
-                       hf_dir: str | os.PathLike | None) -> Trace:
+                       hf_dir: str | os.PathLike | None, label_mask_paths: list[str] | None = None) -> Trace:
     """``run_olmo_core`` in this process: one torch thread, a single-process gloo group created for
     the run (and destroyed after it, unless one existed before)."""
     import torch
@@ -501,7 +617,7 @@ def run_olmo_core_here(cfg: Config, paths: list[str], work: str | os.PathLike,
     torch.set_num_threads(1)
     created_pg = not dist.is_initialized()
     try:
-        return run_olmo_core(cfg, paths, work, hf_dir)
+        return run_olmo_core(cfg, paths, work, hf_dir, label_mask_paths=label_mask_paths)
     finally:
         torch.set_num_threads(threads)
         if created_pg and dist.is_initialized():
@@ -509,10 +625,13 @@ def run_olmo_core_here(cfg: Config, paths: list[str], work: str | os.PathLike,
 
 
 def olmax_config(cfg: Config, out: Path, paths: list[str], hf_dir: str | os.PathLike,
-                 olmax_overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """The olmax side of ``cfg``: OLMo-core's initial weights, the token files, then ``olmax_overrides``."""
+                 olmax_overrides: list[str] | tuple[str, ...] = (), label_mask_paths: list[str] | None = None) -> Config:
+    """The olmax side of ``cfg``: OLMo-core's initial weights, the token (and label-mask) files, then
+    ``olmax_overrides``."""
     from olmax.config import validate
-    return validate(cfg.override([f"train.init_from=hf:{hf_dir}", "data.paths=" + ",".join(paths),
+    label_mask_paths = label_mask_paths or sft_masks(cfg, list(paths))
+    masks = ["data.label_mask_paths=" + ",".join(label_mask_paths)] if label_mask_paths else []
+    return validate(cfg.override([f"train.init_from=hf:{hf_dir}", "data.paths=" + ",".join(paths), *masks,
                                   f"data.cache_dir={out / 'olmax_order_cache'}", *olmax_overrides]))
 
 
@@ -523,10 +642,12 @@ def _say(log: Any, msg: str, tag: str = "verify olmo-core") -> None:
 
 def _run(cfg: Config, olmax_overrides: list[str] | tuple[str, ...], out: Path, log: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
-    paths = write_corpus(out / "tokens", cfg)
+    sft = cfg.data.packing == "obfd"
+    paths = corpus(out / "tokens", cfg)
     hf_dir = out / "olmo_core_init_hf"
     _say(log, f"OLMo-core: {cfg.train.steps} steps of {cfg.train.global_batch_size} x "
-              f"{cfg.data.sequence_length} tokens")
+              f"{cfg.data.sequence_length} tokens" + (" (SFT: packed documents, label masks, intra-document "
+                                                      "attention)" if sft else ""))
     ref = run_olmo_core_here(cfg, paths, out / "olmo_core", hf_dir)
     _say(log, "olmax: same recipe, from OLMo-core's initial weights" +
          (f" (olmax-only overrides: {' '.join(olmax_overrides)})" if olmax_overrides else ""))
@@ -537,6 +658,7 @@ def _run(cfg: Config, olmax_overrides: list[str] | tuple[str, ...], out: Path, l
     report["olmax_overrides"] = list(olmax_overrides)
     report["model"] = {k: getattr(cfg.model, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads",
                                                            "n_kv_heads", "head_dim", "mlp_hidden", "sliding_window")}
+    report["sft"] = sft
     report["data"] = {"seed": cfg.data.seed, "sequence_length": cfg.data.sequence_length,
                       "global_batch_size": cfg.train.global_batch_size, "files": [Path(p).name for p in paths]}
     write_report(out, report, [{"step": s, **{q: [_series(mine, q).get(s), _series(ref, q).get(s)]
@@ -566,6 +688,10 @@ def register(subparsers: argparse._SubParsersAction, func: Any = None) -> None:
                     f"(target |delta| <= {CE_TOLERANCE:g}), lr, pre-clip grad norm, z-loss and skip-step decisions. "
                     "Exit 1 when any differs beyond its tolerance, naming the first step and quantity.")
     p.add_argument("--steps", type=int, default=100, help="training steps on each side (default 100)")
+    p.add_argument("--sft", action="store_true",
+                   help="OLMo-core's SFT recipe: chat-like documents with label masks, packed by OLMo-core's "
+                        "NumpyPackedFSLDataset (best-fit decreasing) and by olmax, intra-document attention, "
+                        "AdamW (0.9, 0.95) without weight decay or z-loss, linear schedule to 0, lr 1e-4")
     p.add_argument("--seed", type=int, default=None, help="data seed and OLMo-core init seed (default: the recipe's)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override the recipe on both sides, e.g. --set optim.lr=1e-3 (repeatable)")
@@ -595,7 +721,7 @@ def _main(args: argparse.Namespace) -> int:
         raise RuntimeError("--noise-floor is run by olmax.verify.commands (register this parser through it)")
     if args.noise_factor is not None or args.ranks != 1 or args.plots:
         raise ConfigError("--noise-factor, --ranks and --plots need --noise-floor")
-    report = run_parity(args.steps, args.seed, args.overrides, args.olmax_overrides, args.out)
+    report = run_parity(args.steps, args.seed, args.overrides, args.olmax_overrides, args.out, sft=args.sft)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
