@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow test-slurm bench bench-peers bench-generate
+.PHONY: setup demo test test-slow test-slurm bench bench-peers bench-generate rehearse-gpu
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m venv $(VENV)
@@ -41,3 +41,10 @@ bench-peers: $(STAMP)
 # OLMo 3 (batch 1 and 8), compile time apart, and the cache's bytes against the formula.
 bench-generate: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_generate.py
+
+# The GPU check (benchmarks/gpu_check.sh) rehearsed on the CPU in a venv built like the lent
+# H200's image (benchmarks/gpu_image_requirements.txt; olmax from src/, not installed): the venv
+# takes 2 to 8 minutes the first time (downloads), the check 1.5 to 3 minutes on 2 cores. Not
+# part of `make test`.
+rehearse-gpu:
+	bash benchmarks/rehearse_gpu.sh

@@ -1,23 +1,39 @@
 #!/usr/bin/env bash
-# GPU checks on a machine with an NVIDIA GPU (CI never has one): installs jax with the CUDA
-# plugin next to olmax if JAX does not already see a GPU, then runs benchmarks/gpu_check.py
-# (bf16 logit parity through cuDNN attention; MFU of 8 layers of the 7B at 8192 context).
-#   bash benchmarks/gpu_check.sh [OUT_DIR]        (results in OUT_DIR/gpu_check.json)
+# The GPU check (benchmarks/gpu_check.py) as the lent H200 runs it: that machine's own Python
+# (python3: jax + the CUDA plugin, torch, transformers, optax, orbax, ...), no registry, no
+# install of anything; olmax comes from this working tree through PYTHONPATH=src.
+#
+#   bash benchmarks/gpu_check.sh [--rehearse] [--only SECTIONS]
+#
+# Writes $OUT/gpu_check.json (rewritten after every section) and $OUT/gpu_check.log; without
+# $OUT, runs/gpu_check/. --rehearse: tiny shapes on the CPU, the reference kernel for cuDNN
+# (make rehearse-gpu runs it in a venv built like the image). PYTHON picks the interpreter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out="${1:-${OUT:-.}}"
-[ $# -gt 0 ] && shift
+out="${OUT:-runs/gpu_check}"
 mkdir -p "$out"
 PY="${PYTHON:-python3}"
-if [ -x .venv/bin/python ]; then PY=.venv/bin/python; fi
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "nvidia-smi unavailable"
-if ! "$PY" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")' 2>/dev/null; then
-  cuda=12
-  if nvidia-smi 2>/dev/null | grep -q "CUDA Version: 1[3-9]"; then cuda=13; fi
-  echo "installing jax[cuda$cuda]==0.10.2 and olmax" >&2
-  "$PY" -m pip install -q "jax[cuda$cuda]==0.10.2"
-  "$PY" -c 'import olmax' 2>/dev/null || "$PY" -m pip install -q --no-deps -e .
-  "$PY" -m pip install -q optax orbax-checkpoint pyyaml ml_dtypes safetensors 2>/dev/null || true
+rehearse=0
+for a in "$@"; do [ "$a" = "--rehearse" ] && rehearse=1; done
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 PIP_NO_INDEX=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if [ "$rehearse" = 1 ]; then
+  export JAX_PLATFORMS=cpu
+else
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "nvidia-smi unavailable"
+  # torch runs parity's reference on the CPU; JAX may take most of the GPU.
+  export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}"
 fi
-export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}"
-PYTHONUNBUFFERED=1 "$PY" benchmarks/gpu_check.py --out "$out/gpu_check.json" "$@"
+# Fail in seconds, not after a compile, when the interpreter lacks what the check needs.
+"$PY" - <<'EOF'
+import sys, importlib.util as u
+need = ["jax", "numpy", "optax", "orbax.checkpoint", "yaml", "ml_dtypes", "safetensors"]
+missing = [m for m in need if u.find_spec(m) is None]
+if missing:
+    sys.exit(f"gpu_check: {sys.executable} lacks {', '.join(missing)}")
+import olmax, jax
+print(f"gpu_check: python {sys.version.split()[0]} at {sys.executable}, jax {jax.__version__}, "
+      f"olmax from {olmax.__file__}, backend {jax.default_backend()}", flush=True)
+EOF
+set -o pipefail
+"$PY" benchmarks/gpu_check.py --out "$out/gpu_check.json" "$@" 2>&1 | tee "$out/gpu_check.log"
