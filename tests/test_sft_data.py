@@ -141,3 +141,81 @@ def test_label_mask_file_errors(tmp_path):
     from olmax.recipes import get_recipe
     with pytest.raises(ConfigError, match="loss_ranks"):
         get_recipe("tiny", ["train.global_batch_size=6", "train.loss_ranks=4"])
+
+
+def test_dump_instances_equal_olmo_core(tmp_path, capsys):
+    from olmax.cli import main
+    paths, masks = write_sft_files(tmp_path, docs=300)
+    ref = olmo_core_packed(paths, masks, tmp_path / "work")
+    sets = [f"model.vocab_size={V}", "data.dtype=uint16", f"data.eos_token_id={EOS}", f"data.pad_token_id={PAD}",
+            f"data.sequence_length={L}", "data.packing=obfd", "data.paths=" + ",".join(paths),
+            "data.label_mask_paths=" + ",".join(masks), "train.global_batch_size=8", "data.workers=0"]
+    args = ["data", "batches", "tiny", "--steps", "0:3", "--out", str(tmp_path / "ids.npy"),
+            "--dump-instances", str(tmp_path / "inst.npz")]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 0
+    d = np.load(tmp_path / "inst.npz")
+    assert d["input_ids"].shape == (24, L)
+    assert d["instance_ids"].tolist() == np.load(tmp_path / "ids.npy").reshape(-1).tolist()
+    for row, i in enumerate(d["instance_ids"]):
+        r = ref[int(i)]
+        np.testing.assert_array_equal(d["input_ids"][row], r["input_ids"].numpy())
+        np.testing.assert_array_equal(d["label_mask"][row], r["label_mask"].numpy())
+        lens = d["doc_lens"][row]
+        assert lens[lens > 0].tolist() == r["doc_lens"].tolist()
+
+
+def test_per_rank_loss_weights_are_olmo_core_rule():
+    """train.loss_ranks=R: the weighted label sum equals the mean over ranks of each rank's token
+    mean, rank r holding columns r::R of the global batch (rows grouped by process)."""
+    import jax.numpy as jnp
+
+    from olmax.model.loss import per_rank_weights, rank_of_rows
+    rng = np.random.default_rng(0)
+    B, T, R = 8, 16, 4
+    mask = rng.random((B, T)) < 0.4
+    mask[5] = False  # a row without labels
+    ce = rng.random((B, T - 1))
+    for P in (1, 2):
+        w = np.asarray(per_rank_weights(jnp.asarray(mask), R, P))
+        got = float((w[:, 1:] * ce).sum())
+        ranks = rank_of_rows(B, P, R)
+        # Row j of process p is global column p + i * P (olmax.data.order.process_share).
+        per = B // P
+        assert [j // per + (j % per) * P for j in range(B)] == [c for c in (np.arange(B) // per + (np.arange(B) % per) * P)]
+        want = np.mean([(ce * mask[:, 1:])[ranks == r].sum() / mask[ranks == r, 1:].sum() for r in range(R)])
+        assert got == pytest.approx(want, rel=1e-6)
+        assert sorted(np.bincount(ranks).tolist()) == [B // R] * R
+
+
+def test_epochs_resolve_to_steps_and_sft_run_trains(tmp_path):
+    """tiny_sft on packed label-masked data: train.epochs becomes whole batches of an epoch times
+    the epochs, the warmup is round(0.03 * steps), and the held-out loss counts masked labels only."""
+    from olmax.optim import make_schedule
+    from olmax.recipes import get_recipe
+    from olmax.train.loop import resolve_epochs, train
+    paths, masks = write_sft_files(tmp_path, docs=200)
+    (tmp_path / "held").mkdir()
+    hp, hm = write_sft_files(tmp_path / "held", n_files=1, docs=60, seed=1)
+    sets = [f"model.vocab_size={V}", "model.padded_vocab_size=512", "data.dtype=uint16", f"data.eos_token_id={EOS}",
+            f"data.pad_token_id={PAD}", f"data.sequence_length={L}", "data.paths=" + ",".join(paths),
+            "data.label_mask_paths=" + ",".join(masks), "train.global_batch_size=32", "train.epochs=2",
+            "eval.heldout_paths=" + hp[0], "eval.heldout_label_mask_paths=" + hm[0], "eval.batch_size=4",
+            "eval.batches=2", "eval.interval=1000", "checkpoint.interval=1000", "train.log_interval=1"]
+    cfg = get_recipe("tiny_sft", sets)
+    n = len(PackedDataset(paths, sequence_length=L, vocab_size=V, eos_token_id=EOS, pad_token_id=PAD, dtype="uint16"))
+    resolved = resolve_epochs(cfg)
+    assert resolved.train.steps == 2 * (n // 32)
+    sched = make_schedule(resolved.optim, resolved.train.steps)
+    S = resolved.train.steps  # round(0.03 * S) = 0 warmup steps: linear decay from the first update
+    assert round(0.03 * S) == 0 and float(sched(1)) == pytest.approx(1e-3 * (1 - 1 / S), rel=1e-6)
+    long = make_schedule(resolved.optim, 200)  # round(0.03 * 200) = 6: lr/6 at step 1, full at step 6
+    assert float(long(1)) == pytest.approx(1e-3 / 6) and float(long(6)) == pytest.approx(1e-3)
+    res = train(cfg, tmp_path / "run", progress=False)
+    losses = [res.losses[k] for k in sorted(res.losses)]
+    assert len(losses) == resolved.train.steps and losses[-1] < losses[0]
+    from olmax.eval.heldout import HeldoutEvaluator
+    ev = HeldoutEvaluator(resolved)
+    m = ev.masks[""]
+    assert m.shape == ev.batches[""].shape and 0 < m.mean() < 1  # prompts and padding not scored

@@ -64,6 +64,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--process-count", type=int, default=1, metavar="R")
     b.add_argument("--out", required=True, metavar="FILE.npy", help="int64 [B-A, global_batch / R]")
     b.add_argument("--filter-out", metavar="FILE.npy", help="bool, same shape: True where the instance is dirty")
+    b.add_argument("--dump-instances", metavar="FILE.npz",
+                   help="also the instances themselves, in read order: instance_ids int64 [n], input_ids int32 "
+                        "[n, L], label_mask bool [n, L] and doc_lens int32 [n, max docs] (each instance's document "
+                        "lengths as OLMo-core's generate_doc_lengths gives them, zero-padded), to compare with "
+                        "OLMo-core's dataset")
     b.set_defaults(func=_batches)
 
     a = dsub.add_parser("audit", help="prove each instance of an epoch is read exactly once for R x W")
@@ -140,9 +145,34 @@ def _batches(args: argparse.Namespace) -> int:
         else:
             dirty = np.stack([~source(k)["label_mask"].any(axis=1) for k in range(a, b)])
         _save(args.filter_out, dirty)
+    if args.dump_instances:
+        _dump_instances(args.dump_instances, loader, ids.reshape(-1), cfg)
     _save(args.out, ids)
     print(f"{args.out}: instance ids {list(ids.shape)} for steps {a}..{b - 1}, process {r} of {R}")
     return 0
+
+
+def doc_lengths(tokens: np.ndarray, eos_token_id: int) -> list[int]:
+    """OLMo-core's ``get_document_lengths`` of one instance: split after every EOS, the rest one more."""
+    ends = (np.flatnonzero(tokens == eos_token_id) + 1).tolist()
+    if not ends or ends[-1] != len(tokens):
+        ends.append(len(tokens))
+    return np.diff([0, *ends]).tolist()
+
+
+def _dump_instances(path: str, loader: DataLoader, ids: np.ndarray, cfg) -> None:
+    ds = loader.dataset
+    toks = ds.read(ids)
+    mask = ds.read_label_mask(ids) if ds.label_masked else np.ones(toks.shape, bool)
+    lens = [doc_lengths(t, cfg.data.eos_token_id) for t in toks]
+    doc_lens = np.zeros((len(ids), max(map(len, lens))), dtype=np.int32)
+    for i, ln in enumerate(lens):
+        doc_lens[i, :len(ln)] = ln
+    out = Path(path)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}.npz")
+    np.savez(tmp, instance_ids=ids.astype(np.int64), input_ids=toks, label_mask=mask, doc_lens=doc_lens)
+    os.replace(tmp, out)
+    print(f"{path}: {len(ids)} instances of {toks.shape[1]} tokens (input_ids, label_mask, doc_lens)")
 
 
 def _audit(args: argparse.Namespace) -> int:
