@@ -185,3 +185,21 @@ def test_trl_parity_20_steps_cli(tmp_path):
     rep = json.loads(r.stdout)
     assert rep["steps"] == 20 and rep["ok"]
     assert set(rep) >= {"steps", "max_abs_loss_diff", "max_rel_grad_norm_diff", "rows"}
+
+
+def test_hf_linear_schedule_is_transformers_linear_schedule():
+    """optim.schedule.hf_linear (the DPO recipes' schedule, open-instruct's and TRL's) equals
+    transformers' get_linear_schedule_with_warmup stepped once per update."""
+    import torch
+    from transformers import get_linear_schedule_with_warmup
+
+    from olmax.optim import make_schedule
+    cfg = get_recipe("tiny_dpo", ["optim.lr=8e-8", "optim.schedule.warmup=11", "train.steps=117"])
+    sched = make_schedule(cfg.optim, cfg.train.steps)
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=8e-8)
+    hf = get_linear_schedule_with_warmup(opt, 11, 117)
+    for step in range(1, 118):  # olmax's 1-based global step = HF's update index + 1
+        assert float(sched(step)) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-6, abs=1e-20), step
+        opt.step()
+        hf.step()
+    assert float(sched(1)) == 0.0

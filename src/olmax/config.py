@@ -157,8 +157,9 @@ class DataConfig:
 class ScheduleConfig:
     # cosine: OLMo-core CosWithWarmup; half_cosine: HalfCosWithWarmup; linear: LinearWithWarmup;
     # two_part_cosine: stage 1 as AI2 ran it (CosWithWarmup, then HalfCosWithWarmup from
-    # ``switch_step``); constant.
-    name: Literal["cosine", "half_cosine", "linear", "two_part_cosine", "constant"] = "cosine"
+    # ``switch_step``); constant; hf_linear: HF's get_scheduler("linear") as open-instruct and TRL
+    # step it (0-based: the first update has lr 0 when warmup > 0; decays to 0, alpha_f unused).
+    name: Literal["cosine", "half_cosine", "linear", "two_part_cosine", "constant", "hf_linear"] = "cosine"
     warmup: int = 2000
     # Warmup as a fraction of the schedule's horizon instead: round(t_max * fraction) steps
     # (OLMo-core's ``warmup_fraction``; AI2's SFT uses 0.03 of the whole run). Replaces warmup.

@@ -83,6 +83,16 @@ def linear_with_warmup(step: jax.Array, *, lr: float, warmup: int, t_max: int, a
     return jnp.where(s < warmup, _linear_warmup(lr, s, warmup), jnp.where(s >= t_max, eta_min, lin))
 
 
+def hf_linear_with_warmup(step: jax.Array, *, lr: float, warmup: int, t_max: int) -> jax.Array:
+    """HF ``get_linear_schedule_with_warmup`` (open-instruct's and TRL's ``linear``) at the 0-based
+    update index k = step - 1: lr * k / warmup during warmup, then lr * (t_max - k) / (t_max - warmup)
+    down to 0. olmax's ``linear`` gives update k the lr this gives update k + 1."""
+    k = jnp.asarray(step, jnp.int32) - 1
+    warm = lr * (_f32(k) / max(warmup, 1))
+    decay = lr * (_f32(jnp.maximum(t_max - k, 0)) / max(t_max - warmup, 1))
+    return jnp.where(k < warmup, warm, decay)
+
+
 def constant_with_warmup(step: jax.Array, *, lr: float, warmup: int) -> jax.Array:
     """OLMo-core ``ConstantWithWarmup`` (``ConstantScheduler`` when warmup is 0)."""
     s = jnp.asarray(step, jnp.int32)
@@ -125,6 +135,8 @@ def make_schedule(optim_cfg: OptimConfig, total_steps: int) -> Schedule:
         return lambda step: linear_with_warmup(step, **kw)
     if sc.name == "constant":
         return lambda step: constant_with_warmup(step, lr=lr, warmup=warmup)
+    if sc.name == "hf_linear":
+        return lambda step: hf_linear_with_warmup(step, lr=lr, warmup=warmup, t_max=t_max)
     if sc.name == "two_part_cosine":  # switch_step and t_max_2 are set (olmax.config.validate)
         # part2_warmup None: part 2's warmup is the switch step (see two_part_cosine).
         p2w = int(sc.part2_warmup if sc.part2_warmup is not None else sc.switch_step)

@@ -8,11 +8,11 @@ Sources (allenai/open-instruct; see ``../shared/spec/olmo3_post_training.md`` §
 - Instruct DPO: commit 2fd104e, ``scripts/train/olmo3/7b_instruct_dpo.sh``: the same with lr 1e-6.
 - ``open_instruct/dpo_utils.py``: the loss (mean log-prob over response tokens, label smoothing 0).
 
-open-instruct's optimizer is torch AdamW (betas 0.9/0.999, eps 1e-8) through DeepSpeed with no
-gradient clipping set in these scripts (``--max_grad_norm`` is not passed; open-instruct's default is
--1 = off) and no skip-step. The schedule is HF's ``get_scheduler("linear")``, which starts its warmup
-at lr 0 on the first update; olmax's ``linear`` (OLMo-core's ``LinearWithWarmup``) starts at
-lr/warmup: the lr of update k is HF's of update k + 1 (see the README's DPO section).
+open-instruct's optimizer is torch AdamW (betas 0.9/0.999, eps 1e-8, not set by the scripts) with no
+gradient clipping (``--clip_grad_norm`` not passed; default -1 = off) and no skip-step. The schedule
+is HF's ``get_scheduler("linear")`` with ``int(warmup_ratio * steps)`` warmup steps, stepped once per
+update on the 0-based update index (open-instruct multiplies both horizons by the process count
+and accelerate steps the scheduler once per process, which cancels): ``optim.schedule.hf_linear``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _dpo_optim(lr: float, steps: int) -> OptimConfig:
     # no skip-step; linear decay to 0 after 10% warmup.
     return OptimConfig(lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decay_embeddings=True,
                        max_grad_norm=None, z_loss=None, skip_step=SkipStepConfig(enabled=False),
-                       schedule=ScheduleConfig(name="linear", warmup=int(WARMUP_RATIO * steps), alpha_f=0.0))
+                       schedule=ScheduleConfig(name="hf_linear", warmup=int(WARMUP_RATIO * steps), alpha_f=0.0))
 
 
 def _olmo3_7b_dpo(name: str, lr: float, pairs: int) -> Config:
@@ -82,7 +82,7 @@ def tiny_dpo() -> Config:
     return replace(
         base, name="tiny_dpo",
         data=replace(base.data, sequence_length=128, workers=0),
-        optim=replace(_dpo_optim(1e-4, steps), schedule=ScheduleConfig(name="linear", warmup=4, alpha_f=0.0)),
+        optim=replace(_dpo_optim(1e-4, steps), schedule=ScheduleConfig(name="hf_linear", warmup=4, alpha_f=0.0)),
         train=TrainConfig(steps=steps, global_batch_size=8, seed=0, log_interval=1, objective="dpo"),
         checkpoint=CheckpointConfig(interval=10, keep_last=2, async_save=True),
         eval=EvalConfig(),

@@ -15,8 +15,9 @@ One resolved olmax config drives both sides:
    computed in every step's forward, ``precompute_ref_log_probs=False``), the pairs already
    tokenized (``_prepare_dataset`` is bypassed: no chat template, no EOS added) and presented in
    olmax's order (``train_sampling_strategy="sequential"`` over the pairs of each olmax step);
-   torch AdamW with the same lr, betas, eps and weight decay, a constant lr, no clipping
-   (``max_grad_norm=0``: the Trainer then reports the norm without clipping).
+   torch AdamW with the same lr, betas, eps and weight decay, HF's ``linear`` schedule with the same
+   warmup (olmax: ``optim.schedule.hf_linear``), no clipping (``max_grad_norm=0``: the Trainer then
+   reports the norm without clipping).
 5. Per step: the loss, the pre-clip gradient norm, the lr and the rewards. TRL logs
    ``rewards/chosen`` and ``rewards/rejected`` as beta times the difference of *summed*
    log-probs, whatever the loss type; the rewards its ``sigmoid_norm`` loss is made of (beta times
@@ -57,7 +58,7 @@ PARITY_OVERRIDES: tuple[str, ...] = (
     "train.global_batch_size=4", "train.log_interval=1",
     "optim.lr=1e-4", "optim.beta1=0.9", "optim.beta2=0.999", "optim.eps=1e-8", "optim.weight_decay=0.0",
     "optim.max_grad_norm=null", "optim.skip_step.enabled=false",
-    "optim.schedule.name=constant", "optim.schedule.warmup=0",
+    "optim.schedule.name=hf_linear", "optim.schedule.warmup=2",
     "dpo.loss=dpo_norm", "dpo.beta=5.0", "dpo.label_smoothing=0.0",
 )
 PAIRS = 48          # 12 steps of 4 pairs per epoch: 20 steps cross an epoch boundary (new order)
@@ -70,8 +71,10 @@ def parity_config(steps: int = 20, seed: int = 0, overrides: list[str] | tuple[s
     cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, interval=cfg.train.steps, async_save=False))
     bad = []
     o = cfg.optim
-    if o.schedule.name != "constant" or o.schedule.warmup != 0:
-        bad.append("optim.schedule must be constant with no warmup (HF's linear schedule is 0-based, olmax's 1-based)")
+    if not (o.schedule.name == "hf_linear" or (o.schedule.name == "constant" and o.schedule.warmup == 0)):
+        bad.append("optim.schedule must be hf_linear (HF's linear schedule) or constant with no warmup")
+    if o.schedule.t_max not in (None, cfg.train.steps) or o.schedule.warmup_fraction is not None:
+        bad.append("optim.schedule.t_max must be null (= train.steps) and optim.schedule.warmup a step count")
     if o.max_grad_norm is not None or o.skip_step.enabled:
         bad.append("optim.max_grad_norm must be null and optim.skip_step.enabled false")
     if cfg.dpo.loss != "dpo_norm" or cfg.dpo.label_smoothing != 0.0:
@@ -157,7 +160,8 @@ def _run_trl(cfg: Config, policy: Path, reference: Path, pairs: list[tuple], ord
     o = cfg.optim
     args = DPOConfig(
         output_dir=str(out / "trl"), loss_type="sigmoid_norm", beta=cfg.dpo.beta, label_smoothing=0.0,
-        learning_rate=o.lr, lr_scheduler_type="constant", warmup_steps=0, adam_beta1=o.beta1, adam_beta2=o.beta2,
+        learning_rate=o.lr, lr_scheduler_type="linear" if o.schedule.name == "hf_linear" else "constant",
+        warmup_steps=o.schedule.warmup if o.schedule.name == "hf_linear" else 0, adam_beta1=o.beta1, adam_beta2=o.beta2,
         adam_epsilon=o.eps, weight_decay=o.weight_decay, optim="adamw_torch", max_grad_norm=0.0,
         per_device_train_batch_size=cfg.train.global_batch_size, gradient_accumulation_steps=1,
         max_steps=cfg.train.steps, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
@@ -249,6 +253,7 @@ def run(steps: int = 20, seed: int = 0, overrides: list[str] | tuple[str, ...] =
         for side in ("chosen", "rejected"):
             a, b = row[f"olmax_summed_rewards_{side}"], row[f"trl_summed_rewards_{side}"]
             row[f"abs_summed_rewards_{side}_diff"] = abs(a - b)
+        row["rel_lr_diff"] = abs(row["olmax_lr"] - row["trl_lr"]) / max(abs(row["trl_lr"]), 1e-30)
         row["rel_grad_norm_diff"] = abs(row["olmax_grad_norm"] - row["trl_grad_norm"]) / max(abs(row["trl_grad_norm"]),
                                                                                           1e-30)
         rows.append(row)
@@ -263,6 +268,7 @@ def run(steps: int = 20, seed: int = 0, overrides: list[str] | tuple[str, ...] =
         "max_abs_rewards_chosen_diff": mx("abs_rewards_chosen_diff"),
         "max_abs_rewards_rejected_diff": mx("abs_rewards_rejected_diff"),
         "max_rel_grad_norm_diff": mx("rel_grad_norm_diff"),
+        "max_rel_lr_diff": mx("rel_lr_diff"),
         "max_abs_summed_rewards_diff": max(mx("abs_summed_rewards_chosen_diff"),
                                            mx("abs_summed_rewards_rejected_diff")),
         "tolerance": TOLERANCE,
@@ -273,7 +279,8 @@ def run(steps: int = 20, seed: int = 0, overrides: list[str] | tuple[str, ...] =
     }
     report["ok"] = bool(rows) and len(rows) == steps and all(
         r["abs_loss_diff"] <= TOLERANCE and r["abs_rewards_chosen_diff"] <= TOLERANCE
-        and r["abs_rewards_rejected_diff"] <= TOLERANCE and r["rel_grad_norm_diff"] <= TOLERANCE for r in rows)
+        and r["abs_rewards_rejected_diff"] <= TOLERANCE and r["rel_grad_norm_diff"] <= TOLERANCE
+        and (r["rel_lr_diff"] <= TOLERANCE or r["trl_lr"] == r["olmax_lr"]) for r in rows)
     return report
 
 
