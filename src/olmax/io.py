@@ -8,19 +8,23 @@ Why these libraries: fsspec is what Grain, etils.epath (Orbax's path layer) and 
 readers already sit on, and its HTTP filesystem (aiohttp) does range requests. For ``s3://`` and
 ``gs://`` the usual fsspec backends (s3fs, gcsfs) cannot be installed beside this project's pinned
 botocore and fsspec (s3fs needs an aiobotocore that pins an older botocore; gcsfs pins fsspec to
-its own release), so we use Apache Arrow's C++ S3 and GCS clients (``pyarrow.fs``, already
+its own release). For ``s3://`` we use Apache Arrow's C++ S3 client (``pyarrow.fs``, already
 installed through ``datasets``) behind fsspec's own ``ArrowFSWrapper``, registered as fsspec's
-``s3`` / ``gs`` implementations only when s3fs / gcsfs are absent (if installed, they are used).
+``s3`` implementation when s3fs is absent (if installed, it is used). For ``gs://`` Arrow's GCS
+client hangs on ranged reads, so a small fsspec filesystem over Google's ``google-cloud-storage``
+(JSON API) is registered as ``gs`` / ``gcs``.
 Checkpoints do not go through Orbax's remote paths: see :mod:`olmax.checkpoint.remote`.
 
 Endpoints and credentials come from the standard variables: ``AWS_ENDPOINT_URL`` (or
 ``AWS_ENDPOINT_URL_S3``) for S3-compatible stores, ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``
 / ``AWS_REGION``, and Google's application-default credentials for ``gs://``
-(``OLMAX_GCS_ENDPOINT`` points ``gs://`` at an emulator).
+(``OLMAX_GCS_ENDPOINT``, e.g. ``http://127.0.0.1:4443``, points ``gs://`` at an emulator,
+without credentials).
 
 Transient failures (HTTP 5xx and 429, connection errors, timeouts) are retried with exponential
 backoff (``OLMAX_IO_RETRIES`` attempts, default 6, starting at ``OLMAX_IO_BACKOFF`` seconds,
-default 0.5); a missing object or a refused access fails at once with a :class:`RemoteError`
+default 0.5; a value below 1 attempt or a negative backoff is an error naming the variable);
+a missing object or a refused access fails at once with a :class:`RemoteError`
 naming the URL.
 """
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import os
 import posixpath
 import threading
@@ -80,14 +85,8 @@ def _s3_options() -> dict[str, Any]:
 
 def _arrow_fs(protocol: str):
     import pyarrow.fs as pafs
-    if protocol == "s3":
-        return pafs.S3FileSystem(**_s3_options())
-    opts: dict[str, Any] = {}
-    ep = os.environ.get("OLMAX_GCS_ENDPOINT")
-    if ep:
-        scheme, _, host = ep.partition("://")
-        opts.update(endpoint_override=host, scheme=scheme, anonymous=True)
-    return pafs.GcsFileSystem(**opts)
+    assert protocol == "s3", protocol  # gs:// has its own client (_gcs_class)
+    return pafs.S3FileSystem(**_s3_options())
 
 
 def _wrapper_class(protocol: str):
@@ -103,14 +102,163 @@ def _wrapper_class(protocol: str):
         @classmethod
         def _strip_protocol(cls, path: Any) -> str:
             path = str(path)
-            for p in (f"{protocol}://", "gcs://" if protocol == "gs" else None):
-                if p and path.startswith(p):
+            if path.startswith(f"{protocol}://"):
+                path = path[len(protocol) + 3:]
+            return path.rstrip("/")
+
+    _Arrow.protocol = (protocol,)
+    _Arrow.__name__ = f"Arrow{protocol.upper()}FileSystem"
+    return _Arrow
+
+
+def _gcs_client():
+    from google.cloud import storage
+    ep = os.environ.get("OLMAX_GCS_ENDPOINT")
+    if ep:
+        if not ep.startswith(("http://", "https://")):
+            raise RemoteError(f"OLMAX_GCS_ENDPOINT={ep!r}: give the URL with its scheme, e.g. http://127.0.0.1:4443")
+        from google.auth.credentials import AnonymousCredentials
+        return storage.Client(project=os.environ.get("GOOGLE_CLOUD_PROJECT") or "olmax",
+                              credentials=AnonymousCredentials(), client_options={"api_endpoint": ep.rstrip("/")})
+    import google.auth.exceptions
+    try:
+        return storage.Client()
+    except google.auth.exceptions.DefaultCredentialsError as e:
+        raise RemoteError(f"gs://: no Google credentials ({e}); run `gcloud auth application-default login` or "
+                          "set GOOGLE_APPLICATION_CREDENTIALS (OLMAX_GCS_ENDPOINT for an emulator)") from None
+
+
+def _gcs_class():
+    from fsspec.spec import AbstractFileSystem
+
+    class GcsFileSystem(AbstractFileSystem):
+        """fsspec's ``gs://`` / ``gcs://`` over Google's own Python client (``google-cloud-storage``).
+
+    pyarrow's GCS client hangs on a ranged read (``read_at``) before it sends the request (seen
+    with pyarrow 26 against an emulator and against a minimal server), and gcsfs pins fsspec to
+    its own release, so ``gs://`` uses the official client. The client's own retries are off
+    (``retry=None``): every call is retried by :func:`with_retries`, as for ``s3://``.
+    Credentials: Google's application-default credentials; ``OLMAX_GCS_ENDPOINT`` (e.g.
+    ``http://127.0.0.1:4443``) points it at an emulator or test server, anonymously.
+    """
+
+        protocol = ("gs", "gcs")
+        root_marker = ""
+        TIMEOUT = (20, 120)  # (connect, read) seconds per request
+
+        def __init__(self, **kwargs: Any):
+            super().__init__(**kwargs)
+            self._local = threading.local()  # one client (one HTTP session) per thread
+
+        @property
+        def client(self):
+            c = getattr(self._local, "client", None)
+            if c is None:
+                c = self._local.client = _gcs_client()
+            return c
+
+        @classmethod
+        def _strip_protocol(cls, path: Any) -> str:
+            path = str(path)
+            for p in ("gs://", "gcs://"):
+                if path.startswith(p):
                     path = path[len(p):]
             return path.rstrip("/")
 
-    _Arrow.protocol = (protocol, "gcs") if protocol == "gs" else (protocol,)
-    _Arrow.__name__ = f"Arrow{protocol.upper()}FileSystem"
-    return _Arrow
+        def _split(self, path: str) -> tuple[str, str]:
+            bucket, _, key = self._strip_protocol(path).partition("/")
+            if not bucket:
+                raise RemoteError(f"gs://{path}: no bucket in the URL (gs://BUCKET/PATH)")
+            return bucket, key
+
+        def _blob(self, path: str):
+            bucket, key = self._split(path)
+            if not key:
+                raise IsADirectoryError(f"gs://{bucket} is a bucket, not an object")
+            return self.client.bucket(bucket).blob(key)
+
+        @staticmethod
+        def _file(bucket: str, blob) -> dict[str, Any]:
+            return {"name": f"{bucket}/{blob.name}", "size": int(blob.size or 0), "type": "file",
+                    "generation": blob.generation}
+
+        def _list(self, bucket: str, prefix: str, delimiter: str | None, max_results: int | None = None):
+            it = self.client.list_blobs(bucket, prefix=prefix, delimiter=delimiter, max_results=max_results,
+                                        retry=None, timeout=self.TIMEOUT)
+            blobs = list(it)
+            return blobs, sorted(it.prefixes)
+
+        def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+            from google.api_core import exceptions as gexc
+            bucket, key = self._split(path)
+            if key:
+                try:
+                    blob = self.client.bucket(bucket).get_blob(key, retry=None, timeout=self.TIMEOUT)
+                except gexc.NotFound:  # a missing bucket
+                    raise FileNotFoundError(f"gs://{bucket}/{key}: no such bucket") from None
+                if blob is not None:
+                    return self._file(bucket, blob)
+            blobs, prefixes = self._list(bucket, f"{key}/" if key else "", "/", max_results=1)
+            if blobs or prefixes or not key:
+                return {"name": f"{bucket}/{key}".rstrip("/"), "size": 0, "type": "directory"}
+            raise FileNotFoundError(f"gs://{bucket}/{key}")
+
+        def exists(self, path: str, **kwargs: Any) -> bool:
+            try:
+                self.info(path)  # other errors than a missing object are raised (and retried)
+                return True
+            except FileNotFoundError:
+                return False
+
+        def ls(self, path: str, detail: bool = True, **kwargs: Any):
+            bucket, key = self._split(path)
+            prefix = f"{key}/" if key else ""
+            blobs, prefixes = self._list(bucket, prefix, "/")
+            out = [self._file(bucket, b) for b in blobs if b.name != prefix]
+            out += [{"name": f"{bucket}/{p.rstrip('/')}", "size": 0, "type": "directory"} for p in prefixes]
+            if not out and key:
+                out = [self.info(path)]  # a file, or FileNotFoundError
+            return out if detail else [e["name"] for e in out]
+
+        def find(self, path: str, maxdepth: int | None = None, withdirs: bool = False, detail: bool = False,
+                 **kwargs: Any):
+            bucket, key = self._split(path)
+            blobs, _ = self._list(bucket, f"{key}/" if key else "", None)
+            out = {f"{bucket}/{b.name}": self._file(bucket, b) for b in blobs if not b.name.endswith("/")}
+            return out if detail else sorted(out)
+
+        def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
+            if start is not None and start < 0 or end is not None and end < 0:
+                raise ValueError("negative offsets are not supported for gs://")
+            if end is not None and end <= (start or 0):
+                return b""
+            ranged = start is not None or end is not None
+            return self._blob(path).download_as_bytes(start=start, end=None if end is None else end - 1,
+                                                      checksum=None if ranged else "auto", retry=None,
+                                                      timeout=self.TIMEOUT)
+
+        def get_file(self, rpath: str, lpath: str, **kwargs: Any) -> None:
+            self._blob(rpath).download_to_filename(os.fspath(lpath), retry=None, timeout=self.TIMEOUT)
+
+        def put_file(self, lpath: str, rpath: str, **kwargs: Any) -> None:
+            self._blob(rpath).upload_from_filename(os.fspath(lpath), retry=None, timeout=self.TIMEOUT)
+
+        def pipe_file(self, path: str, value: bytes, **kwargs: Any) -> None:
+            self._blob(path).upload_from_string(value, retry=None, timeout=self.TIMEOUT)
+
+        def rm(self, path: str, recursive: bool = False, **kwargs: Any) -> None:
+            from google.api_core import exceptions as gexc
+            bucket, key = self._split(path)
+            names = [key] if key else []
+            if recursive:
+                names += [b.name for b in self._list(bucket, f"{key}/" if key else "", None)[0]]
+            for name in names:
+                try:
+                    self.client.bucket(bucket).blob(name).delete(retry=None, timeout=self.TIMEOUT)
+                except gexc.NotFound:
+                    pass  # already gone (or the prefix was no object itself)
+
+    return GcsFileSystem
 
 
 _registered = False
@@ -118,7 +266,7 @@ _lock = threading.Lock()
 
 
 def register_filesystems() -> None:
-    """Make ``fsspec.filesystem("s3"/"gs")`` (and so etils.epath and Orbax) work without s3fs/gcsfs."""
+    """Make ``fsspec.filesystem("s3"/"gs")`` work without s3fs/gcsfs (``gs``: always olmax's own)."""
     global _registered
     with _lock:
         if _registered:
@@ -126,11 +274,11 @@ def register_filesystems() -> None:
         import importlib.util
 
         import fsspec
-        for protocol, module in (("s3", "s3fs"), ("gs", "gcsfs")):
-            if importlib.util.find_spec(module) is None:
-                cls = _wrapper_class(protocol)
-                for name in cls.protocol:
-                    fsspec.register_implementation(name, cls, clobber=True)
+        if importlib.util.find_spec("s3fs") is None:
+            fsspec.register_implementation("s3", _wrapper_class("s3"), clobber=True)
+        gcs = _gcs_class()
+        for name in gcs.protocol:
+            fsspec.register_implementation(name, gcs, clobber=True)
         _registered = True
 
 
@@ -142,7 +290,7 @@ def _fs_for(protocol: str, pid: int, env: tuple):  # pid: a forked loader worker
 
 
 _ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ACCESS_KEY_ID",
-        "OLMAX_GCS_ENDPOINT")
+        "OLMAX_GCS_ENDPOINT", "GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT", "STORAGE_EMULATOR_HOST")
 
 
 def filesystem(url: str):
@@ -183,8 +331,11 @@ def _permanent(url: str, e: BaseException, what: str) -> RemoteError | None:
     # fsspec's HTTP client turns a refused HEAD into FileNotFoundError; the status is in the cause.
     status = next((s for s in map(_status, _chain(e)) if s is not None), None)
     if status in (401, 403):
+        creds = ("Google application-default credentials (gcloud auth application-default login)"
+                 if url.startswith(("gs://", "gcs://")) else "AWS_* variables" if url.startswith("s3://")
+                 else "URL's access rules")
         return RemoteError(f"{url}: access denied (HTTP {status}) while {what}; check the credentials "
-                           "(AWS_* variables, gcloud application-default login) and the object's permissions")
+                           f"({creds}) and the object's permissions")
     if status is not None and (status >= 500 or status == 429):
         return None  # the server's trouble, not the object's absence: retry
     if isinstance(e, FileNotFoundError) or status == 404 or "NoSuchKey" in str(e) or "NoSuchBucket" in str(e):
@@ -197,18 +348,40 @@ def _permanent(url: str, e: BaseException, what: str) -> RemoteError | None:
 
 
 def _io_error(e: BaseException) -> bool:
-    if isinstance(e, (OSError, TimeoutError)):
+    """An error of the storage or the network (classified by :func:`_permanent`), not a bug."""
+    if isinstance(e, (OSError, TimeoutError)):  # requests' errors are OSErrors too
         return True
+    kinds: list[type] = []
     try:
         import aiohttp
-        return isinstance(e, aiohttp.ClientError)
+        kinds.append(aiohttp.ClientError)
     except ImportError:
-        return False
+        pass
+    try:  # google-cloud-storage (gs://): HTTP errors carry .code; a failed token refresh
+        from google.api_core.exceptions import GoogleAPICallError
+        from google.auth.exceptions import TransportError
+        kinds += [GoogleAPICallError, TransportError]
+    except ImportError:
+        pass
+    return isinstance(e, tuple(kinds))
+
+
+def _env_number(name: str, default: str, kind: type, minimum: float) -> Any:
+    raw = os.environ.get(name, default)
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value < minimum:
+        what = "a whole number of attempts, at least 1" if kind is int else f"a number of seconds, at least {minimum}"
+        raise RemoteError(f"{name}={raw!r}: must be {what} (default {default})")
+    return value
 
 
 def with_retries(url: str, what: str, fn: Callable[[], T]) -> T:
     """``fn()``, retried with exponential backoff on transient errors; permanent ones named by URL."""
-    attempts, delay = int(os.environ.get("OLMAX_IO_RETRIES", "6")), float(os.environ.get("OLMAX_IO_BACKOFF", "0.5"))
+    attempts = _env_number("OLMAX_IO_RETRIES", "6", int, 1)
+    delay = _env_number("OLMAX_IO_BACKOFF", "0.5", float, 0.0)
     for attempt in range(1, attempts + 1):
         try:
             return fn()
@@ -223,7 +396,7 @@ def with_retries(url: str, what: str, fn: Callable[[], T]) -> T:
             if attempt == attempts:
                 raise RemoteError(f"{url}: {what} failed after {attempts} attempts: {type(e).__name__}: {e}") from e
             time.sleep(delay * 2 ** (attempt - 1))
-    raise AssertionError("unreachable")
+    raise AssertionError("unreachable: attempts >= 1")
 
 
 # --------------------------------------------------------------------------- reads
