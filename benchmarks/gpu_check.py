@@ -22,9 +22,10 @@ Sections, in order (each timed; an exception is recorded in the JSON and the exi
    roofline: bytes of the prepared weights one step reads / step time, against the measured copy
    bandwidth (and the same with the KV cache's bytes added).
 
-``--rehearse``: the same code on the CPU at tiny shapes (2 layers x d 128 ... sequence 256), the
-cuDNN kernel replaced by the reference kernel; ``make rehearse-gpu`` runs it in a venv built like
-the lent machine's image.
+``--rehearse``: the same code on the CPU at tiny shapes (4 layers x d 128, sequence 256), olmax
+told it compiles for a GPU (``trace_as_gpu``), cuDNN replaced by the ``xla`` implementation of the
+same ``jax.nn.dot_product_attention`` call; ``make rehearse-gpu`` runs it in a venv built like the
+lent machine's image (``benchmarks/rehearse_gpu.sh``).
 """
 
 from __future__ import annotations
