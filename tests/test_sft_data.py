@@ -219,3 +219,23 @@ def test_epochs_resolve_to_steps_and_sft_run_trains(tmp_path):
     ev = HeldoutEvaluator(resolved)
     m = ev.masks[""]
     assert m.shape == ev.batches[""].shape and 0 < m.mean() < 1  # prompts and padding not scored
+
+
+def test_packed_sft_run_resumes_bitwise(tmp_path):
+    """A packed, label-masked, document-masked run stopped after step 3 and resumed from its
+    checkpoint gives the uninterrupted run's losses bit for bit (train.epochs=null: train.steps
+    counts; the process-restart version of this check is `olmax verify resume`)."""
+    from olmax.recipes import get_recipe
+    from olmax.train.loop import train
+    paths, masks = write_sft_files(tmp_path, docs=120)
+    ov = [f"model.vocab_size={V}", "model.padded_vocab_size=512", "data.dtype=uint16", f"data.eos_token_id={EOS}",
+          f"data.pad_token_id={PAD}", f"data.sequence_length={L}", "data.paths=" + ",".join(paths),
+          "data.label_mask_paths=" + ",".join(masks), "train.global_batch_size=8", "train.epochs=null",
+          "train.steps=6", "checkpoint.interval=3", "checkpoint.async_save=false", "eval.heldout_paths=",
+          "train.loss_ranks=2", "train.log_interval=1"]
+    cfg = get_recipe("tiny_sft", ov)
+    whole = train(cfg, tmp_path / "a", progress=False).losses
+    first = train(cfg, tmp_path / "b", max_steps_this_run=3, progress=False).losses
+    rest = train(cfg, tmp_path / "b", progress=False).losses
+    assert len(whole) == 6 and set(first) | set(rest) == set(whole)
+    assert all({**first, **rest}[k] == whole[k] for k in whole), (whole, first, rest)
