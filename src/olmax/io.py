@@ -134,13 +134,13 @@ def _gcs_class():
     class GcsFileSystem(AbstractFileSystem):
         """fsspec's ``gs://`` / ``gcs://`` over Google's own Python client (``google-cloud-storage``).
 
-    pyarrow's GCS client hangs on a ranged read (``read_at``) before it sends the request (seen
-    with pyarrow 26 against an emulator and against a minimal server), and gcsfs pins fsspec to
-    its own release, so ``gs://`` uses the official client. The client's own retries are off
-    (``retry=None``): every call is retried by :func:`with_retries`, as for ``s3://``.
-    Credentials: Google's application-default credentials; ``OLMAX_GCS_ENDPOINT`` (e.g.
-    ``http://127.0.0.1:4443``) points it at an emulator or test server, anonymously.
-    """
+        pyarrow's GCS client hangs on a ranged read (``read_at``) before it sends the request (seen
+        with pyarrow 26 against an emulator and against a minimal server), and gcsfs pins fsspec to
+        its own release, so ``gs://`` uses the official client. The client's own retries are off
+        (``retry=None``): every call is retried by :func:`with_retries`, as for ``s3://``.
+        Credentials: Google's application-default credentials; ``OLMAX_GCS_ENDPOINT`` (e.g.
+        ``http://127.0.0.1:4443``) points it at an emulator or test server, anonymously.
+        """
 
         protocol = ("gs", "gcs")
         root_marker = ""
