@@ -6,13 +6,13 @@ their implementation inside ``func``, so that the CLI starts without Orbax, Grai
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
 import traceback
 import warnings
 
+from olmax import jsonout
 from olmax import commands, compile
 from olmax.compat import commands as convert_commands
 from olmax.config import ConfigError
@@ -32,8 +32,20 @@ COMMAND_MODULES = [commands, compile, train_commands, data_commands, convert_com
                    eval_commands, infer_commands, launch_commands]
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with the error contract: a bad flag or value is one line, exit 2, and also
+    ``{"error": ...}`` on stdout when the command line asks for ``--json``."""
+
+    json_errors = False  # set by main() when --json is on the command line
+
+    def error(self, message: str):  # type: ignore[override]
+        if Parser.json_errors:
+            print(jsonout.dumps({"error": f"{self.prog}: {message}"}))
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="olmax", description="Faithful, verified LLM pre-training in JAX.")
+    parser = Parser(prog="olmax", description="Faithful, verified LLM pre-training in JAX.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for module in COMMAND_MODULES:
@@ -78,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         argv.remove("--debug")
         debug = True
     parser = build_parser()
+    Parser.json_errors = "--json" in argv
     args = parser.parse_args(argv)
     if not debug:
         _quiet_background_errors()
@@ -88,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         msg = _user_error_message(e)
         if getattr(args, "json", False):
-            print(json.dumps({"error": msg}))
+            print(jsonout.dumps({"error": msg}))
         print(f"error: {msg}", file=sys.stderr)
         return 2
     return int(rc or 0)

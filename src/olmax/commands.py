@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
 
+from olmax import jsonout
+from olmax.argtypes import positive_float, positive_int
 from olmax.compile import memory_verdict, parse_topology
 from olmax.metrics.flops import flops_per_token
 from olmax.metrics.memory import memory_estimate
@@ -21,11 +22,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("inspect", help="parameter counts, FLOPs per token and per-device memory, without allocating")
     add_recipe_args(p)
-    p.add_argument("--devices", type=int, default=None,
+    p.add_argument("--devices", type=positive_int, default=None,
                    help="global device count for the memory estimate (default: the devices JAX sees)")
     p.add_argument("--topology", default=None,
                    help="a TPU slice (v5p-128, v6e-256, ...): its device count and HBM give a fits / does not fit verdict")
-    p.add_argument("--hbm-gib", type=float, default=None, help="memory per device for the verdict (e.g. 80 for an H100)")
+    p.add_argument("--hbm-gib", type=positive_float, default=None, help="memory per device for the verdict (e.g. 80 for an H100)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)
 
@@ -71,7 +72,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         v = memory_verdict(need, hbm)
         info.update(hbm_gib=hbm, fits=v["fits"], verdict=v["verdict"] + " (estimate)")
     if args.json:
-        print(json.dumps(info, indent=2))
+        print(jsonout.dumps(info, indent=2))
         return 0
     p, f, mem = info["params"], info["flops_per_token"], info["memory_per_device"]
     print(f"recipe            {info['recipe']}")

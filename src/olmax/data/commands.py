@@ -4,13 +4,14 @@ ConfigError) and printed by the main CLI as one line."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from olmax import jsonout
+from olmax.argtypes import int_in, nonneg_float, nonneg_int, positive_int
 from olmax.data import DataError
 from olmax.data.audit import audit
 from olmax.data.loader import DataLoader
@@ -23,19 +24,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("tokenize", help="text / JSONL(.gz/.zst) -> raw token files + manifest.json")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--tokenizer", metavar="FILE.json", help="any HF tokenizer.json (dolma2 included)")
-    src.add_argument("--train-bpe", type=int, metavar="VOCAB_SIZE",
+    src.add_argument("--train-bpe", type=positive_int, metavar="VOCAB_SIZE",
                      help="train a byte-level BPE on the inputs first (<|endoftext|>=0 eos, <|pad|>=1)")
     p.add_argument("--out", required=True, metavar="DIR", help="new or empty output folder")
-    p.add_argument("--heldout", type=float, default=0.0, metavar="FRACTION",
+    p.add_argument("--heldout", type=nonneg_float, default=0.0, metavar="FRACTION",
                    help="documents split off by a hash of their text into DIR/heldout (rest: DIR/train)")
-    p.add_argument("--shard-tokens", type=int, default=None, metavar="N",
+    p.add_argument("--shard-tokens", type=positive_int, default=None, metavar="N",
                    help="tokens per output file (default 2**28; --chat: 1 GiB of token ids, as open-instruct)")
-    p.add_argument("--processes", type=int, default=os.cpu_count() or 1, metavar="P",
+    p.add_argument("--processes", type=positive_int, default=os.cpu_count() or 1, metavar="P",
                    help="tokenizer processes (default: one per core; the output is the same for any P)")
     p.add_argument("--text-field", default="text", help="JSONL field holding the text (Dolma: text)")
     p.add_argument("--text-unit", choices=("paragraph", "line", "file"), default="paragraph",
                    help="document unit of plain-text inputs (default: blank-line separated blocks)")
-    p.add_argument("--eos-token-id", type=int, help="EOS id (default: the tokenizer's <|endoftext|>)")
+    p.add_argument("--eos-token-id", type=nonneg_int, help="EOS id (default: the tokenizer's <|endoftext|>)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     c = p.add_argument_group("chat data (olmax.data.chat)")
     c.add_argument("--chat", action="store_true",
@@ -46,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("--template", default="olmo3", metavar="NAME|PATH",
                    help="olmo3 (default), olmo3-think, tokenizer (the jinja template beside --tokenizer), "
                         "a tokenizer folder or a .jinja file")
-    c.add_argument("--max-length", type=int, metavar="N", help="keep the first N tokens of each sequence")
+    c.add_argument("--max-length", type=positive_int, metavar="N", help="keep the first N tokens of each sequence")
     c.add_argument("--skip-bad", action="store_true", help="skip and count bad conversations instead of failing")
     c.add_argument("--labels", choices=("turns", "open-instruct-counts"), default="turns",
                    help="turns: assistant content + <|im_end|>\\n / final EOS (default); open-instruct-counts: "
@@ -60,8 +61,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b = dsub.add_parser("batches", help="write the global instance ids a process reads for steps A..B-1")
     add_recipe_args(b)
     b.add_argument("--steps", required=True, metavar="A:B", help="global steps A..B-1 (0-based)")
-    b.add_argument("--process-index", type=int, default=0, metavar="r")
-    b.add_argument("--process-count", type=int, default=1, metavar="R")
+    b.add_argument("--process-index", type=nonneg_int, default=0, metavar="r")
+    b.add_argument("--process-count", type=positive_int, default=1, metavar="R")
     b.add_argument("--out", required=True, metavar="FILE.npy", help="int64 [B-A, global_batch / R]")
     b.add_argument("--filter-out", metavar="FILE.npy", help="bool, same shape: True where the instance is dirty")
     b.add_argument("--dump-instances", metavar="FILE.npz",
@@ -73,9 +74,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     a = dsub.add_parser("audit", help="prove each instance of an epoch is read exactly once for R x W")
     add_recipe_args(a)
-    a.add_argument("--processes", type=int, default=1, metavar="R")
-    a.add_argument("--workers", type=int, default=None, metavar="W", help="default: data.workers")
-    a.add_argument("--epoch", type=int, default=1)
+    a.add_argument("--processes", type=positive_int, default=1, metavar="R")
+    a.add_argument("--workers", type=nonneg_int, default=None, metavar="W", help="default: data.workers")
+    a.add_argument("--epoch", type=int_in(1, 2**32 - 1), default=1)
     a.add_argument("--json", action="store_true")
     a.set_defaults(func=_audit)
 
@@ -179,5 +180,5 @@ def _audit(args: argparse.Namespace) -> int:
     cfg, loader = _loader(args)
     workers = cfg.data.workers if args.workers is None else args.workers
     res = audit(loader.order, args.processes, workers, epoch=args.epoch)
-    print(json.dumps(res.to_dict(), indent=1) if args.json else res.summary())
+    print(jsonout.dumps(res.to_dict(), indent=1) if args.json else res.summary())
     return 0 if res.ok else 1

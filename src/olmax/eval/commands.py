@@ -22,10 +22,11 @@ their implementation when they run (the CLI starts without Orbax, Optax or lm-ev
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
+from olmax import jsonout
+from olmax.argtypes import TOKEN_DTYPES
 from olmax.eval import suite
 from olmax.eval.alarm import AlarmConfig
 
@@ -62,7 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", dest="batch_size", type=int, default=argparse.SUPPRESS,
                    help=argparse.SUPPRESS)  # the old spelling, kept until the next release
     p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (without --tokens/--data)")
-    p.add_argument("--token-dtype", default=None, help="dtype of --data files (default: A's data.dtype)")
+    p.add_argument("--token-dtype", choices=TOKEN_DTYPES, default=None,
+                   help="dtype of --data files (default: A's data.dtype)")
     _dtype_arg(p, "cast both models' weights (default: as stored)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_kl)
@@ -107,7 +109,8 @@ def _window_args(p: argparse.ArgumentParser, batches_help: str = "batches (defau
     p.add_argument("--seq-len", type=int, default=None, help="window length (default data.sequence_length)")
     p.add_argument("--batches", type=int, default=None, help=batches_help)
     p.add_argument("--batch-size", type=int, default=None, help="windows per batch (default eval.batch_size)")
-    p.add_argument("--token-dtype", default=None, help="token file dtype (default data.dtype of the checkpoint)")
+    p.add_argument("--token-dtype", choices=TOKEN_DTYPES, default=None,
+                   help="token file dtype (default data.dtype of the checkpoint)")
 
 
 def _positive(name: str, v: int | None) -> None:
@@ -132,7 +135,7 @@ def cmd_loss(args: argparse.Namespace) -> int:
            "batches": r["batches"], "tokens": r["tokens"], "loss": r["loss"], "perplexity": r["perplexity"],
            "loss_se": r["loss_se"], "per_batch_loss": r["per_batch_loss"]}
     if args.json:
-        print(json.dumps(out, indent=2))
+        print(jsonout.dumps(out, indent=2))
     else:
         se = "" if r["loss_se"] is None else f" +- {r['loss_se']:.4f} (SE over batches)"
         print(f"held-out loss {r['loss']:.4f}{se} nats/token, perplexity {r['perplexity']:.3f} "
@@ -152,7 +155,7 @@ def cmd_domains(args: argparse.Namespace) -> int:
                          dtype=args.token_dtype)
     r = {"checkpoint": args.checkpoint, **ev.evaluate_detailed(params)}
     if args.json:
-        print(json.dumps(r, indent=2))
+        print(jsonout.dumps(r, indent=2))
         return 0
     w = max(8, *(len(n) for n in r["domains"]))
     print(f"{'domain':<{w}}  {'loss':>8}  {'ppl':>10}  {'bits/byte':>9}  {'tokens':>10}")
@@ -182,7 +185,7 @@ def cmd_kl(args: argparse.Namespace) -> int:
     r = kl(pa, ca, pb, cb, toks)
     out = {"a": args.a, "b": args.b, "inputs": inputs, "batch": int(toks.shape[0]), "seq_len": int(toks.shape[-1]), **r}
     if args.json:
-        print(json.dumps(out, indent=2))
+        print(jsonout.dumps(out, indent=2))
     else:
         print(f"KL({args.a} || {args.b}) on {r['tokens']:,} tokens ({inputs})")
         print(f"  KL mean {r['kl_mean']:.3e}  max {r['kl_max']:.3e} nats")
@@ -202,7 +205,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 heldout_metric=args.heldout_metric, reference_label=args.reference_label)
     fired = any(a["fired"] for a in s["alarms"].values())
     if args.json:
-        print(json.dumps(s, indent=2))
+        print(jsonout.dumps(s, indent=2))
     else:
         for label, g in s["gaps"].items():
             mean = "n/a" if g["mean"] is None else f"{g['mean']:+.4f}"

@@ -44,13 +44,13 @@ Outputs in ``out`` (``olmax.eval.report``): ``loss.png``, ``gap.png``, ``report.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
+from olmax import jsonout
 from olmax.eval.alarm import AlarmConfig, AlarmResult, check_memorisation
 from olmax.eval.report import plot_gap, plot_loss, write_html, write_markdown
 from olmax.eval.runs import HELDOUT_KEY, TRAIN_KEY, Run, mean_se, read_run, read_runs
@@ -230,5 +230,5 @@ def compare(paths: Sequence[str], reference: str | None = None, *, labels: Seque
     plot_gap(bins_by_run, held_gaps, base.label, alarm.threshold, out_dir / "gap.png", alarms)
     write_markdown(summary, out_dir / "report.md")
     write_html(summary, out_dir / "report.html", out_dir)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    (out_dir / "summary.json").write_text(jsonout.dumps(summary, indent=1) + "\n", encoding="utf-8")
     return summary

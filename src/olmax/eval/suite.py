@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from olmax import jsonout
 from olmax.config import ConfigError
 
 # (lm-eval task, num_fewshot); None keeps the task's own default.
@@ -193,10 +194,10 @@ def cmd_lm_eval(args: argparse.Namespace) -> int:
     summary.update({"checkpoint": args.checkpoint, "suite": None if args.tasks else (args.suite or "olmo3")})
     if args.out:
         tmp = Path(f"{args.out}.tmp")
-        tmp.write_text(json.dumps(summary, indent=2, default=str))
+        tmp.write_text(jsonout.dumps(summary, indent=2, default=str))
         os.replace(tmp, args.out)
     if args.json:
-        print(json.dumps({k: v for k, v in summary.items() if k != "results"}, default=str))
+        print(jsonout.dumps({k: v for k, v in summary.items() if k != "results"}, default=str))
     else:
         print(format_table(summary))
     sys.stdout.flush()

@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
+from olmax import jsonout
 from olmax.config import ConfigError
 from olmax.infer.text import IM_END, TextCodec, check_messages, find_tokenizer
 
@@ -296,7 +297,7 @@ def cmd_generate(args: Any, stdout: TextIO | None = None, stderr: TextIO | None 
     dt = time.perf_counter() - t0
     if args.json:
         for r in results:
-            print(json.dumps(r), file=stdout)
+            print(jsonout.dumps(r), file=stdout)
     elif stream:
         print(file=stdout)
     else:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 
+from olmax import io, jsonout
+from olmax.argtypes import nonneg_float, nonneg_int, positive_int
 from olmax.config import ConfigError
 from olmax.launch import latest_checkpoint, train_command
 from olmax.launch.local import supervise
@@ -27,25 +28,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         add_recipe_args(q)
         q.add_argument("--run-dir", default=None, help="run directory (local, s3:// or gs://; default runs/RECIPE)")
         q.add_argument("--init-from", default=None, metavar="hf:DIR|olmax:PATH|state:PATH")
-        q.add_argument("--max-restarts", type=int, default=3,
+        q.add_argument("--max-restarts", type=nonneg_int, default=3,
                        help="give up after this many restarts in a row without a new checkpoint (default 3)")
 
     q = lsub.add_parser("local", help="run training as a child process; restart it after a crash")
     common(q)
-    q.add_argument("--backoff", type=float, default=10.0, help="first wait before a restart, seconds (doubles)")
-    q.add_argument("--max-backoff", type=float, default=600.0)
+    q.add_argument("--backoff", type=nonneg_float, default=10.0, help="first wait before a restart, seconds (doubles)")
+    q.add_argument("--max-backoff", type=nonneg_float, default=600.0)
     q.add_argument("--status-file", default=None, help="write {pid, attempt, checkpoint} of the child here")
     q.add_argument("--json", action="store_true", help="print the final report as JSON")
     q.set_defaults(func=cmd_local)
 
     q = lsub.add_parser("slurm", help="write (and submit) an sbatch script that trains until done")
     common(q)
-    q.add_argument("--nodes", type=int, required=True)
-    q.add_argument("--gpus-per-node", type=int, required=True, help="0 for CPU nodes")
-    q.add_argument("--tasks-per-node", type=int, default=1, help="JAX processes per node (default 1: all GPUs)")
+    q.add_argument("--nodes", type=positive_int, required=True)
+    q.add_argument("--gpus-per-node", type=nonneg_int, required=True, help="0 for CPU nodes")
+    q.add_argument("--tasks-per-node", type=positive_int, default=1, help="JAX processes per node (default 1: all GPUs)")
     q.add_argument("--partition", default=None)
     q.add_argument("--time", default=None, help="time limit, e.g. 24:00:00 (the job requeues itself before it)")
-    q.add_argument("--backoff", type=int, default=60, help="seconds before a requeued job starts (doubles)")
+    q.add_argument("--backoff", type=nonneg_int, default=60, help="seconds before a requeued job starts (doubles)")
     q.add_argument("--log-dir", default=None, help="Slurm log and launcher state folder (default: logs/slurm)")
     q.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
                    help="extra #SBATCH option, e.g. --sbatch=--account=abc (repeatable)")
@@ -62,9 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--workdir", default=None, help="folder on the hosts to run from")
     q.add_argument("--accelerator", default="tpu-v5p-slice", help="GKE TPU accelerator label")
     q.add_argument("--topology", default="2x2x2")
-    q.add_argument("--hosts", type=int, default=2, help="hosts per slice")
-    q.add_argument("--chips-per-host", type=int, default=4)
-    q.add_argument("--num-slices", type=int, default=1)
+    q.add_argument("--hosts", type=positive_int, default=2, help="hosts per slice")
+    q.add_argument("--chips-per-host", type=positive_int, default=4)
+    q.add_argument("--num-slices", type=positive_int, default=1)
     q.add_argument("--image", default="IMAGE_WITH_OLMAX")
     q.add_argument("--python", default="python3")
     q.add_argument("--manifest", default=None, help="write the JobSet manifest here instead of printing it")
@@ -92,7 +93,7 @@ def cmd_local(args: argparse.Namespace) -> int:
                        max_backoff=args.max_backoff, status_file=args.status_file)
     print(report.summary(), file=sys.stderr)
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        print(jsonout.dumps(report.to_dict(), indent=2))
     if report.ok:
         return 0
     last = report.attempts[-1].returncode if report.attempts else 1
@@ -125,7 +126,7 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     r = subprocess.run(["sbatch", "--parsable", out], capture_output=True, text=True)
     if r.returncode != 0:
         raise ConfigError(f"sbatch {out} failed: {r.stderr.strip() or r.stdout.strip()}")
-    print(json.dumps({"job_id": r.stdout.strip().split(";")[0], "script": out, "run_dir": rd}))
+    print(jsonout.dumps({"job_id": r.stdout.strip().split(";")[0], "script": out, "run_dir": rd}))
     return 0
 
 
@@ -154,6 +155,8 @@ def cmd_tpu(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if not io.is_remote(args.run_dir) and not os.path.isdir(args.run_dir):
+        raise FileNotFoundError(2, "run directory not found (--run-dir)", args.run_dir)
     step = latest_checkpoint(args.run_dir)
-    print(json.dumps({"run_dir": args.run_dir, "checkpoint": step}) if args.json else (-1 if step is None else step))
+    print(jsonout.dumps({"run_dir": args.run_dir, "checkpoint": step}) if args.json else (-1 if step is None else step))
     return 0

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 
+from olmax import jsonout
 from olmax.verify import noise_floor, olmo_core, resume, trl
 
 
@@ -28,5 +28,5 @@ def _olmo_core(args: argparse.Namespace) -> int:
                  else args.overrides)
     report = noise_floor.run_noise_floor(args.steps, args.seed, overrides, args.olmax_overrides, args.out,
                                          factor=factor, world=args.ranks, with_plots=args.plots)
-    print(json.dumps(report, indent=2) if args.json else noise_floor.format_report(report))
+    print(jsonout.dumps(report, indent=2) if args.json else noise_floor.format_report(report))
     return 0 if report["within_noise"] else 1

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from olmax import jsonout
 from olmax.config import Config, ConfigError
 from olmax.eval.runs import metric_rows, read_metrics
 
@@ -602,8 +603,8 @@ def write_report(out: Path, report: dict[str, Any], rows: list[dict[str, Any]]) 
     """``out/steps.jsonl`` (one row a step) and ``out/report.json``."""
     with open(out / "steps.jsonl", "w", encoding="utf-8") as f:
         for row in rows:
-            f.write(json.dumps(row) + "\n")
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+            f.write(jsonout.dumps(row) + "\n")
+    (out / "report.json").write_text(jsonout.dumps(report, indent=2) + "\n")
 
 
 def run_olmo_core_here(cfg: Config, paths: list[str], work: str | os.PathLike,
@@ -723,7 +724,7 @@ def _main(args: argparse.Namespace) -> int:
         raise ConfigError("--noise-factor, --ranks and --plots need --noise-floor")
     report = run_parity(args.steps, args.seed, args.overrides, args.olmax_overrides, args.out, sft=args.sft)
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(jsonout.dumps(report, indent=2))
     else:
         print(format_report(report))
     return 0 if report["ok"] else 1

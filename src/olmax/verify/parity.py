@@ -20,7 +20,6 @@ the numbers are reported against the published noise floor (KL about 1.5e-3), ne
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from olmax import jsonout
 from olmax.eval.kl import check_tokens, load_token_array, logit_metrics, random_tokens, summarize
 
 FP32_CRITERIA = {"kl_max": 1e-7, "top1_agreement": 1.0, "max_abs_logit_diff": 1e-4}
@@ -236,7 +236,7 @@ def _cmd(args: argparse.Namespace) -> int:
     r = run_parity(args.hf, checkpoint=args.checkpoint, tokens=args.tokens, seq_len=args.seq_len, batch=args.batch_size,
                    dtype=args.dtype, seed=args.seed, dump=args.dump, attention_impl=args.attention,
                    overrides=args.overrides, document_masking=args.document_masking)
-    print(json.dumps(r, indent=2) if args.json else format_report(r))
+    print(jsonout.dumps(r, indent=2) if args.json else format_report(r))
     # A failed fp32 parity is a failed command (scripts and CI can rely on the exit code).
     return 0 if r.get("pass", True) else 1
 

@@ -10,13 +10,14 @@ counts before and after the interruption (elastic), the losses must agree within
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from olmax import jsonout
+from olmax.argtypes import int_in, nonneg_float, positive_int
 from olmax.eval.runs import read_metrics
 from olmax.recipes import add_recipe_args
 
@@ -35,6 +36,9 @@ def _train(recipe: str, run_dir: Path, overrides: list[str], devices: int | None
         env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
         env["JAX_PLATFORMS"] = "cpu"
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if r.returncode == 2:  # the trainer refused its input: a user error, its own one line
+        lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
+        raise ValueError(f"the training run in {run_dir} refused: {lines[-1][7:] if lines else r.stderr[-500:]}")
     if r.returncode != 0:
         raise RuntimeError(f"training subprocess failed ({' '.join(cmd)}):\n{r.stderr[-4000:]}")
 
@@ -59,8 +63,11 @@ def compare(a: dict[int, dict], b: dict[int, dict], tol: float = 0.0) -> dict:
 
 def verify_resume(recipe: str, overrides: list[str], steps: int, interrupt_at: int, workdir: Path,
                   devices_before: int | None = None, devices_after: int | None = None, tol: float = 0.0) -> dict:
+    if steps < 2:
+        raise ValueError(f"--steps must be >= 2 (steps before and after the interruption), got {steps}")
     if not 0 < interrupt_at < steps:
         raise ValueError(f"--interrupt-at must be in 1..{steps - 1}, got {interrupt_at}")
+    _check_devices(recipe, overrides, devices_before, devices_after)
     ov = list(overrides) + [f"train.steps={steps}", "train.log_interval=1"]
     a, b = workdir / "uninterrupted", workdir / "resumed"
     _train(recipe, a, ov, devices_before, None)
@@ -72,14 +79,31 @@ def verify_resume(recipe: str, overrides: list[str], steps: int, interrupt_at: i
     return res
 
 
+def _check_devices(recipe: str, overrides: list[str], *counts: int | None) -> None:
+    """Refuse, before any training, device counts the run's mesh and batch cannot use (instead of a
+    traceback after half the work)."""
+    from olmax.config import ConfigError
+    from olmax.recipes import get_recipe
+    from olmax.sharding import mesh_shape, plan_batch
+    cfg = get_recipe(recipe, overrides)
+    for flag, n in zip(("--devices-before", "--devices-after"), counts):
+        if n is None:
+            continue
+        try:
+            plan_batch(cfg.train.global_batch_size, mesh_shape(cfg.mesh, n), cfg.train.micro_batch_size,
+                       cfg.train.max_micro_batch_size)
+        except ConfigError as e:
+            raise ConfigError(f"{flag} {n}: {e}") from None
+
+
 def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("resume", help="A/B: uninterrupted run vs interrupted + resumed in a new process")
     add_recipe_args(p)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--interrupt-at", type=int, default=None, help="default: steps // 2")
-    p.add_argument("--devices-before", type=int, default=None, help="fake CPU devices before the interruption")
-    p.add_argument("--devices-after", type=int, default=None, help="fake CPU devices after it (elastic resume)")
-    p.add_argument("--tol", type=float, default=None, help="default: 0 (bitwise); 1e-5 when the device count changes")
+    p.add_argument("--steps", type=int_in(2, 2**31), default=20)
+    p.add_argument("--interrupt-at", type=positive_int, default=None, help="default: steps // 2")
+    p.add_argument("--devices-before", type=positive_int, default=None, help="fake CPU devices before the interruption")
+    p.add_argument("--devices-after", type=positive_int, default=None, help="fake CPU devices after it (elastic resume)")
+    p.add_argument("--tol", type=nonneg_float, default=None, help="default: 0 (bitwise); 1e-5 when the device count changes")
     p.add_argument("--out", default=None, help="keep both run directories here")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_resume)
@@ -89,7 +113,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def cmd_resume(args: argparse.Namespace) -> int:
     elastic = args.devices_after is not None and args.devices_after != args.devices_before
     tol = args.tol if args.tol is not None else (1e-5 if elastic else 0.0)
-    interrupt = args.interrupt_at or args.steps // 2
+    interrupt = args.steps // 2 if args.interrupt_at is None else args.interrupt_at
     ctx = tempfile.TemporaryDirectory() if args.out is None else None
     work = Path(args.out or ctx.name)
     try:
@@ -99,7 +123,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         if ctx:
             ctx.cleanup()
     if args.json:
-        print(json.dumps(res, indent=2))
+        print(jsonout.dumps(res, indent=2))
     else:
         status = "IDENTICAL" if res["ok"] and tol == 0 else ("OK" if res["ok"] else "DIFFERENT")
         print(f"resume A/B: {status} over {res['steps']} steps (interrupted at {interrupt}); "

@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from olmax import jsonout
 from olmax.config import Config, ConfigError
 
 TOLERANCE = 1e-5   # loss and rewards absolute, grad norm relative
@@ -315,6 +316,6 @@ def _main(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise ConfigError(f"--steps must be positive, got {args.steps}")
     rep = run(args.steps, args.seed, args.overrides, args.out)
-    print(json.dumps(rep, indent=2) if args.json else format_report(rep))
+    print(jsonout.dumps(rep, indent=2) if args.json else format_report(rep))
     sys.stdout.flush()
     return 0 if rep["ok"] else 1
