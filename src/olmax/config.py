@@ -324,7 +324,9 @@ class Config:
     @classmethod
     def from_yaml(cls, text: str, where: str = "config") -> Config:
         try:
-            d = yaml.safe_load(text)
+            d = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -446,13 +448,30 @@ def _validate_ranges(cfg: Config) -> None:
         raise ConfigError(f"optim.schedule.warmup_fraction must be between 0 and 1, got {s.warmup_fraction!r}")
     number("optim.skip_step.sigma_factor", sk.sigma_factor, strict=True)
     m, t = cfg.model, cfg.train
+    number("model.norm_eps", m.norm_eps, strict=True)
+    number("model.rope_theta", m.rope_theta, strict=True)
+    number("model.init_std", m.init_std, strict=True)
+    if m.rope_scaling is not None:
+        r = m.rope_scaling
+        number("model.rope_scaling.factor", r.factor, strict=True)
+        number("model.rope_scaling.beta_fast", r.beta_fast, strict=True)
+        number("model.rope_scaling.beta_slow", r.beta_slow, strict=True)
+        number("model.rope_scaling.attention_factor", r.attention_factor, strict=True, optional=True)
+    for where, v in _float_fields(cfg, ""):  # anything else: NaN and inf are never meant
+        if not math.isfinite(v):
+            raise ConfigError(f"{where} must be a finite number, got {v!r}")
+    for name, seed in (("train.seed", t.seed), ("data.seed", cfg.data.seed)):
+        if not 0 <= seed < 2**63:
+            raise ConfigError(f"{name} must be an integer in 0..2**63-1, got {seed}")
     ints = {  # name: (value, lowest valid value, None allowed)
         "model.vocab_size": (m.vocab_size, 1, False), "model.d_model": (m.d_model, 1, False),
         "model.n_layers": (m.n_layers, 1, False), "model.n_heads": (m.n_heads, 1, False),
         "model.n_kv_heads": (m.n_kv_heads, 1, False), "model.head_dim": (m.head_dim, 1, False),
         "model.mlp_hidden": (m.mlp_hidden, 1, False), "model.sliding_window": (m.sliding_window, 1, True),
         "model.full_attention_every": (m.full_attention_every, 1, False),
-        "model.logits_chunk": (m.logits_chunk, 1, True), "data.sequence_length": (cfg.data.sequence_length, 1, False),
+        "model.logits_chunk": (m.logits_chunk, 1, True), "model.max_position_embeddings": (m.max_position_embeddings, 1, False),
+        "model.rope_scaling.original_max_position_embeddings": (
+            m.rope_scaling.original_max_position_embeddings if m.rope_scaling else None, 1, True), "data.sequence_length": (cfg.data.sequence_length, 1, False),
         "train.global_batch_size": (t.global_batch_size, 1, False), "train.steps": (t.steps, 1, False),
         "train.micro_batch_size": (t.micro_batch_size, 1, True),
         "train.max_micro_batch_size": (t.max_micro_batch_size, 1, True),
@@ -477,6 +496,16 @@ def _validate_ranges(cfg: Config) -> None:
         if v is None or v < lo:
             what = "positive" if lo == 1 else f">= {lo}"
             raise ConfigError(f"{name} must be {what}{' or null' if optional else ''}, got {v!r}")
+
+
+def _float_fields(obj: Any, path: str):
+    """``(dotted name, value)`` of every float-typed field of a config tree."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+            yield from _float_fields(v, f"{path}{f.name}.")
+        elif isinstance(v, float):
+            yield path + f.name, v
 
 
 # --------------------------------------------------------------------------- machinery
@@ -622,5 +651,23 @@ def _accepts_str(tp: Any) -> bool:
 
 
 def load_yaml(path: str) -> Config:
-    with open(path) as f:
-        return Config.from_yaml(f.read(), where=path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a UTF-8 YAML config (undecodable byte at offset {e.start})") from None
+    return Config.from_yaml(text, where=path)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping (the later one would win silently)."""
+
+    def construct_mapping(self, node, deep=False):  # type: ignore[override]
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(f"duplicate key {key!r} at line {key_node.start_mark.line + 1} "
+                                  f"(first at line {seen[key] + 1})")
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)

@@ -43,7 +43,7 @@ class TokenFile:
 
 
 def read_mix(mix_path: str | Path, mix_root: str | None = None,
-             mix_tokenizer: str | None = None) -> list[tuple[str, str]]:
+             mix_tokenizer: str | None = None, field: str = "data.paths") -> list[tuple[str, str]]:
     """``(label, path)`` pairs of an OLMo-core mix file (``label,path`` lines, ``#`` comments).
 
     ``{root}`` is replaced by ``data.mix_root`` and ``{TOKENIZER}`` by ``data.mix_tokenizer``
@@ -60,7 +60,7 @@ def read_mix(mix_path: str | Path, mix_root: str | None = None,
     else:
         mix_path = Path(mix_path)
         if not mix_path.is_file():
-            raise DataError(f"mix file not found: {mix_path} (data.paths)")
+            raise DataError(f"mix file not found: {mix_path} ({field})")
         text, mix_dir = mix_path.read_text(), str(mix_path.parent)
     out = []
     for n, line in enumerate(text.splitlines(), 1):
@@ -88,6 +88,8 @@ def read_mix(mix_path: str | Path, mix_root: str | None = None,
         if not path.startswith(_REMOTE) and not os.path.isfile(path):
             raise DataError(f"{mix_path}:{n}: token file {path} (label {label!r}) not found")
         out.append((label, path))
+    if not out:
+        raise DataError(f"mix file {mix_path} lists no token files (expected 'label,path' lines; {field})")
     return out
 
 
@@ -113,16 +115,17 @@ def _read_manifest(path: Path | str) -> tuple[dict, list[tuple[str, None]]]:
 
 def resolve_paths(paths: Sequence[str], mix_root: str | None = None, *, dtype: str | None = None,
                   eos_token_id: int | None = None, vocab_size: int | None = None,
-                  mix_tokenizer: str | None = None) -> list[tuple[str, str | None]]:
+                  mix_tokenizer: str | None = None, field: str = "data.paths") -> list[tuple[str, str | None]]:
     """Expand ``data.paths`` into ``(token file, label)`` pairs, in order.
 
     Each entry is a token file, an OLMo-core mix file (``.txt``), or a folder / ``manifest.json``
     written by ``olmax tokenize`` (whose dtype and eos id are checked against the config).
+    ``field`` is what errors name as the source of ``paths`` (``eval.heldout_paths``, ``--data``).
     """
     out: list[tuple[str, str | None]] = []
     for p in paths:
         if p.endswith(".txt"):
-            out += [(path, label) for label, path in read_mix(p, mix_root, mix_tokenizer)]
+            out += [(path, label) for label, path in read_mix(p, mix_root, mix_tokenizer, field)]
         elif io.is_remote(p) and (p.endswith("/") or p.endswith(".json")):
             # A remote `olmax tokenize` folder is named by its trailing slash (object stores have no folders).
             mpath = p if p.endswith(".json") else io.join(p, "manifest.json")
@@ -133,7 +136,7 @@ def resolve_paths(paths: Sequence[str], mix_root: str | None = None, *, dtype: s
             mpath = Path(p) / "manifest.json" if os.path.isdir(p) else Path(p)
             if not mpath.is_file():
                 hint = f"; did you mean {Path(p) / 'train'}?" if (Path(p) / "train" / "manifest.json").is_file() else ""
-                raise DataError(f"{p}: no manifest.json (data.paths takes token files, mix files or "
+                raise DataError(f"{p}: no manifest.json ({field} takes token files, mix files or "
                                 f"folders written by `olmax tokenize`){hint}")
             m, files = _read_manifest(mpath)
             _check_manifest(mpath, m, dtype, eos_token_id, vocab_size)
@@ -143,7 +146,7 @@ def resolve_paths(paths: Sequence[str], mix_root: str | None = None, *, dtype: s
     for path, label in out:
         # Remote files are checked when their sizes are read (one metadata request each).
         if not io.is_remote(path) and not os.path.isfile(path):
-            raise DataError(f"token file not found: {path} (data.paths)")
+            raise DataError(f"token file not found: {path} ({field})")
     return out
 
 

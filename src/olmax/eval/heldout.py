@@ -38,13 +38,14 @@ from olmax.sharding import activation_mesh, batch_sharding, data_parallel_size, 
 PER_BATCH_FMT = "{metric} [batch {i}]"   # per-batch metric names (parsed back by olmax.eval.compare)
 
 
-def heldout_windows(paths: tuple[str, ...] | list[str], dtype: str, seq_len: int, n: int | None) -> np.ndarray:
+def heldout_windows(paths: tuple[str, ...] | list[str], dtype: str, seq_len: int, n: int | None,
+                    field: str = "--data") -> np.ndarray:
     """First ``n`` (all if None) windows of ``seq_len`` tokens, each file cut on its own.
 
     ``paths`` are what ``data.paths`` takes (token files, `olmax tokenize` folders or manifests,
     mix files), expanded by the data pipeline's own ``resolve_paths``."""
     out, have = [], 0
-    resolved = [p for p, _ in resolve_paths(list(paths), dtype=dtype)]
+    resolved = [p for p, _ in resolve_paths(list(paths), dtype=dtype, field=field)]
     for p, size in zip(resolved, file_sizes(resolved)):  # remote files: sizes from metadata
         item = np.dtype(dtype).itemsize
         if size % item:
@@ -146,7 +147,8 @@ class HeldoutEvaluator:
         self.batches: dict[str, np.ndarray] = {}
         self.masks: dict[str, np.ndarray] = {}
         for name, p in (sets or {"": paths or cfg.eval.heldout_paths}).items():
-            self.files[name] = [f for f, _ in resolve_paths(list(p), dtype=self.dtype)]
+            field = f"--domain {name}" if sets else ("--data" if paths else "eval.heldout_paths")
+            self.files[name] = [f for f, _ in resolve_paths(list(p), dtype=self.dtype, field=field)]
             n = self.max_batches * self.batch_size or None
             what = f"held-out files of {name!r}" if name else "held-out files"
             if not sets and (cfg.data.packing != "none" or cfg.eval.heldout_label_mask_paths):

@@ -199,15 +199,14 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
                      NONFINITE_METRIC: m["nonfinite"], **{k: v for k, v in m.items() if k.startswith("dpo/")}})
         bad = m["nonfinite"] > 0
         nonfinite_run[:] = nonfinite_run + [step] if bad else []
-        if bad and is_main:
+        if bad and is_main and failure is None:  # past the limit the run is stopping: no more warnings
             what = "skipped" if m["step_skipped"] else "APPLIED (optim.skip_step.olmo_core_nonfinite)"
             say(f"olmax: WARNING step {step}: non-finite CE loss {m['ce_loss']} / grad norm {m['grad_norm']}; "
                 f"update {what} ({len(nonfinite_run)} in a row; the run stops at {max_nonfinite})")
         if bad and len(nonfinite_run) >= max_nonfinite and failure is None:
             failure = (f"{len(nonfinite_run)} consecutive updates had a non-finite loss or gradient norm (steps "
-                       f"{nonfinite_run[0]}..{nonfinite_run[-1]}); none of them was checkpointed (the "
-                       f"checkpoints in {run / 'checkpoints'} hold finite states): lower optim.lr or check the "
-                       f"data, then resume (optim.skip_step.max_nonfinite_steps={max_nonfinite})")
+                       f"{nonfinite_run[0]}..{nonfinite_run[-1]}); none of them was checkpointed; "
+                       f"{_resume_advice(ckpt, run)} (optim.skip_step.max_nonfinite_steps={max_nonfinite})")
         if step % cfg.train.log_interval == 0 or step == total or bad:
             logger.log(step, row)
         if alarm is not None:
@@ -256,8 +255,7 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
                 if not bool(all_finite((params, opt_state.mu, opt_state.nu))):
                     # Never write a non-finite state: it would rotate finite checkpoints away.
                     failure = (f"the parameters or Adam moments are non-finite after step {done}; not saving "
-                               f"checkpoint {done} (the newest one in {run / 'checkpoints'} is finite). Lower "
-                               "optim.lr or check the data, then resume")
+                               f"checkpoint {done}; {_resume_advice(ckpt, run)}")
                     break
                 meta = {"step": done, "data_state": loader.state(done).to_dict(),
                         "fingerprint": loader.fingerprint, **run_meta}
@@ -287,6 +285,17 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
 
 
 NONFINITE_METRIC = "optim/non-finite step"
+
+
+def _resume_advice(ckpt: Any, run: Path) -> str:
+    """What to do after a non-finite stop: resume from the newest (finite) checkpoint, or, when the
+    run never wrote one, start again with other settings."""
+    steps = ckpt.all_steps()
+    if steps:
+        return (f"the newest checkpoint, {ckpt.directory / str(max(steps))}, is finite: lower optim.lr or check "
+                "the data, then resume")
+    return (f"no checkpoint was written in {run / 'checkpoints'}: lower optim.lr, check the data and the "
+            "model.init_std / model.norm_eps values, then start again")
 
 
 def resolve_epochs(cfg: Config) -> Config:

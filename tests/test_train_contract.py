@@ -1,0 +1,89 @@
+"""Issue 23 item 10 (P1, P2, P11, P13, P14, P16, ...): a training run's sharp edges end in one line
+naming the field, flag or file (exit 2), or in the documented behaviour."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from trainlib import small_overrides
+from olmax import cli
+from olmax.config import Config, ConfigError
+from olmax.data import DataError
+from olmax.recipes import get_recipe
+from olmax.train.loop import NonFiniteError, train
+
+
+def cfg_for(paths, *extra):
+    return get_recipe("tiny", small_overrides(paths, *extra))
+
+
+def _numeric_fields(obj, path=""):
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        tp = hints[f.name]
+        args = typing.get_args(tp)
+        sub = [a for a in args if dataclasses.is_dataclass(a)]
+        if dataclasses.is_dataclass(v):
+            yield from _numeric_fields(v, f"{path}{f.name}.")
+        elif sub:
+            yield from _numeric_fields(sub[0](), f"{path}{f.name}.")
+        elif tp in (int, float) or int in args or float in args:
+            yield path + f.name
+
+
+def test_every_numeric_field_refuses_nan_and_inf():  # P1
+    fields = list(_numeric_fields(Config()))
+    assert "model.norm_eps" in fields and "model.rope_scaling.factor" in fields and len(fields) > 60
+    for name in fields:
+        for bad in (".nan", ".inf", "-.inf"):
+            with pytest.raises(ConfigError, match=name.replace(".", r"\.")):
+                get_recipe("tiny", [f"{name}={bad}"])
+
+
+@pytest.mark.parametrize("override", [
+    "model.norm_eps=0", "model.norm_eps=-1", "model.rope_theta=0", "model.rope_theta=-1", "model.init_std=0",
+    "model.init_std=-1", "model.max_position_embeddings=0", "model.max_position_embeddings=-1",
+    "data.seed=-5", "train.seed=-1", "model.rope_scaling.factor=0", "model.rope_scaling.beta_fast=-1"])
+def test_p1_nonsense_model_values_and_seeds_are_errors_naming_the_field(override):
+    field = override.split("=")[0]
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.") + " must be"):
+        get_recipe("tiny", [override])
+
+
+def test_p2_binary_or_duplicated_yaml_names_the_file(tmp_path, capsys):
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(bytes(range(128, 256)) * 4)
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("model:\n  d_model: 4\n  d_model: 8\n")
+    for f, what in ((binary, "not a UTF-8"), (dup, "duplicate key 'd_model' at line 3")):
+        assert cli.main(["print-config", str(f)]) == 2
+        err = capsys.readouterr().err
+        assert str(f) in err and what in err and "Traceback" not in err
+
+
+def test_p2_empty_mix_file_names_the_file(tmp_path, corpus):
+    mix = tmp_path / "mix.txt"
+    mix.write_text("# nothing here\n\n")
+    with pytest.raises(DataError, match=f"mix file {mix} lists no token files"):
+        train(cfg_for([str(mix)]), tmp_path / "run", progress=False)
+
+
+def test_p11_missing_heldout_file_names_eval_heldout_paths(tmp_path, corpus):
+    missing = tmp_path / "heldout.npy"
+    with pytest.raises(DataError, match=r"token file not found: .*heldout\.npy \(eval\.heldout_paths\)"):
+        train(cfg_for(corpus, f"eval.heldout_paths={missing}"), tmp_path / "run", progress=False)
+
+
+def test_p16_divergence_before_any_checkpoint_says_so_and_counts_to_the_limit(tmp_path, corpus, capfd):
+    cfg = cfg_for(corpus, "train.steps=40", "checkpoint.interval=1000", "optim.lr=1e6", "optim.schedule.warmup=0",
+                  "optim.skip_step.max_nonfinite_steps=3")
+    with pytest.raises(NonFiniteError) as e:
+        train(cfg, tmp_path / "run", progress=False)
+    msg = str(e.value)
+    assert "no checkpoint was written" in msg and "is finite" not in msg
+    err = capfd.readouterr().err
+    assert "(3 in a row; the run stops at 3)" in err and "4 in a row" not in err
