@@ -87,3 +87,12 @@ def test_p16_divergence_before_any_checkpoint_says_so_and_counts_to_the_limit(tm
     assert "no checkpoint was written" in msg and "is finite" not in msg
     err = capfd.readouterr().err
     assert "(3 in a row; the run stops at 3)" in err and "4 in a row" not in err
+
+
+def test_p13_cudnn_attention_on_a_cpu_is_a_user_error(tmp_path, corpus, capsys):
+    argv = ["train", "tiny", "--run-dir", str(tmp_path / "run"), "--no-progress"]
+    for o in small_overrides(corpus, "model.attention_impl=cudnn"):
+        argv += ["--set", o]
+    assert cli.main(argv) == 2  # launch local does not retry exit 2
+    err = capsys.readouterr().err
+    assert "model.attention_impl=cudnn needs GPUs" in err and "Traceback" not in err

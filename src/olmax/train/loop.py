@@ -83,6 +83,10 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
     run.mkdir(parents=True, exist_ok=True)
     is_main = jax.process_index() == 0
     mesh = make_mesh(cfg.mesh)
+    platform = mesh.devices.flat[0].platform
+    if cfg.model.attention_impl == "cudnn" and platform != "gpu":  # a user's choice, not a crash to retry
+        raise ConfigError(f"model.attention_impl=cudnn needs GPUs, these devices are {platform}: use auto, xla, "
+                          "blocked or reference")
     plan = plan_batch(cfg.train.global_batch_size, dict(mesh.shape), cfg.train.micro_batch_size,
                       cfg.train.max_micro_batch_size)
     total = cfg.train.steps
