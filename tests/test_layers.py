@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("model/data", ("olmax.model", "olmax.sharding", "olmax.optim", "olmax.data", "olmax.metrics")),
     ("compat/checkpoint", ("olmax.compat", "olmax.checkpoint")),
     ("train/eval", ("olmax.train", "olmax.eval")),
-    ("verify/tools", ("olmax.verify", "olmax.infer", "olmax.compile", "olmax.launch", "olmax.demo")),
+    ("verify/tools", ("olmax.verify", "olmax.infer", "olmax.compile", "olmax.launch", "olmax.demo", "olmax.demo_sft")),
     ("CLI", ("olmax.cli", "olmax.commands")),
 ]
 CLI = len(LAYERS) - 1

@@ -1,4 +1,4 @@
-"""``olmax train`` and ``olmax demo``."""
+"""``olmax train``, ``olmax demo`` and ``olmax demo sft``."""
 
 from __future__ import annotations
 
@@ -37,6 +37,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--corpus-mb", type=float, default=12.0, help="megabytes of stdlib source to use")
     p.set_defaults(func=cmd_demo)
+    stages = p.add_subparsers(dest="stage", metavar="STAGE")
+    s = stages.add_parser("sft", help="fine-tune the demo's model on a chat set built here (recipe tiny_sft); "
+                          "exit 1 if held-out assistant-token loss did not go down")
+    s.add_argument("--run-dir", default=argparse.SUPPRESS, help="the demo's folder (default runs/demo): its "
+                   "pre-trained run is RUN_DIR/run, trained first by `olmax demo` when it is not finished")
+    s.add_argument("--from", dest="from_run", default=None, metavar="RUN_DIR",
+                   help="start from this pre-trained tiny run instead (nothing is pre-trained)")
+    s.add_argument("--out", default=None, help="where the chat set and the SFT run go (default RUN_DIR/sft)")
+    s.add_argument("--set", dest="sft_overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="overrides of recipe tiny_sft (--set before `sft` go to the pre-training)")
+    s.add_argument("--synthetic", type=int, default=3000,
+                   help="'last word' and 'reverse the words' conversations to generate (half each)")
+    s.add_argument("--max-doc", type=int, default=None, help="at most this many docstring conversations")
+    s.add_argument("--check", type=int, default=200, help="held-out prompts answered to count exact answers")
+    s.add_argument("--show", type=int, default=3, help="held-out prompts whose answers are printed")
+    s.set_defaults(func=cmd_demo_sft)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -64,3 +80,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from olmax.demo import run_demo
     keep_freed_memory()
     return run_demo(args.run_dir, args.overrides, corpus_mb=args.corpus_mb)
+
+
+def cmd_demo_sft(args: argparse.Namespace) -> int:
+    from olmax.demo_sft import run_demo_sft
+    keep_freed_memory()
+    return run_demo_sft(args.run_dir, from_run=args.from_run, out=args.out, overrides=args.sft_overrides,
+                        pretrain_overrides=args.overrides, corpus_mb=args.corpus_mb, synthetic=args.synthetic,
+                        max_doc=args.max_doc, show=args.show, check=args.check)
