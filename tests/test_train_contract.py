@@ -96,3 +96,76 @@ def test_p13_cudnn_attention_on_a_cpu_is_a_user_error(tmp_path, corpus, capsys):
     assert cli.main(argv) == 2  # launch local does not retry exit 2
     err = capsys.readouterr().err
     assert "model.attention_impl=cudnn needs GPUs" in err and "Traceback" not in err
+
+
+def test_p14_a_second_trainer_on_a_run_directory_refuses_and_a_killed_ones_lock_is_taken_over(tmp_path, corpus):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from olmax.train.runlock import LOCK_NAME, RunDirectoryBusy
+
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from olmax.train.runlock import RunLock; "
+                               f"RunLock({str(run)!r}); print('held', flush=True); time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirectoryBusy, match=f"in use by another olmax train \\(pid {holder.pid} on "):
+            train(cfg_for(corpus, "train.steps=2"), run, progress=False)
+        assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+    assert (run / LOCK_NAME).exists()  # stale: its process is gone, the kernel dropped the flock
+    r = train(cfg_for(corpus, "train.steps=2"), run, progress=False)
+    assert r.end_step == 2
+    from olmax.train.runlock import RunLock
+    RunLock(run).release()  # train released it at the end: the next run in this process may take it
+
+
+def test_p19_checksums_are_written_when_an_async_save_commits(tmp_path):
+    import time
+
+    import jax.numpy as jnp
+
+    from olmax.checkpoint.store import Checkpointer
+    from olmax.config import CheckpointConfig
+
+    ck = Checkpointer(tmp_path / "run", CheckpointConfig(interval=1, async_save=True))
+    ck.save(1, {"w": jnp.arange(1024.0)}, {"note": "x"})
+    sums = ck.directory / "1" / "checksums.p0.json"
+    for _ in range(400):  # the loop polls once a step; no second save is needed to seal the first
+        ck.poll()
+        if sums.exists():
+            break
+        time.sleep(0.05)
+    assert sums.exists() and ck.verify(1)
+    ck.close()
+
+
+def test_p15_tensorboard_is_rebuilt_from_metrics_jsonl_on_resume(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from olmax.metrics.sinks import JsonlSink, MetricsLogger, TensorBoardSink
+
+    jsonl, tb = tmp_path / "metrics.jsonl", tmp_path / "tb"
+    crashed = JsonlSink(jsonl)  # a run killed -9 after step 10: JSONL is flushed at every row ...
+    for s in range(1, 11):
+        crashed.write(s, {"train/CE loss": float(s)})
+    crashed.close()
+    for steps in ((1, 2, 3), (2, 3)):  # ... its TensorBoard buffer reached step 3, and an older file repeats 2..3
+        part = TensorBoardSink(tb)
+        for s in steps:
+            part.write(s, {"train/CE loss": float(s)})
+        part.close()
+    resumed = MetricsLogger([JsonlSink(jsonl), TensorBoardSink(tb, rebuild_from=jsonl)])
+    resumed.truncate_after(8)  # resumed from checkpoint 8
+    for s in (9, 10):
+        resumed.log(s, {"train/CE loss": 100.0 + s})
+    resumed.close()
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    got = [(e.step, e.value) for e in acc.Scalars("train/CE loss")]
+    assert got == [(s, float(s)) for s in range(1, 9)] + [(9, 109.0), (10, 110.0)]

@@ -193,6 +193,15 @@ class Checkpointer:
             raise self._save_error(e, self._unsealed[-1] if self._unsealed else None) from e
         self._seal()
 
+    def poll(self) -> None:
+        """Seal (write the checksums of) saves that committed in the background, without waiting
+        for one in flight: the training loop calls this every step, so a committed checkpoint is
+        protected from its commit on, not only once the next save starts."""
+        # Multi-process: each process would decide alone, and the wait may synchronise them all.
+        if (self._unsealed and self.cfg.checksums and jax.process_count() == 1
+                and not self._manager.is_saving_in_progress()):
+            self.wait()
+
     def _save_error(self, e: Exception, step: int | None) -> CheckpointError:
         """One line for a failed save (a full disk, a quota, permissions): what, where, and that
         the older checkpoints are untouched (Orbax commits by renaming a finished tmp folder)."""

@@ -148,26 +148,52 @@ class TensorBoardSink:
     """Scalars in TensorBoard event files, tags exactly as named (spaces and brackets kept).
 
     ``truncate_after(N)`` (before the first write, on resume from checkpoint N) makes TensorBoard
-    hide the steps > N a crashed run wrote (tensorboardX's ``purge_step``).
+    hide the steps > N a crashed run wrote (tensorboardX's ``purge_step``). With ``rebuild_from``
+    (the run's ``metrics.jsonl``, flushed at every row) it instead rewrites the event files from
+    that file's rows <= N: the rows a ``kill -9`` caught in tensorboardX's buffer come back, and
+    no step appears twice. Events are flushed every ``flush_secs`` seconds while running.
     """
 
-    def __init__(self, logdir: str | os.PathLike, purge_step: int | None = None):
+    def __init__(self, logdir: str | os.PathLike, purge_step: int | None = None,
+                 rebuild_from: str | os.PathLike | None = None, flush_secs: int = 10):
         self.logdir = Path(logdir)
         self._purge_step = purge_step
+        self._rebuild_from = Path(rebuild_from) if rebuild_from is not None else None
+        self._flush_secs = flush_secs
         self._writer: Any = None
 
     def truncate_after(self, step: int) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-        self._purge_step = step + 1
+        if self._rebuild_from is None:
+            self._purge_step = step + 1
+            return
+        old = sorted(self.logdir.glob("events.out.tfevents.*")) if self.logdir.is_dir() else []
+        rows = []
+        if self._rebuild_from.exists():
+            for line in self._rebuild_from.read_text(encoding="utf-8").splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(row, dict) and isinstance(row.get("step"), (int, float)) and row["step"] <= step:
+                    rows.append(row)
+        self._purge_step = None
+        for row in rows:
+            values = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))
+                      and not isinstance(v, bool)}
+            self.write(int(row.pop("step")), values)
+        self.flush()  # the new file holds everything before the old ones go
+        for f in old:
+            f.unlink(missing_ok=True)
 
     def _get(self) -> Any:
         if self._writer is None:
             from tensorboardX import SummaryWriter
             # Event file names carry whole seconds only; a second writer in the same second would
             # truncate the first file (opened "wb"). The ns suffix keeps names distinct and ordered.
-            self._writer = SummaryWriter(str(self.logdir), purge_step=self._purge_step,
+            self._writer = SummaryWriter(str(self.logdir), purge_step=self._purge_step, flush_secs=self._flush_secs,
                                          filename_suffix=f".{time.time_ns()}.{os.getpid()}")
         return self._writer
 

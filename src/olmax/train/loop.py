@@ -34,6 +34,7 @@ from olmax.model.params import init_params
 from olmax.optim import init_opt_state
 from olmax.sharding import make_mesh, plan_batch
 from olmax.train.init import TrainData, git_commit, load_initial_state, versions
+from olmax.train.runlock import RunLock
 from olmax.train.step import jit_train_step
 
 
@@ -71,7 +72,21 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
           max_steps_this_run: int | None = None, progress: bool = True) -> TrainResult:
     """Train ``cfg`` in ``run_dir``, resuming from its newest complete checkpoint if any.
 
-    ``max_steps_this_run`` stops early (after a checkpoint) — used by the resume A/B."""
+    ``max_steps_this_run`` stops early (after a checkpoint) — used by the resume A/B. A local run
+    directory is locked for the run (``olmax.train.runlock``): a second trainer on it refuses."""
+    lock = None
+    if not io.is_remote(run_dir) and jax.process_index() == 0 and not Path(run_dir).is_file():
+        lock = RunLock(run_dir)
+    try:
+        return _train(cfg, run_dir, allow_fingerprint_mismatch=allow_fingerprint_mismatch,
+                      max_steps_this_run=max_steps_this_run, progress=progress)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch: bool,
+           max_steps_this_run: int | None, progress: bool) -> TrainResult:
     if max_steps_this_run is not None and max_steps_this_run <= 0:
         raise ConfigError(f"--max-steps-this-run must be positive, got {max_steps_this_run}")
     cfg = resolve_epochs(cfg)
@@ -164,7 +179,9 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
 
     sinks = []
     if is_main:
-        sinks = [JsonlSink(run / "metrics.jsonl"), TensorBoardSink(run / "tensorboard")]
+        # TensorBoard is rebuilt from metrics.jsonl on resume (rows a kill -9 caught in its buffer)
+        sinks = [JsonlSink(run / "metrics.jsonl"),
+                 TensorBoardSink(run / "tensorboard", rebuild_from=run / "metrics.jsonl")]
     logger = MetricsLogger(sinks)
     # Lines past the resumed checkpoint come from a crashed run: drop them so the metrics equal
     # those of an uninterrupted run.
@@ -267,6 +284,7 @@ def train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatch
                 if saved and mirror is not None and is_main:
                     logger.flush()
                     mirror.push()
+            ckpt.poll()  # checksums as soon as an asynchronous save has committed
             if stop_now:
                 stopped = done < total
                 step = done
