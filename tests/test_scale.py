@@ -337,7 +337,9 @@ def test_compile_bad_topology_exits_2():
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe,topology", [
     ("olmo3_7b_stage1", "v5p-128"), ("olmo3_7b_stage1", "v6e-256"), ("olmo3_7b_stage1", "tpu7x-128"),
-    ("olmo3_7b_stage2", "v5p-128"), ("olmo3_7b_stage3", "v5p-512"), ("olmo3_32b", "v5p-512")])
+    ("olmo3_7b_stage2", "v5p-128"), ("olmo3_7b_stage3", "v5p-512"), ("olmo3_32b", "v5p-512"),
+    ("olmo3_7b_think_sft", "v5p-128"), ("olmo3_7b_think_sft", "v6e-256"),
+    ("olmo3_7b_think_dpo", "v5p-128"), ("olmo3_7b_think_dpo", "v6e-256")])
 def test_production_recipes_fit_their_slices(recipe, topology):
     """Full-size AOT compiles (minutes each on 2 cores): every recipe fits with its defaults, and
     the 7B on v5p-128 needs no more per chip than MaxText 0.2.5's 47.9 GiB for the same model,

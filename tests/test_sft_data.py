@@ -239,3 +239,17 @@ def test_packed_sft_run_resumes_bitwise(tmp_path):
     rest = train(cfg, tmp_path / "b", progress=False).losses
     assert len(whole) == 6 and set(first) | set(rest) == set(whole)
     assert all({**first, **rest}[k] == whole[k] for k in whole), (whole, first, rest)
+
+
+def test_mesh_fsdp_max_moves_the_rest_to_tensor_parallelism():
+    """The 7B SFT recipe's 32 instances a step on any slice: at most 32 FSDP shards."""
+    from olmax.config import MeshConfig
+    from olmax.recipes import get_recipe
+    from olmax.sharding import mesh_shape
+    m = get_recipe("olmo3_7b_think_sft").mesh
+    assert [mesh_shape(m, n)["fsdp"] for n in (1, 8, 64, 256)] == [1, 8, 32, 32]
+    assert [mesh_shape(m, n)["tensor"] for n in (1, 8, 64, 256)] == [1, 1, 2, 8]
+    with pytest.raises(ConfigError, match="fsdp_max=24 must divide"):
+        mesh_shape(MeshConfig(fsdp_max=24), 64)
+    with pytest.raises(ConfigError, match="mesh.tensor must be 1"):
+        mesh_shape(MeshConfig(fsdp_max=8, tensor=2), 64)

@@ -217,6 +217,10 @@ class MeshConfig:
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
+    # With fsdp=-1 (and tensor=1): at most this many FSDP shards; the rest of the devices go to
+    # tensor parallelism. For a global batch smaller than the slice (SFT: 32 instances of 32K
+    # tokens on 64 or 256 chips), so one recipe runs on any slice. None: no cap.
+    fsdp_max: int | None = None
 
 
 @dataclass(frozen=True)

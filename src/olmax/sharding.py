@@ -62,6 +62,14 @@ def mesh_shape(cfg: MeshConfig, n_devices: int) -> dict[str, int]:
         if n_devices % fixed:
             raise ConfigError(f"{n_devices} devices cannot be split by the fixed mesh axes {sizes} (product {fixed})")
         sizes[free[0]] = n_devices // fixed
+    cap = getattr(cfg, "fsdp_max", None)
+    if cap is not None and cfg.fsdp == -1 and sizes["fsdp"] > cap:
+        if cfg.tensor != 1:
+            raise ConfigError(f"mesh.fsdp_max={cap} moves the devices beyond it to tensor parallelism: "
+                              f"mesh.tensor must be 1, got {cfg.tensor}")
+        if cap < 1 or sizes["fsdp"] % cap:
+            raise ConfigError(f"mesh.fsdp_max={cap} must divide the {sizes['fsdp']} FSDP shards of {n_devices} devices")
+        sizes["fsdp"], sizes["tensor"] = cap, sizes["fsdp"] // cap
     if math.prod(sizes.values()) != n_devices:
         raise ConfigError(f"mesh {sizes} has {math.prod(sizes.values())} devices but {n_devices} are available; "
                           "set one of mesh.data/mesh.fsdp/mesh.tensor to -1")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from olmax.config import (CheckpointConfig, Config, DataConfig, EvalConfig, OptimConfig, ScheduleConfig,
+from olmax.config import (CheckpointConfig, Config, DataConfig, EvalConfig, MeshConfig, OptimConfig, ScheduleConfig,
                           SkipStepConfig, TrainConfig)
 from olmax.recipes.tiny import tiny
 
@@ -56,6 +56,9 @@ def _olmo3_7b_sft(name: str, lr: float) -> Config:
                           loss_ranks=SFT_BATCH, log_interval=1),
         checkpoint=CheckpointConfig(interval=500),
         eval=EvalConfig(interval=500, batches=4, batch_size=32),
+        # One 32K instance per data-parallel shard: at most 32 FSDP shards, the rest of a larger slice
+        # splits heads and MLP (v5p-128: 32 x 2, 35.7 GiB of 95.7 per chip; v6e-256: 32 x 8).
+        mesh=MeshConfig(data=1, fsdp=-1, tensor=1, fsdp_max=SFT_BATCH),
     )
 
 
