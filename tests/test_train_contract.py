@@ -169,3 +169,18 @@ def test_p15_tensorboard_is_rebuilt_from_metrics_jsonl_on_resume(tmp_path):
     acc.Reload()
     got = [(e.step, e.value) for e in acc.Scalars("train/CE loss")]
     assert got == [(s, float(s)) for s in range(1, 9)] + [(9, 109.0), (10, 110.0)]
+
+
+def test_p9_hf_to_olmax_keeps_the_hf_dtype_for_compute(tmp_path):
+    from olmax.compat.hf import hf_to_olmax, random_hf_model
+    from olmax.model.weights_io import load_config
+
+    hf = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=64, eos_token_id=0,
+              pad_token_id=1, bos_token_id=None)
+    for dtype, cast, want in (("float32", None, "float32"), ("bfloat16", None, "bfloat16"),
+                              ("bfloat16", "float32", "float32")):
+        src = random_hf_model(tmp_path / f"hf-{dtype}-{cast}", dtype=dtype, **hf)
+        cfg = hf_to_olmax(src, tmp_path / f"ox-{dtype}-{cast}", dtype=cast, progress=None)
+        assert (cfg.model.param_dtype, cfg.model.compute_dtype) == (want, want)
+        assert load_config(tmp_path / f"ox-{dtype}-{cast}").model.compute_dtype == want

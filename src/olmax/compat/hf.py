@@ -395,7 +395,10 @@ def _iter_hf_to_olmax(hf_dir: Path, dtype: str | None, padded_vocab_size: int | 
                     a = _pad_rows(a, m.embedding_rows)
                 yield oname, (np.ascontiguousarray(a.T) if transposed else a)
 
-    return replace(cfg, model=replace(m, param_dtype=param_dtype)), list(names), gen
+    # Without a base config the model computes in its weights' dtype, as HF runs it (a float32 HF
+    # model is not evaluated in bf16); a base (a recipe training from HF weights) keeps its own.
+    compute = param_dtype if base is None else m.compute_dtype
+    return replace(cfg, model=replace(m, param_dtype=param_dtype, compute_dtype=compute)), list(names), gen
 
 
 def _progress(total: int, label: str, stream: Any) -> Callable[[int, str], None] | None:
