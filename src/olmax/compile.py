@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import re
@@ -23,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from olmax import jsonout
 from olmax.config import Config, ConfigError
 from olmax.recipes import add_recipe_args, get_recipe
 from olmax.sharding import activation_mesh, batch_sharding, data_parallel_size, make_mesh, plan_batch
@@ -163,6 +163,16 @@ def _compiled_memory(lowered: Any) -> dict:
     return {**m, "need": m["argument"] + m["output"] - m["alias"] + m["temp"] + m["code"], "compiled": compiled}
 
 
+def per_device_gib(abstract: Any) -> float:
+    """GiB one device holds of a pytree of sharded ``jax.ShapeDtypeStruct``s (the largest shard
+    of each leaf: uneven splits round up)."""
+    total = 0
+    for a in jax.tree.leaves(abstract):
+        shape = a.sharding.shard_shape(a.shape) if a.sharding is not None else a.shape
+        total += math.prod(shape) * jnp.dtype(a.dtype).itemsize
+    return total / GiB
+
+
 def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, progress: bool = True) -> dict:
     """Lower and compile the train step (and the held-out eval step) of ``cfg`` for ``topology``;
     return the per-device memory report. Allocates nothing."""
@@ -185,6 +195,14 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
     bshard = batch_sharding(mesh)
     batch = {"input_ids": jax.ShapeDtypeStruct((cfg.train.global_batch_size, L), jnp.int32, sharding=bshard),
              "label_mask": jax.ShapeDtypeStruct((cfg.train.global_batch_size, L), jnp.bool_, sharding=bshard)}
+    dpo = cfg.train.objective == "dpo"
+    if dpo:  # pairs: a chosen and a rejected row of L tokens each, and their reference log-probs
+        from olmax.train.dpo import jit_dpo_step as jit_train_step  # noqa: F811
+        B, s3 = cfg.train.global_batch_size, batch_sharding(mesh, 3)
+        batch = {"input_ids": jax.ShapeDtypeStruct((B, 2, L), jnp.int32, sharding=s3),
+                 "label_mask": jax.ShapeDtypeStruct((B, 2, L), jnp.bool_, sharding=s3),
+                 "ref_logps": jax.ShapeDtypeStruct((B, 2), jnp.float32, sharding=batch_sharding(mesh, 2))}
+        eval_step = eval_step and bool(cfg.eval.heldout_paths)
     report: dict[str, Any] = {
         "recipe": cfg.name, "topology": topology.name, "slices": topology.slices,
         "device_kind": devices[0].device_kind, "devices": len(devices), "chips": topology.chips,
@@ -193,8 +211,9 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
         "logits_chunk": cfg.model.logits_chunk, "compute_dtype": cfg.model.compute_dtype,
     }
     if progress:
+        what = f"{plan.per_device} pairs of 2 x {L}" if dpo else f"{plan.per_device} x {L}"
         print(f"compiling the {cfg.name} train step for {topology.name} ({len(devices)} devices, mesh "
-              f"{sizes}, {plan.per_device} x {L} tokens per device in {plan.accum_steps} micro-batch(es))...",
+              f"{sizes}, {what} tokens per device in {plan.accum_steps} micro-batch(es))...",
               file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     m = _compiled_memory(jit_train_step(cfg, mesh, plan, pshard, oshard).lower(
@@ -214,8 +233,13 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
         t1 = time.perf_counter()
         em = _compiled_memory(jax.jit(make_eval_step(cfg, mesh), in_shardings=(pshard, bshard)).lower(
             abstract["params"], ev_batch))
-        report["eval"] = {"batch_size": bs, "per_device_gib": em["need"], "temp_gib": em.get("temp"),
-                          "fits": "oom" not in em and em["need"] <= topology.family.hbm_gib,
+        # The in-loop eval runs between train steps: the optimizer state (Adam's moments) stays
+        # resident beside the eval step's own arguments (the parameters), temporaries and outputs.
+        resident = per_device_gib(abstract["opt_state"])
+        need = em["need"] + resident
+        report["eval"] = {"batch_size": bs, "per_device_gib": need, "step_gib": em["need"],
+                          "resident_gib": resident, "temp_gib": em.get("temp"),
+                          "fits": "oom" not in em and need <= topology.family.hbm_gib,
                           "compile_seconds": time.perf_counter() - t1}
         if not report["eval"]["fits"]:
             report["verdict"] += (f"; the eval step at batch {bs} does not fit "
@@ -305,7 +329,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         r = compile_generate(cfg, topology, args.batch_size, args.max_length or cfg.data.sequence_length,
                              progress=not args.json)
         if args.json:
-            print(json.dumps(r, indent=2))
+            print(jsonout.dumps(r, indent=2))
         else:
             print(f"recipe         {r['recipe']} ({r['compute_dtype']} compute, attention {r['attention']})")
             print(f"topology       {r['topology']}: {r['devices']} devices, mesh {r['mesh']}, {r['hbm_gib']:.2f} GiB HBM each")
@@ -319,7 +343,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         return 0 if r["fits"] else 1
     r = compile_for(cfg, topology, eval_step=not args.no_eval, progress=not args.json)
     if args.json:
-        print(json.dumps(r, indent=2))
+        print(jsonout.dumps(r, indent=2))
     else:
         plan = r["plan"]
         print(f"recipe         {r['recipe']} ({r['compute_dtype']} compute, attention {r['attention']}, "
@@ -335,7 +359,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
         else:
             print(f"per device     {r['per_device_gib']:.2f} GiB (XLA: out of memory)")
         if "eval" in r:
-            print(f"eval step      {r['eval']['per_device_gib']:.2f} GiB per device at batch {r['eval']['batch_size']}")
+            print(f"eval step      {r['eval']['per_device_gib']:.2f} GiB per device at batch {r['eval']['batch_size']} "
+                  f"(with the optimizer state that stays resident, {r['eval']['resident_gib']:.2f})")
         print(f"compile time   {r['compile_seconds']:.1f} s")
         print(f"verdict        {r['verdict']}")
     return 0 if r["fits"] else 1

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from olmax.config import (CheckpointConfig, Config, DataConfig, DpoConfig, EvalConfig, OptimConfig, ScheduleConfig,
-                          SkipStepConfig, TrainConfig)
+from olmax.config import (CheckpointConfig, Config, DataConfig, DpoConfig, EvalConfig, MeshConfig, OptimConfig,
+                          ScheduleConfig, SkipStepConfig, TrainConfig)
 from olmax.recipes.olmo3 import olmo3_7b_model
 from olmax.recipes.tiny import tiny
 
@@ -54,6 +54,8 @@ def _olmo3_7b_dpo(name: str, lr: float, pairs: int) -> Config:
         data=DataConfig(sequence_length=DPO_SEQ_LEN, seed=34521, dtype="uint32", eos_token_id=100257,
                         pad_token_id=100277, bos_token_id=None, workers=0),
         optim=_dpo_optim(lr, steps),
+        # At most 128 FSDP shards (one pair each); a larger slice gives the rest to tensor parallelism.
+        mesh=MeshConfig(data=1, fsdp=-1, tensor=1, fsdp_max=DPO_PAIRS_PER_STEP),
         # 128 pairs = 256 sequences of 16,384 tokens per update; at most one pair per device per micro-batch.
         train=TrainConfig(steps=steps, global_batch_size=DPO_PAIRS_PER_STEP, max_micro_batch_size=1,
                           objective="dpo", log_interval=1),
