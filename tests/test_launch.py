@@ -24,7 +24,7 @@ from olmax.verify.resume import read_metrics
 
 STEPS = 8
 # Timing-dependent columns differ between any two runs.
-VOLATILE = ("throughput/device/TPS", "throughput/MFU")
+VOLATILE = ("throughput/device/TPS", "throughput/MFU", "throughput/device/TFLOPs")
 
 
 def _sets(paths, *extra):

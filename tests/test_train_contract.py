@@ -184,3 +184,30 @@ def test_p9_hf_to_olmax_keeps_the_hf_dtype_for_compute(tmp_path):
         cfg = hf_to_olmax(src, tmp_path / f"ox-{dtype}-{cast}", dtype=cast, progress=None)
         assert (cfg.model.param_dtype, cfg.model.compute_dtype) == (want, want)
         assert load_config(tmp_path / f"ox-{dtype}-{cast}").model.compute_dtype == want
+
+
+def test_p17_throughput_excludes_checkpoint_pauses_and_mfu_is_written_given_a_peak(tmp_path, corpus, monkeypatch):
+    import time
+
+    from olmax.checkpoint.store import Checkpointer
+    from olmax.verify.resume import read_metrics
+
+    save = Checkpointer.save
+
+    def slow_save(self, *a, **k):
+        time.sleep(2.0)  # a slow disk
+        return save(self, *a, **k)
+
+    monkeypatch.setattr(Checkpointer, "save", slow_save)
+    monkeypatch.setenv("OLMAX_PEAK_TFLOPS", "1")
+    train(cfg_for(corpus, "train.steps=6", "checkpoint.interval=1"), tmp_path / "run", progress=False)
+    rows = read_metrics(tmp_path / "run")
+    tokens = 8 * 16
+    dts = {step: tokens / rows[step]["throughput/device/TPS"] for step in rows}
+    for step in range(3, 7):  # steps 1 and 2 include compiles
+        assert dts[step] < 1.5, dts  # not the 2 s pause of the save before it
+        assert rows[step]["throughput/MFU"] > 0 and rows[step]["throughput/device/TFLOPs"] > 0
+        assert rows[step]["throughput/MFU"] == pytest.approx(rows[step]["throughput/device/TFLOPs"])  # peak 1 TFLOP/s
+    monkeypatch.setenv("OLMAX_PEAK_TFLOPS", "nan")
+    with pytest.raises(ConfigError, match="OLMAX_PEAK_TFLOPS"):
+        train(cfg_for(corpus, "train.steps=7"), tmp_path / "run", progress=False)

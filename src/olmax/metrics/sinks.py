@@ -28,6 +28,7 @@ METRIC_NAMES: dict[str, str] = {
     "total_tokens": "throughput/total tokens",
     "tps_device": "throughput/device/TPS",
     "mfu": "throughput/MFU",
+    "tflops_device": "throughput/device/TFLOPs",  # model FLOPs per second per device, in TFLOP/s
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -189,12 +190,23 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
     bar = ProgressBar(total, start) if (is_main and progress) else None
     fl_tok = flops_per_token(cfg.model, L)["total"]
     peak = device_peak_flops(jax.devices()[0].device_kind)
+    if os.environ.get("OLMAX_PEAK_TFLOPS"):  # a device olmax has no figure for (the CPU, a new chip)
+        try:
+            peak = float(os.environ["OLMAX_PEAK_TFLOPS"]) * 1e12
+        except ValueError:
+            peak = math.nan
+        if not (math.isfinite(peak) and peak > 0):
+            raise ConfigError(f"OLMAX_PEAK_TFLOPS must be a number > 0 (peak TFLOP/s per device), got "
+                              f"{os.environ['OLMAX_PEAK_TFLOPS']!r}")
     tokens_per_step = cfg.train.global_batch_size * L * (2 if dpo else 1)  # DPO: a chosen and a rejected row per pair
 
     losses: dict[int, float] = {}
     pending: tuple[int, dict, float] | None = None
     stopped = False
     last_time = time.perf_counter()
+    # Throughput: time from one step's result to the next, less the host's pauses in between
+    # (checkpoint saves, their checksums, held-out evals, uploads), when the device sits idle.
+    clock = {"last_done": last_time, "paused": 0.0}
     max_nonfinite = cfg.optim.skip_step.max_nonfinite_steps
     nonfinite_run: list[int] = []     # steps of the current run of consecutive non-finite updates
     failure: str | None = None        # set when the run must stop with an error
@@ -211,12 +223,16 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
         if dpo:  # the DPO loss stands where the CE loss stands; its metrics are full names (dpo/...)
             m["ce_loss"] = m.pop("loss")
         losses[step] = m["ce_loss"]
+        t = time.perf_counter()  # step ``step`` has finished: its metrics are on the host
+        dt = t - clock["last_done"] - clock["paused"]
+        clock.update(last_done=t, paused=0.0)
         tps_dev = tokens_per_step / dt / jax.device_count() if dt > 0 else 0.0
         # OLMo-core's names, each value once (``named``).
         row = named({**({} if dpo else {"ce_loss": m["ce_loss"], "z_loss": m["z_loss"]}),
                      "grad_norm": m["grad_norm"], "lr": m["lr"],
                      "step_skipped": m["step_skipped"], "total_tokens": step * tokens_per_step,
                      "tps_device": tps_dev, "mfu": mfu(fl_tok, tps_dev, peak),
+                     "tflops_device": fl_tok * tps_dev / 1e12,
                      NONFINITE_METRIC: m["nonfinite"], **{k: v for k, v in m.items() if k.startswith("dpo/")}})
         bad = m["nonfinite"] > 0
         nonfinite_run[:] = nonfinite_run + [step] if bad else []
@@ -252,6 +268,7 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
             if evaluator is not None and (done % cfg.eval.interval == 0 or done == total):
                 emit(*pending)
                 pending = None
+                t_pause = time.perf_counter()
                 ev = evaluator.evaluate(params)
                 logger.log(done, ev)
                 if bar:
@@ -261,6 +278,7 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
                     if msg:
                         print(msg, file=sys.stderr, flush=True)
                         logger.log(done, {"eval/memorisation alarm": float(alarm.status == ALARM)})
+                clock["paused"] += time.perf_counter() - t_pause
             if failure is not None:
                 break
             forced = done == total or stop_now
@@ -278,13 +296,17 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
                     failure = (f"the parameters or Adam moments are non-finite after step {done}; not saving "
                                f"checkpoint {done}; {_resume_advice(ckpt, run)}")
                     break
+                t_pause = time.perf_counter()
                 meta = {"step": done, "data_state": loader.state(done).to_dict(),
                         "fingerprint": loader.fingerprint, **run_meta}
                 saved = ckpt.save(done, {"params": params, "opt_state": opt_state}, meta, force=stop_now or done == total)
                 if saved and mirror is not None and is_main:
                     logger.flush()
                     mirror.push()
+                clock["paused"] += time.perf_counter() - t_pause
+            t_pause = time.perf_counter()
             ckpt.poll()  # checksums as soon as an asynchronous save has committed
+            clock["paused"] += time.perf_counter() - t_pause
             if stop_now:
                 stopped = done < total
                 step = done
