@@ -211,3 +211,21 @@ def test_p17_throughput_excludes_checkpoint_pauses_and_mfu_is_written_given_a_pe
     monkeypatch.setenv("OLMAX_PEAK_TFLOPS", "nan")
     with pytest.raises(ConfigError, match="OLMAX_PEAK_TFLOPS"):
         train(cfg_for(corpus, "train.steps=7"), tmp_path / "run", progress=False)
+
+
+def test_p3_an_unwritable_checkpoint_folder_fails_before_training(tmp_path, corpus, monkeypatch):
+    from pathlib import Path
+
+    from olmax.checkpoint.store import CheckpointError
+
+    write_bytes = Path.write_bytes
+
+    def read_only(self, data):  # a read-only mount (chmod does not stop root, who runs these tests)
+        if self.name.startswith(".olmax-write-probe"):
+            raise PermissionError(30, "Read-only file system", str(self))
+        return write_bytes(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", read_only)
+    with pytest.raises(CheckpointError, match=r"checkpoint folder .*checkpoints is not writable \(Read-only"):
+        train(cfg_for(corpus, "train.steps=2"), tmp_path / "run", progress=False)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -113,6 +113,8 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
     pshard, oshard = shardings(abstract["params"]), shardings(abstract["opt_state"])
     ckpt_root = run_dir if mirror is not None else run  # where the checkpoints live (remote or local)
     ckpt = Checkpointer(ckpt_root, cfg.checkpoint)
+    if is_main:
+        _check_writable(ckpt.directory)  # before training: Orbax's failed save hung ~300 s first
     # Newest first; a damaged checkpoint is named and skipped for the previous complete one.
     candidates = list(reversed(ckpt.all_steps()))
     damaged: list[str] = []
@@ -329,6 +331,18 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
 
 
 NONFINITE_METRIC = "optim/non-finite step"
+
+
+def _check_writable(directory: Path) -> None:
+    """A checkpoint folder this process cannot write into (read-only mount, permissions) is a
+    one-line error at the start, not after the training it would have saved."""
+    probe = directory / f".olmax-write-probe.{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint folder {directory} is not writable ({e.strerror or e}): fix its "
+                              "permissions or use another --run-dir") from None
 
 
 def _resume_advice(ckpt: Any, run: Path) -> str:
