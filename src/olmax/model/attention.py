@@ -18,7 +18,8 @@ mask rule is ``layers.position_mask`` in both cases.
 - ``splash``: TPU Pallas flash attention (``jax.experimental.pallas.ops.tpu.splash_attention``);
   the mask is lazy (causal, or local with ``window_size=(W-1, 0)``), so blocks outside the window
   are never computed. Runs per device under ``shard_map`` (batch over the data-parallel axes,
-  heads over ``tensor``); on CPU it runs in Pallas interpret mode for numerical tests.
+  heads over ``tensor``); on CPU it runs in Pallas interpret mode for numerical tests. Sequences
+  shorter than 128 positions, or not a multiple of 128, are padded at the end (``splash_length``).
 - ``cudnn`` / ``xla``: ``jax.nn.dot_product_attention`` with ``is_causal=True`` and
   ``local_window_size=(W-1, 0)`` (cuDNN flash attention on GPU; it has no fp32 kernel).
 """
@@ -112,9 +113,16 @@ def _head_major(x: jax.Array, groups: int) -> jax.Array:
     divided by a one that XLA cannot prove constant: ``x / 1 == x`` exactly for every value,
     infs, NaNs and signed zeros included (subnormals read as zero, as in every XLA CPU
     arithmetic operation, the matmuls that read the copy included), and the one carries no
-    gradient."""
+    gradient. On one device the one comes from the array's first element; on a mesh from the
+    first element of each row and head, [b, k, g, 1, 1], so that every device reads only its own
+    shard (one element of the whole array lives on one device: every other one would receive it,
+    a collective per layer on a batch-sharded mesh)."""
     b, t, h, e = x.shape
-    corner = jax.lax.stop_gradient(x[0, 0, 0, 0])
+    mesh = current_mesh()
+    if mesh is None or mesh.size == 1:
+        corner = jax.lax.stop_gradient(x[0, 0, 0, 0])
+    else:
+        corner = jax.lax.stop_gradient(x[:, 0, :, 0]).reshape(b, h // groups, groups, 1, 1)
     one = jnp.where(jnp.isfinite(corner), 1 + 0 * corner, 1).astype(x.dtype)
     return x.reshape(b, t, h // groups, groups, e).transpose(0, 2, 3, 1, 4) / one
 
@@ -211,12 +219,30 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None
                                         implementation=implementation)
 
 
+SPLASH_MIN_BLOCK = 128  # splash tiles sequences in blocks of a multiple of 128 positions
+
+
 def _block(requested: int, t: int, what: str) -> int:
     size = min(requested, t)
-    if t % size or size % 128:
+    if t % size or size % SPLASH_MIN_BLOCK:
         raise ConfigError(f"model.{what}={requested} does not tile the sequence length {t} (splash attention "
                           "needs blocks of a multiple of 128 positions that divide the sequence)")
     return size
+
+
+def splash_length(t: int, block_q: int, block_kv: int) -> int:
+    """The length splash runs a sequence of ``t`` positions at: ``t`` itself when it is a multiple
+    of 128, else the shortest longer multiple of 128 that both blocks (capped at the length) tile.
+    Short and ragged sequences (lm-eval's buckets from 16, an eval or a prompt of any length) are
+    padded at the end; a causal mask keeps every real query off the padded keys, so the real rows
+    are exact and the padded ones are dropped. A multiple of 128 that the configured blocks do not
+    tile stays an error (a training shape: padding would hide the waste)."""
+    if t % SPLASH_MIN_BLOCK == 0:
+        return t
+    n = -(-t // SPLASH_MIN_BLOCK) * SPLASH_MIN_BLOCK
+    while n % min(block_q, n) or n % min(block_kv, n):
+        n += SPLASH_MIN_BLOCK
+    return n
 
 
 def _splash_kernel(heads: int, t: int, window: int | None, block_q: int, block_kv: int, interpret: bool):
@@ -240,9 +266,14 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | Non
                      interpret: bool | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
     """TPU splash attention (fp32 accumulation and softmax inside the kernel); segment ids go in
     as the kernel's own ``SegmentIds`` (blocks are still skipped by the causal/local mask)."""
-    b, t, h, e = q.shape
+    b, t0, h, e = q.shape
     if interpret is None:
         interpret = target_platform() != "tpu"
+    t = splash_length(t0, cfg.attention_block_q, cfg.attention_block_kv)
+    if t != t0:  # padded at the end (``splash_length``); padding is segment 0, its rows are dropped
+        pad = lambda x: jnp.pad(x, [(0, 0), (0, t - t0)] + [(0, 0)] * (x.ndim - 2))
+        q, k, v = pad(q), pad(k), pad(v)
+        segment_ids = None if segment_ids is None else pad(segment_ids)
     bq = _block(cfg.attention_block_q, t, "attention_block_q")
     bkv = _block(cfg.attention_block_kv, t, "attention_block_kv")
     # The kernel takes [heads, seq, head_dim] per example and does not scale the scores.
@@ -265,7 +296,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | Non
         local = jax.shard_map(local, mesh=mesh, in_specs=(spec, kv_spec, kv_spec, *seg_spec), out_specs=spec,
                               check_vma=False)
     out = local(qh, kh, vh, *seg)
-    return out.transpose(0, 2, 1, 3).astype(q.dtype)
+    return out.transpose(0, 2, 1, 3)[:, :t0].astype(q.dtype)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, cfg: ModelConfig,

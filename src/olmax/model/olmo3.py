@@ -29,7 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from olmax.config import ConfigError, ModelConfig
 from olmax.model.attention import attend, target_platform
-from olmax.model.layers import apply_rope, rms_norm, rope_at, rope_cos_sin
+from olmax.model.layers import apply_rope, rms_norm, rope_at, rope_cos_sin, rope_inv_freq
 from olmax.sharding import constrain
 
 # Tensors a remat policy may keep (names given with ``checkpoint_name`` below).
@@ -248,11 +248,20 @@ def run_layers(cfg: ModelConfig, layers: dict[str, list], x: jax.Array, tables: 
 def rope_tables(cfg: ModelConfig, t: int, positions: jax.Array | None = None, bound: int | None = None
                 ) -> dict[bool, tuple[jax.Array, jax.Array]]:
     """RoPE cos/sin per layer type: host constants for 0..t-1, or rows of the table of
-    ``0..bound-1`` (default t) at the traced ``positions`` [b, t]."""
-    kinds = {cfg.is_full_attention(i) for i in range(cfg.n_layers)}
-    if positions is None:
-        return {full: rope_cos_sin(cfg, np.arange(t), full) for full in kinds}
-    return {full: rope_at(cfg, positions, bound or t, full) for full in kinds}
+    ``0..bound-1`` (default t) at the traced ``positions`` [b, t]. Built once per distinct
+    frequency set: full and sliding layers share one table unless YaRN rescales the full ones
+    (two identical tables were two constants in the program, 2 x 32 MiB at 65,536 tokens)."""
+    kinds = sorted({cfg.is_full_attention(i) for i in range(cfg.n_layers)})
+    built: dict[tuple, tuple[jax.Array, jax.Array]] = {}
+    out = {}
+    for full in kinds:
+        inv_freq, scale = rope_inv_freq(cfg, full)
+        key = (inv_freq.tobytes(), scale)
+        if key not in built:
+            built[key] = (rope_cos_sin(cfg, np.arange(t), full) if positions is None
+                          else rope_at(cfg, positions, bound or t, full))
+        out[full] = built[key]
+    return out
 
 
 def embed(params: Any, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
