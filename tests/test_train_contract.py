@@ -229,3 +229,49 @@ def test_p3_an_unwritable_checkpoint_folder_fails_before_training(tmp_path, corp
     with pytest.raises(CheckpointError, match=r"checkpoint folder .*checkpoints is not writable \(Read-only"):
         train(cfg_for(corpus, "train.steps=2"), tmp_path / "run", progress=False)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_p18_grain_workers_die_with_a_killed_trainer(tmp_path, corpus):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("import sys, time\n"
+            "from olmax.data.loader import DataLoader\n"
+            "from olmax.recipes import get_recipe\n"
+            f"cfg = get_recipe('tiny', {small_overrides(corpus, 'data.workers=2')!r})\n"
+            f"it = iter(DataLoader(cfg, cache_dir={str(tmp_path / 'cache')!r}))\n"
+            "next(it); print('reading', flush=True); time.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+    def descendants(pid: int) -> set[int]:
+        kids = set()
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    stat = open(f"/proc/{d}/stat").read()
+                except OSError:
+                    continue
+                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                    kids |= {int(d)} | descendants(int(d))
+        return kids
+
+    try:
+        assert p.stdout.readline().strip() == "reading"
+        workers = descendants(p.pid)
+        assert len(workers) >= 2, workers
+    finally:
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+    def running(pid: int) -> bool:
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.time() + 30
+    while time.time() < deadline and any(running(w) for w in workers):
+        time.sleep(0.5)
+    assert not [w for w in workers if running(w)]

@@ -121,6 +121,23 @@ class StepSource:
                 "step": np.int64(step)}
 
 
+def die_with_parent(worker_index: int = 0, worker_count: int = 0) -> None:
+    """Grain worker init: exit when the trainer that started this worker is gone (``kill -9``
+    leaves no chance to stop its workers, which otherwise live on under PID 1 holding their
+    memory). A daemon thread watches the parent pid, once a second."""
+    import signal
+    import threading
+    import time
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="olmax-die-with-parent", daemon=True).start()
+
+
 class DataLoader:
     """Iterates this process's batches for global steps ``start_step .. stop_step - 1``.
 
@@ -215,7 +232,8 @@ class DataLoader:
             # and Grain's shared-memory blocks outlive an interpreter that exits mid-stream.
             it = grain.experimental.WithOptionsIterDataset(it, grain.experimental.DatasetOptions(min_shm_size=1 << 62))
             it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=d.workers,
-                                                             per_worker_buffer_size=max(d.prefetch, 1)))
+                                                             per_worker_buffer_size=max(d.prefetch, 1)),
+                                worker_init_fn=die_with_parent)
         return iter(it)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
