@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from olmax import jsonout
-from olmax.verify import noise_floor, olmo_core, resume, trl
+from olmax.verify import noise_floor, olmo_core, resume, trl, trl_grpo
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -15,6 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     resume.register(vs)
     olmo_core.register(vs, func=_olmo_core)
     trl.register(vs)
+    trl_grpo.attach(vs)   # --grpo beside trl's --dpo
 
 
 def _olmo_core(args: argparse.Namespace) -> int:

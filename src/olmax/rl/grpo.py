@@ -1,0 +1,269 @@
+"""GRPO core: group advantages, the clipped policy loss, its aggregation, and the train step.
+
+Layout. A batch holds ``n`` rows of prompt + completion tokens, ``input_ids`` int [n, L], and a
+``completion_mask`` bool [n, L] in the label-mask convention of ``olmax.train.dpo.token_logps``:
+True at each completion token (the tokens that are trained). Per-token quantities (``old_logps``,
+``gen_logps``, ``ref_logps``, the policy's log-probs) use ``token_logps``'s output layout: position
+i holds log p(tokens[i + 1] | tokens[:i + 1]), counted where ``completion_mask[i + 1]``.
+
+Advantages (``group_advantages``; rows of one prompt are ``group_size`` consecutive rows):
+
+- ``centered``: A = r - mean_group(r). AI2's OLMo 3 RL runs (open-instruct
+  ``advantage_normalization_type="centered"``); TRL's ``scale_rewards="none"``.
+- ``standard``: A = (r - mean) / (std + 1e-8), population std over the group (open-instruct).
+- ``trl_group``: (r - mean) / (std + 1e-4), std with Bessel's correction over the group (TRL's
+  default ``scale_rewards="group"``).
+- ``trl_batch``: (r - group mean) / (std + 1e-4), Bessel std over the whole batch (TRL
+  ``scale_rewards="batch"``).
+
+``zero_std_groups`` marks groups whose rewards are all equal (their centered advantage is 0);
+``filter_zero_std`` gives the rows to keep (open-instruct ``filter_zero_std_samples``).
+
+Per token (``per_token_terms``), with ratio = exp(logp - logp_old)::
+
+    L = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))
+    L *= min(exp(clip(logp_old - logp_gen, -10, 10)), tis_cap)   # truncated IS, when tis_cap is set
+    L += beta * (exp(logp_ref - logp) - (logp_ref - logp) - 1)     # k3 KL, when beta != 0
+
+Aggregation of L over the tokens of one optimizer step's batch (``aggregation``):
+
+- ``token_mean``: sum of L over all completion tokens of the batch / their count (a global token
+  mean, whatever the micro-batching). TRL ``loss_type="dapo"`` (with ``steps_per_generation`` equal
+  to the gradient accumulation steps); open-instruct after PR #1161 (``loss_denominator="token"``).
+- ``sequence_mean``: per sequence, the mean of L over its tokens; then the mean over sequences
+  (a sequence with no completion token counts with 0). TRL ``loss_type="grpo"``.
+- ``microbatch_mean``: per micro-batch, the mean of L over its completion tokens; then the sum over
+  micro-batches / the number of micro-batches. open-instruct's ``masked_mean`` then
+  ``/ accumulation_steps`` as in AI2's 7B Think and Instruct RL runs: a token's weight depends on
+  how many tokens share its micro-batch.
+
+The step (``make_grpo_step``) splits the batch into ``accum_steps`` micro-batches (rows a::accum,
+as ``olmax.train.step.split_micro``), accumulates the gradients of each micro-batch's share of the
+loss, and applies one optimizer update (``olmax.optim.apply_update``). Several optimizer steps per
+rollout batch (``train_on_batch``): ``num_epochs`` passes over the batch (TRL ``num_iterations``),
+each split into ``num_mini_batches`` contiguous mini-batches (open-instruct ``num_mini_batches``),
+one update each; ``old_logps`` are the policy's log-probs before the first of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ADVANTAGE_MODES = ("centered", "standard", "trl_group", "trl_batch")
+AGGREGATIONS = ("token_mean", "sequence_mean", "microbatch_mean")
+
+
+# --------------------------------------------------------------------------- advantages
+
+
+def _groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
+    r = np.asarray(rewards, np.float32).reshape(-1)
+    if group_size < 1 or r.shape[0] % group_size:
+        raise ValueError(f"{r.shape[0]} rewards do not split into groups of {group_size}")
+    return r.reshape(-1, group_size)
+
+
+def group_advantages(rewards: np.ndarray, group_size: int, mode: str = "centered") -> np.ndarray:
+    """Per-row advantages (float32 [n]) from per-row rewards, groups of ``group_size`` consecutive rows."""
+    g = _groups(rewards, group_size)
+    mean = g.mean(axis=1, keepdims=True, dtype=np.float32)
+    if mode == "centered":
+        a = g - mean
+    elif mode == "standard":
+        a = (g - mean) / (g.std(axis=1, keepdims=True, dtype=np.float32) + np.float32(1e-8))
+    elif mode == "trl_group":
+        std = g.std(axis=1, ddof=1, keepdims=True, dtype=np.float32) if group_size > 1 else np.zeros_like(mean)
+        a = (g - mean) / (std + np.float32(1e-4))
+    elif mode == "trl_batch":
+        std = g.reshape(-1).std(ddof=1, dtype=np.float32) if g.size > 1 else np.float32(0)
+        a = (g - mean) / (std + np.float32(1e-4))
+    else:
+        raise ValueError(f"advantage mode {mode!r}: one of {', '.join(ADVANTAGE_MODES)}")
+    return a.astype(np.float32).reshape(-1)
+
+
+def zero_std_groups(rewards: np.ndarray, group_size: int) -> np.ndarray:
+    """bool [groups]: True where every reward of the group is the same."""
+    g = _groups(rewards, group_size)
+    return np.all(g == g[:, :1], axis=1)
+
+
+def filter_zero_std(rewards: np.ndarray, group_size: int) -> np.ndarray:
+    """Row indices (int64) of the groups whose rewards are not all equal, in order."""
+    keep = ~zero_std_groups(rewards, group_size)
+    return np.nonzero(np.repeat(keep, group_size))[0].astype(np.int64)
+
+
+# --------------------------------------------------------------------------- the loss
+
+
+@dataclasses.dataclass(frozen=True)
+class GrpoLoss:
+    """The policy loss's options (AI2's 7B values as defaults, KL off)."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.272
+    aggregation: str = "token_mean"
+    beta: float = 0.0                 # KL coefficient against the reference (k3); 0 = off
+    tis_cap: float | None = None      # truncated importance sampling cap (AI2: 2.0); None = off
+
+    def __post_init__(self):
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation {self.aggregation!r}: one of {', '.join(AGGREGATIONS)}")
+        if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
+            raise ValueError(f"clip range needs 0 <= eps_low < 1 and eps_high >= 0, got {self.eps_low}, {self.eps_high}")
+        if self.beta < 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise ValueError(f"tis_cap must be > 0 or None, got {self.tis_cap}")
+
+
+def token_mask(completion_mask: jax.Array) -> jax.Array:
+    """float32 [n, L] in ``token_logps`` layout: 1 at position i when token i + 1 is trained."""
+    m = completion_mask.astype(jnp.float32)
+    return jnp.concatenate([m[:, 1:], jnp.zeros_like(m[:, :1])], axis=1)
+
+
+def per_token_terms(logp: jax.Array, old_logp: jax.Array, adv: jax.Array, loss: GrpoLoss,
+                    gen_logp: jax.Array | None = None, ref_logp: jax.Array | None = None
+                    ) -> dict[str, jax.Array]:
+    """Per-token loss L [n, L] and its diagnostics (unmasked). ``adv`` is [n]."""
+    a = adv[:, None].astype(jnp.float32)
+    ratio = jnp.exp(logp - old_logp)
+    clipped = jnp.clip(ratio, 1.0 - loss.eps_low, 1.0 + loss.eps_high)
+    per_tok = jnp.maximum(-a * ratio, -a * clipped)
+    if loss.tis_cap is not None:
+        if gen_logp is None:
+            raise ValueError("tis_cap is set but the batch has no gen_logps")
+        w = jnp.minimum(jnp.exp(jnp.clip(old_logp - gen_logp, -10.0, 10.0)), loss.tis_cap)
+        per_tok = per_tok * jax.lax.stop_gradient(w)
+    kl = jnp.zeros_like(per_tok)
+    if ref_logp is not None:
+        d = ref_logp - logp
+        kl = jnp.exp(d) - d - 1.0
+        if loss.beta:
+            per_tok = per_tok + loss.beta * kl
+    elif loss.beta:
+        raise ValueError("beta > 0 needs ref_logps in the batch")
+    low = (ratio < 1.0 - loss.eps_low) & (a < 0)
+    high = (ratio > 1.0 + loss.eps_high) & (a > 0)
+    return {"loss": per_tok, "clipped": (low | high).astype(jnp.float32), "kl": kl,
+            "ratio": ratio}
+
+
+def aggregate(per_tok: jax.Array, mask: jax.Array, aggregation: str, *, total_tokens: jax.Array | float,
+              total_sequences: int, accum_steps: int) -> jax.Array:
+    """One micro-batch's share of the batch loss (the shares add up over micro-batches).
+
+    ``total_tokens`` and ``total_sequences`` count the whole optimizer batch."""
+    s = per_tok * mask
+    if aggregation == "token_mean":
+        return jnp.sum(s) / jnp.maximum(total_tokens, 1.0)
+    if aggregation == "sequence_mean":
+        per_seq = jnp.sum(s, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
+        return jnp.sum(per_seq) / total_sequences
+    if aggregation == "microbatch_mean":
+        return jnp.sum(s) / jnp.maximum(jnp.sum(mask), 1.0) / accum_steps
+    raise ValueError(f"aggregation {aggregation!r}: one of {', '.join(AGGREGATIONS)}")
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def _logps(params: Any, tokens: jax.Array, completion_mask: jax.Array, cfg: Any) -> jax.Array:
+    from olmax.train.dpo import token_logps
+    return token_logps(params, tokens, completion_mask, cfg)
+
+
+def make_logps_fn(cfg: Any) -> Callable:
+    """Jitted ``logps(params, input_ids, completion_mask) -> [n, L]`` (no gradient): the old (or
+    reference) log-probs of a rollout batch."""
+    return jax.jit(lambda p, t, m: jax.lax.stop_gradient(_logps(p, t, m, cfg)))
+
+
+def make_grpo_step(cfg: Any, loss: GrpoLoss, accum_steps: int, apply_update: Callable) -> Callable:
+    """``step(params, opt_state, batch) -> (params, opt_state, metrics)`` (not jitted); ``cfg`` is
+    an olmax ``Config`` (its ``model`` section is used).
+
+    ``batch``: ``input_ids`` [n, L], ``completion_mask`` [n, L], ``advantages`` [n], ``old_logps``
+    [n, L]; ``gen_logps`` [n, L] with ``loss.tis_cap``; ``ref_logps`` [n, L] with ``loss.beta``
+    (or to report the KL). n must divide by ``accum_steps``. Metrics: ``loss``, ``clip_fraction``
+    (share of completion tokens whose clipped term is the one taken, TRL's ``clip_ratio/region_mean``),
+    ``kl`` (token mean of k3 to the reference, 0 without one), ``ratio_mean``, ``tokens``, and the
+    optimizer's (``grad_norm``: the pre-clip gradient norm, ``lr``, ...)."""
+    from olmax.train.step import split_micro
+
+    def step(params, opt_state, batch):
+        n = batch["input_ids"].shape[0]
+        if n % accum_steps:
+            raise ValueError(f"{n} rows do not split into {accum_steps} micro-batches")
+        mask_all = token_mask(batch["completion_mask"])
+        total_tokens = jnp.sum(mask_all)
+        micro = jax.tree.map(lambda x: split_micro(x, accum_steps), batch)
+
+        def micro_loss(p, mb):
+            mask = token_mask(mb["completion_mask"])
+            logp = _logps(p, mb["input_ids"], mb["completion_mask"], cfg)
+            t = per_token_terms(logp, mb["old_logps"], mb["advantages"], loss, mb.get("gen_logps"),
+                                mb.get("ref_logps"))
+            share = aggregate(t["loss"], mask, loss.aggregation, total_tokens=total_tokens, total_sequences=n,
+                              accum_steps=accum_steps)
+            sums = {"clipped": jnp.sum(t["clipped"] * mask), "kl": jnp.sum(t["kl"] * mask),
+                    "ratio": jnp.sum(t["ratio"] * mask)}
+            return share, jax.lax.stop_gradient(sums)
+
+        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+        def body(carry, mb):
+            g_acc, l_acc, s_acc = carry
+            (share, sums), g = grad_fn(params, mb)
+            g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
+            return (g_acc, l_acc + share, jax.tree.map(jnp.add, s_acc, sums)), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        zs = {"clipped": jnp.float32(0), "kl": jnp.float32(0), "ratio": jnp.float32(0)}
+        carry = (zeros, jnp.float32(0), zs)
+        if accum_steps == 1:
+            (grads, total, sums), _ = body(carry, jax.tree.map(lambda x: x[0], micro))
+        else:
+            (grads, total, sums), _ = jax.lax.scan(body, carry, micro)
+        denom = jnp.maximum(total_tokens, 1.0)
+        new_params, new_opt, om = apply_update(params, grads, opt_state, total)
+        metrics = {"loss": total, "clip_fraction": sums["clipped"] / denom, "kl": sums["kl"] / denom,
+                   "ratio_mean": sums["ratio"] / denom, "tokens": total_tokens, **om}
+        return new_params, new_opt, metrics
+
+    return step
+
+
+def jit_grpo_step(cfg: Any, loss: GrpoLoss, accum_steps: int, total_steps: int) -> Callable:
+    """The step jitted on one device with olmax's optimizer (``cfg.optim``; ``total_steps`` sizes
+    the lr schedule); params and optimizer state donated."""
+    from functools import partial
+
+    from olmax.optim import apply_update
+    update = partial(apply_update, optim_cfg=cfg.optim, total_steps=total_steps)
+    return jax.jit(make_grpo_step(cfg, loss, accum_steps, update), donate_argnums=(0, 1))
+
+
+def train_on_batch(params: Any, opt_state: Any, batch: dict[str, Any], step: Callable, *, num_mini_batches: int = 1,
+                   num_epochs: int = 1) -> tuple[Any, Any, list[dict[str, float]]]:
+    """``num_epochs * num_mini_batches`` optimizer steps on one rollout batch (``old_logps`` must
+    be in ``batch``: the log-probs before the first step). Mini-batches are contiguous row blocks
+    (keep groups whole by choosing sizes that are multiples of the group size)."""
+    n = int(np.shape(batch["input_ids"])[0])
+    if num_mini_batches < 1 or n % num_mini_batches:
+        raise ValueError(f"{n} rows do not split into {num_mini_batches} mini-batches")
+    size = n // num_mini_batches
+    rows = []
+    for _ in range(num_epochs):
+        for k in range(num_mini_batches):
+            mb = {key: v[k * size:(k + 1) * size] for key, v in batch.items()}
+            params, opt_state, m = step(params, opt_state, mb)
+            rows.append({key: float(v) for key, v in m.items()})
+    return params, opt_state, rows
