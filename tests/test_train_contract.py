@@ -275,3 +275,11 @@ def test_p18_grain_workers_die_with_a_killed_trainer(tmp_path, corpus):
     while time.time() < deadline and any(running(w) for w in workers):
         time.sleep(0.5)
     assert not [w for w in workers if running(w)]
+
+
+def test_p20_init_from_on_a_run_with_checkpoints_says_it_is_ignored(tmp_path, corpus, capfd):
+    run = tmp_path / "run"
+    train(cfg_for(corpus, "train.steps=2"), run, progress=False)
+    train(cfg_for(corpus, "train.steps=3", f"train.init_from=state:{run}"), run, progress=False)
+    err = capfd.readouterr().err
+    assert f"train.init_from=state:{run} is ignored: the run directory already has checkpoint 2" in err

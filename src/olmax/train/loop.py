@@ -154,6 +154,9 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
                               f"optimizer step {int(opt_state.step)}")
         if is_main:
             print(f"resuming from checkpoint {start} in {run} (next: global batch {start})", file=sys.stderr)
+            if cfg.train.init_from:  # a warm start is for a fresh run only: the checkpoint wins
+                print(f"olmax: note: train.init_from={cfg.train.init_from} is ignored: the run directory already "
+                      f"has checkpoint {start}", file=sys.stderr)
     else:
         start = 0
         if cfg.train.init_from:
