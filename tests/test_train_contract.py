@@ -283,3 +283,18 @@ def test_p20_init_from_on_a_run_with_checkpoints_says_it_is_ignored(tmp_path, co
     train(cfg_for(corpus, "train.steps=3", f"train.init_from=state:{run}"), run, progress=False)
     err = capfd.readouterr().err
     assert f"train.init_from=state:{run} is ignored: the run directory already has checkpoint 2" in err
+
+
+def test_p20_the_plain_progress_eta_leaves_out_the_first_steps_compile(monkeypatch):
+    import io
+
+    from olmax.metrics import sinks
+
+    clock = iter([0.0, 100.0, 109.0])  # constructed; step 1 done (after a 100 s compile); step 10 done
+    monkeypatch.setattr(sinks.time, "perf_counter", lambda: next(clock))
+    out = io.StringIO()
+    bar = sinks.ProgressBar(20, 0, every=10, file=out)  # t0 = 0; step 1 done at 100 s (compile)
+    for s in range(1, 11):
+        bar.update(s)
+    line = out.getvalue().splitlines()[0]  # step 10 at 109 s: 1 s a step since step 1
+    assert line.startswith("step 10/20") and "eta 0:00:10" in line, line

@@ -261,6 +261,7 @@ class ProgressBar:
         self.file = file if file is not None else sys.stderr
         self.step = initial_step
         self._t0 = time.perf_counter()
+        self._first: tuple[int, float] | None = None  # (step, time) of the first update
         is_tty = bool(getattr(self.file, "isatty", lambda: False)())
         self.use_bar = is_tty if force is None else force
         self._bar: Any = None
@@ -272,6 +273,8 @@ class ProgressBar:
     def update(self, step: int, loss: float | None = None, tokens_per_sec: float | None = None) -> None:
         """``step``: updates done so far (1-based)."""
         self.step = step
+        if self._first is None:  # the first step carries the compile: the ETA's rate starts after it
+            self._first = (step, time.perf_counter())
         post = []
         if loss is not None:
             post.append(f"loss {float(loss):.4f}")
@@ -281,9 +284,11 @@ class ProgressBar:
             self._bar.set_postfix_str(", ".join(post), refresh=False)
             self._bar.update(step - self._bar.n)
         elif step % self.every == 0 or step == self.total:
-            elapsed = time.perf_counter() - self._t0
-            done = step - self.initial
-            eta = (self.total - step) * elapsed / done if done > 0 else math.nan
+            now = time.perf_counter()
+            elapsed = now - self._t0
+            first_step, first_t = self._first
+            done = step - first_step
+            eta = (self.total - step) * (now - first_t) / done if done > 0 else math.nan
             pct = 100.0 * step / self.total if self.total else 100.0
             line = f"step {step}/{self.total} ({pct:.1f}%)"
             if post:
