@@ -47,7 +47,9 @@ def test_every_numeric_field_refuses_nan_and_inf():  # P1
 @pytest.mark.parametrize("override", [
     "model.norm_eps=0", "model.norm_eps=-1", "model.rope_theta=0", "model.rope_theta=-1", "model.init_std=0",
     "model.init_std=-1", "model.max_position_embeddings=0", "model.max_position_embeddings=-1",
-    "data.seed=-5", "train.seed=-1", "model.rope_scaling.factor=0", "model.rope_scaling.beta_fast=-1"])
+    "data.seed=-5", "train.seed=-1", "model.rope_scaling.factor=0", "model.rope_scaling.beta_fast=-1",
+    "mesh.fsdp=0", "mesh.data=-2", "mesh.fsdp_max=0", "dpo.beta=0", "dpo.label_smoothing=-1",
+    "dpo.reference_batch_size=0"])
 def test_p1_nonsense_model_values_and_seeds_are_errors_naming_the_field(override):
     field = override.split("=")[0]
     with pytest.raises(ConfigError, match=field.replace(".", r"\.") + " must be"):

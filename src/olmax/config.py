@@ -416,13 +416,14 @@ def validate(cfg: Config) -> Config:
     if cfg.data.label_mask_paths and cfg.data.repetition_filter:
         raise ConfigError("data.repetition_filter masks whole instances and data.label_mask_paths masks labels: "
                           "use one (OLMo-core's SFT runs have no repetition filter)")
-    if t.objective == "dpo":  # data.preference_path is checked when a run opens it (recipes leave it unset)
-        if not (math.isfinite(cfg.dpo.beta) and cfg.dpo.beta > 0):
-            raise ConfigError(f"dpo.beta must be a finite number > 0, got {cfg.dpo.beta!r}")
-        if not 0.0 <= cfg.dpo.label_smoothing < 0.5:
-            raise ConfigError(f"dpo.label_smoothing must be >= 0 and < 0.5, got {cfg.dpo.label_smoothing!r}")
-        if cfg.dpo.reference_batch_size is not None and cfg.dpo.reference_batch_size < 1:
-            raise ConfigError(f"dpo.reference_batch_size must be positive or null, got {cfg.dpo.reference_batch_size}")
+    # The dpo section is checked for every objective (nonsense is nonsense); data.preference_path is
+    # checked when a DPO run opens it (recipes leave it unset).
+    if not (math.isfinite(cfg.dpo.beta) and cfg.dpo.beta > 0):
+        raise ConfigError(f"dpo.beta must be a finite number > 0, got {cfg.dpo.beta!r}")
+    if not 0.0 <= cfg.dpo.label_smoothing < 0.5:
+        raise ConfigError(f"dpo.label_smoothing must be >= 0 and < 0.5, got {cfg.dpo.label_smoothing!r}")
+    if cfg.dpo.reference_batch_size is not None and cfg.dpo.reference_batch_size < 1:
+        raise ConfigError(f"dpo.reference_batch_size must be positive or null, got {cfg.dpo.reference_batch_size}")
     return cfg
 
 
@@ -464,6 +465,12 @@ def _validate_ranges(cfg: Config) -> None:
     for where, v in _float_fields(cfg, ""):  # anything else: NaN and inf are never meant
         if not math.isfinite(v):
             raise ConfigError(f"{where} must be a finite number, got {v!r}")
+    for axis in ("slice", "data", "fsdp", "tensor"):
+        v = getattr(cfg.mesh, axis)
+        if v == 0 or v < -1:
+            raise ConfigError(f"mesh.{axis} must be positive or -1 (all remaining devices), got {v}")
+    if cfg.mesh.fsdp_max is not None and cfg.mesh.fsdp_max < 1:
+        raise ConfigError(f"mesh.fsdp_max must be positive or null, got {cfg.mesh.fsdp_max}")
     for name, seed in (("train.seed", t.seed), ("data.seed", cfg.data.seed)):
         if not 0 <= seed < 2**63:
             raise ConfigError(f"{name} must be an integer in 0..2**63-1, got {seed}")
