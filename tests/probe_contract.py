@@ -1,0 +1,210 @@
+"""Issue 23 item 11: a probe of the error contract as a new user meets it (not collected by pytest).
+
+    python tests/probe_contract.py [--kills N]
+
+1. Every numeric config field x {0, -1, NaN, inf, -inf} through ``olmax print-config tiny --set``:
+   each must exit 2 with one ``error:`` line naming the field, or exit 0 for a value the field
+   accepts (listed, to be judged by reading).
+2. Flags of the CLI with nonsense values (0, -1, nan, inf, words) and bad paths, each with and
+   without ``--json``: exit 2, one line, no traceback, and strict ``{"error": ...}`` JSON.
+3. ``--kills N``: N trainings of the tiny recipe killed with SIGKILL at random points and resumed;
+   each resumed run's metrics must equal an uninterrupted run's (volatile throughput excepted).
+Prints the counts as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).parent))
+
+from test_train_contract import _numeric_fields  # noqa: E402
+from trainlib import small_overrides, write_corpus  # noqa: E402
+
+from olmax import cli  # noqa: E402
+from olmax.config import Config  # noqa: E402
+
+
+def strict(text: str):
+    def reject(tok):
+        raise ValueError(tok)
+    return json.loads(text, parse_constant=reject)
+
+
+def call(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = cli.main(argv)
+        except SystemExit as e:
+            rc = e.code
+        except BaseException as e:  # a traceback: a bug
+            import traceback
+            traceback.print_exc(file=err)
+            rc = f"traceback {type(e).__name__}"
+    return rc, out.getvalue(), err.getvalue()
+
+
+def _takes_json(argv: list[str]) -> bool:
+    p = cli.build_parser()
+    for word in argv:
+        subs = [a for a in p._actions if a.__class__.__name__ == "_SubParsersAction"]
+        if not subs or word not in subs[0].choices:
+            break
+        p = subs[0].choices[word]
+    return any("--json" in a.option_strings for a in p._actions)
+
+
+def judge(argv: list[str], name: str, counts: dict, accepted: list) -> None:
+    for js in ((False, True) if _takes_json(argv) else (False,)):
+        rc, out, err = call(argv + (["--json"] if js else []))
+        counts["cases"] += 1
+        if "Traceback" in err or isinstance(rc, str):
+            counts["tracebacks"] += 1
+            accepted.append(f"TRACEBACK {argv}: {err.strip().splitlines()[-1]}")
+        elif rc == 2:
+            lines = [ln for ln in err.splitlines() if "error:" in ln]
+            counts["errors"] += 1
+            if len(lines) != 1:
+                counts["not_one_line"] += 1
+            if name not in err:
+                counts["not_naming"] += 1
+                accepted.append(f"NOT NAMING {name}: {argv}: {lines}")
+            if js:
+                try:
+                    strict(out.strip().splitlines()[-1])["error"]
+                except Exception:
+                    counts["bad_json"] += 1
+        elif rc == 0:
+            counts["accepted"] += 1
+            if js and out.strip():
+                try:
+                    strict(out)
+                except Exception:
+                    counts["bad_json"] += 1
+            if not js:
+                accepted.append(f"accepted {' '.join(argv[-2:])}")
+        else:
+            counts["other_exit"] += 1
+            accepted.append(f"exit {rc}: {argv}")
+
+
+def probe_config(counts: dict, accepted: list) -> None:
+    for name in _numeric_fields(Config()):
+        for v in ("0", "-1", ".nan", ".inf", "-.inf"):
+            rc, out, err = call(["print-config", "tiny", "--set", f"{name}={v}"])
+            counts["cases"] += 1
+            if rc == 2 and name in err and "Traceback" not in err:
+                counts["errors"] += 1
+            elif rc == 0:
+                counts["accepted"] += 1
+                accepted.append(f"{name}={v}")
+            else:
+                counts["tracebacks" if "Traceback" in err else "other_exit"] += 1
+                accepted.append(f"BAD {name}={v}: {rc} {err.strip()[-200:]}")
+
+
+FLAG_CASES = [
+    (["inspect", "tiny", "--devices"], "--devices"), (["inspect", "tiny", "--hbm-gib"], "--hbm-gib"),
+    (["data", "audit", "tiny", "--epoch"], "--epoch"), (["data", "audit", "tiny", "--processes"], "--processes"),
+    (["data", "audit", "tiny", "--workers"], "--workers"),
+    (["verify", "resume", "tiny", "--steps"], "--steps"), (["verify", "resume", "tiny", "--interrupt-at"], "--interrupt-at"),
+    (["verify", "resume", "tiny", "--devices-before"], "--devices-before"), (["verify", "resume", "tiny", "--tol"], "--tol"),
+    (["eval", "loss", "--checkpoint", "nope", "--data", "nope", "--batches"], "--batches"),
+    (["eval", "loss", "--checkpoint", "nope", "--data", "nope", "--token-dtype"], "--token-dtype"),
+    (["launch", "local", "tiny", "--backoff"], "--backoff"), (["launch", "local", "tiny", "--max-restarts"], "--max-restarts"),
+    (["launch", "tpu", "tiny", "--hosts"], "--hosts"), (["launch", "tpu", "tiny", "--num-slices"], "--num-slices"),
+]
+
+
+def probe_flags(counts: dict, accepted: list) -> None:
+    for argv, flag in FLAG_CASES:
+        for v in ("0", "-1", "nan", "inf", "banana"):
+            if flag == "--tol" and v == "0":
+                continue  # 0 is bitwise, the default
+            if flag in ("--workers",) and v == "0":
+                continue  # 0 workers: read in the main process
+            if flag in ("--max-restarts", "--backoff") and v == "0":
+                continue
+            judge(argv + [v], flag, counts, accepted)
+
+
+def probe_paths(counts: dict, accepted: list, tmp: Path) -> None:
+    bad = tmp / "missing"
+    empty_mix = tmp / "empty.txt"
+    empty_mix.write_text("")
+    binary = tmp / "bin.yaml"
+    binary.write_bytes(bytes(range(256)))
+    cases = [
+        (["train", "tiny", "--run-dir", str(tmp / "r1"), "--set", f"data.paths={bad}"], str(bad)),
+        (["train", "tiny", "--run-dir", str(tmp / "r2"), "--set", f"data.paths={empty_mix}"], str(empty_mix)),
+        (["train", str(binary)], str(binary)),
+        (["eval", "loss", "--checkpoint", str(bad), "--data", str(bad)], str(bad)),
+        (["eval", "kl", str(bad), str(bad)], str(bad)),
+        (["launch", "status", "--run-dir", str(bad)], str(bad)),
+        (["convert", "hf-to-olmax", "--hf", str(bad), "--out", str(tmp / "o")], str(bad)),
+        (["data", "audit", str(bad) + ".yaml"], str(bad)),
+    ]
+    for argv, name in cases:
+        judge(argv, name, counts, accepted)
+
+
+def probe_kills(n: int, tmp: Path, counts: dict, accepted: list) -> None:
+    corpus = write_corpus(tmp / "corpus")
+    sets = sum((["--set", o] for o in small_overrides(corpus, "train.steps=12", "checkpoint.interval=3")), [])
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    ref = tmp / "ref"
+    subprocess.run([sys.executable, "-m", "olmax.cli", "train", "tiny", "--run-dir", str(ref), "--no-progress", *sets],
+                   env=env, check=True, capture_output=True)
+    from olmax.eval.runs import read_metrics
+    want = read_metrics(ref)
+    rng = random.Random(0)
+    for k in range(n):
+        run = tmp / f"kill{k}"
+        cmd = [sys.executable, "-m", "olmax.cli", "train", "tiny", "--run-dir", str(run), "--no-progress", *sets]
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(8, 40))
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        counts["kills"] += 1
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        got = read_metrics(run)
+        same = r.returncode == 0 and sorted(got) == sorted(want) and all(
+            got[s][m] == want[s][m] for s in want for m in want[s] if not m.startswith("throughput/device")
+            and m != "throughput/MFU")
+        if not same:
+            counts["failed_resumes"] += 1
+            accepted.append(f"kill {k}: rc {r.returncode} {r.stderr[-300:]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kills", type=int, default=0)
+    args = ap.parse_args()
+    counts = dict(cases=0, errors=0, accepted=0, tracebacks=0, other_exit=0, not_one_line=0, not_naming=0,
+                  bad_json=0, kills=0, failed_resumes=0)
+    notes: list[str] = []
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        probe_config(counts, notes)
+        probe_flags(counts, notes)
+        probe_paths(counts, notes, tmp)
+        if args.kills:
+            probe_kills(args.kills, tmp, counts, notes)
+    print(json.dumps({"counts": counts, "notes": notes}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
