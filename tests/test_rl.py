@@ -118,9 +118,25 @@ def test_per_token_terms_clip_tis_kl():
 # --------------------------------------------------------------------------- the step
 
 
+_CACHE: dict = {}
+
+
 def _tiny():
+    if "cfg" not in _CACHE:
+        _CACHE["cfg"] = _make_tiny()
+    return _CACHE["cfg"]
+
+
+def _logps_fn():
+    """One jitted log-prob function for every test here (compiling is most of their time)."""
+    if "logps" not in _CACHE:
+        _CACHE["logps"] = grpo.make_logps_fn(_tiny())
+    return _CACHE["logps"]
+
+
+def _make_tiny():
     return get_recipe("tiny", ["model.vocab_size=128", "model.padded_vocab_size=128", "model.d_model=32",
-                               "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=2", "model.head_dim=16",
+                               "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=2", "model.head_dim=16",
                                "model.mlp_hidden=64", "model.param_dtype=float32", "model.compute_dtype=float32",
                                "model.attention_impl=reference", "optim.max_grad_norm=null",
                                "optim.skip_step.enabled=false", "optim.schedule.name=constant",
@@ -150,8 +166,7 @@ def test_microbatch_mean_against_float64_numpy():
     cfg = _tiny()
     params = init_params(cfg.model, jax.random.key(0))
     ids, mask, adv = _batch()
-    logps = grpo.make_logps_fn(cfg)
-    lp = np.asarray(logps(params, ids, mask), np.float64)
+    lp = np.asarray(_logps_fn()(params, ids, mask), np.float64)
     rng = np.random.default_rng(1)
     tm = np.asarray(grpo.token_mask(jnp.asarray(mask)), np.float64)
     old = (lp + rng.normal(0, 0.3, lp.shape) * tm).astype(np.float32)   # ratios on both sides of the clip
@@ -194,14 +209,14 @@ def test_token_and_sequence_mean_do_not_depend_on_accumulation(aggregation):
     cfg = _tiny()
     params = init_params(cfg.model, jax.random.key(0))
     ids, mask, adv = _batch(seed=3)
-    old = np.asarray(grpo.make_logps_fn(cfg)(params, ids, mask)) - 0.2 * np.asarray(grpo.token_mask(mask))
+    old = np.asarray(_logps_fn()(params, ids, mask)) - 0.2 * np.asarray(grpo.token_mask(mask))
     batch = {"input_ids": ids, "completion_mask": mask, "advantages": adv, "old_logps": old}
     out = {}
     for accum in (1, 4):
         step = jax.jit(grpo.make_grpo_step(cfg, grpo.GrpoLoss(aggregation=aggregation), accum, _grads_out))
         _, _, m = step(params, None, batch)
         out[accum] = (float(m["loss"]), m["grads"])
-    lp = np.asarray(grpo.make_logps_fn(cfg)(params, ids, mask), np.float64)
+    lp = np.asarray(_logps_fn()(params, ids, mask), np.float64)
     tm = np.asarray(grpo.token_mask(mask), np.float64)
     ratio = np.exp(lp - old)
     a = adv.astype(np.float64)[:, None]
@@ -221,7 +236,7 @@ def test_train_on_batch_several_optimizer_steps():
     params = init_params(cfg.model, jax.random.key(0))
     ids, mask, adv = _batch(n=16, seed=5)
     batch = {"input_ids": jnp.asarray(ids), "completion_mask": jnp.asarray(mask), "advantages": jnp.asarray(adv)}
-    batch["old_logps"] = grpo.make_logps_fn(cfg)(params, batch["input_ids"], batch["completion_mask"])
+    batch["old_logps"] = _logps_fn()(params, batch["input_ids"], batch["completion_mask"])
     step = grpo.jit_grpo_step(cfg, grpo.GrpoLoss(), accum_steps=2, total_steps=4)
     opt = init_opt_state(params, cfg.optim)
     _, _, rows = grpo.train_on_batch(params, opt, batch, step, num_mini_batches=2, num_epochs=2)
