@@ -116,7 +116,8 @@ class GrpoLoss:
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation {self.aggregation!r}: one of {', '.join(AGGREGATIONS)}")
         if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
-            raise ValueError(f"clip range needs 0 <= eps_low < 1 and eps_high >= 0, got {self.eps_low}, {self.eps_high}")
+            raise ValueError(f"clip range needs 0 <= eps_low < 1 and eps_high >= 0, got {self.eps_low}, "
+                             f"{self.eps_high}")
         if self.beta < 0:
             raise ValueError(f"beta must be >= 0, got {self.beta}")
         if self.tis_cap is not None and not self.tis_cap > 0:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib
+import logging
 import math
 import re
 import sys
@@ -80,6 +81,8 @@ def extract_math_answer(text: str) -> str | None:
 def math_score(completion: str, gold: str) -> float:
     """1.0 when the completion's extracted answer equals ``gold`` mathematically (math-verify)."""
     from math_verify import parse, verify
+    # RewardFn times the call itself; math-verify's note that its own timeout is off is noise here.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
     ans = extract_math_answer(completion)
     if ans is None:
         return 0.0
