@@ -5,15 +5,16 @@ it builds a chat set from what every Python has, with answers that can be checke
 
 - ``last``: "What is the last word: a b c d" -> "d", and ``reverse``: "Reverse the words: a b c" ->
   "c b a" (3 to 5 Python keywords and builtin names);
-- ``doc``: "What does `module.function(signature)` do?" -> the first line of its docstring (the
+- ``doc``: "What does `module.function(signature)` do?" -> the first paragraph of its docstring (the
   standard library's own functions, read with ``inspect`` on this machine's Python).
 
 Each conversation is a short system turn (:data:`SYSTEM`; the template's default one would be half
 of every conversation), the prompt and the answer. They are split train / held-out by a hash of
 the prompt (the same split for any set size), written as chat JSONL and tokenised with ``olmax
-tokenize --chat`` (built-in OLMo 3 template) using the demo's BPE. That BPE has no ``<|im_start|>`` / ``<|im_end|>`` tokens (its 4096
-tokens fill ``model.vocab_size``, so none can be added, and reserving them would change
-``olmax demo``'s tokenizer and numbers): the ChatML markers are ordinary text, a few tokens each;
+tokenize --chat`` (built-in OLMo 3 template) using the demo's BPE. That BPE has no
+``<|im_start|>`` / ``<|im_end|>`` tokens (its 4096 tokens fill ``model.vocab_size``, so none can
+be added, and reserving them would change ``olmax demo``'s tokenizer and numbers): the ChatML
+markers are ordinary text, a few tokens each;
 ``<|endoftext|>`` (id 0, eos) ends each answer as in OLMo 3's template, and ``olmax chat`` /
 ``olmax generate --chat`` stop at ``<|im_end|>`` as text for such a tokenizer.
 
@@ -70,7 +71,8 @@ def _words() -> list[str]:
 
 
 def _doc_pairs() -> list[tuple[str, str]]:
-    """(prompt, first docstring line) of the public functions of :data:`DOC_MODULES`."""
+    """(prompt, first docstring paragraph, at most 100 characters) of the public functions of
+    :data:`DOC_MODULES`."""
     out = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -235,6 +237,27 @@ def _answers(model: Any, records: list[dict], max_new_tokens: int) -> list[str]:
     return [r["text"].strip() for r in out]
 
 
+def _show_answers(model: Any, run: Path, shown: list[dict], recs: list[dict], held: list[dict]) -> None:
+    longest = max(len(model.codec.encode(r["answer"])) for r in held)
+    texts = _answers(model, shown + recs, min(longest + 8, 96))
+    if shown:
+        _log(f"held-out prompts answered greedily by the SFT model (`olmax chat --checkpoint {run} "
+             f"--system '{SYSTEM}'`):")
+        for r, text in zip(shown, texts):
+            ok = "right" if text == r["answer"] else "wrong"
+            print(f"  user:      {r['messages'][1]['content']}\n  assistant: {text}\n  expected:  {r['answer']} "
+                  f"({ok})", file=sys.stderr)
+    if recs:
+        got = texts[len(shown):]
+        parts = []
+        for t in TASKS:
+            pairs = [(r, g) for r, g in zip(recs, got) if r["task"] == t]
+            if pairs:
+                right = sum(g == r["answer"] for r, g in pairs)
+                parts.append(f"{t} {right}/{len(pairs)} ({right / len(pairs):.0%})")
+        _log(f"held-out answers exactly right: {', '.join(parts)}")
+
+
 def run_demo_sft(demo_dir: str, *, from_run: str | None = None, out: str | None = None,
                  overrides: list[str] = (), pretrain_overrides: list[str] = (), corpus_mb: float = 12.0,
                  synthetic: int = 3000, max_doc: int | None = None, show: int = 3, check: int = 200) -> int:
@@ -278,30 +301,13 @@ def run_demo_sft(demo_dir: str, *, from_run: str | None = None, out: str | None 
     after = evaluator.evaluate_detailed(sft_params)
 
     # Answers through olmax's generator and the chat template, greedily (as `olmax chat` answers).
-    model = Model(str(sft / "run"))
     recs = held["records"][:check]
     shown: list[dict] = []
     for t in TASKS:  # one prompt of each task
         shown += [r for r in held["records"] if r["task"] == t][:1]
     shown = shown[:show]
-    longest = max(len(model.codec.encode(r["answer"])) for r in held["records"])
-    texts = _answers(model, shown + recs, min(longest + 8, 96)) if shown or recs else []
-    if shown:
-        _log(f"held-out prompts answered greedily by the SFT model (`olmax chat --checkpoint {sft / 'run'} "
-             f"--system '{SYSTEM}'`):")
-        for r, text in zip(shown, texts):
-            ok = "right" if text == r["answer"] else "wrong"
-            print(f"  user:      {r['messages'][1]['content']}\n  assistant: {text}\n  expected:  {r['answer']} "
-                  f"({ok})", file=sys.stderr)
-    if recs:
-        got = texts[len(shown):]
-        parts = []
-        for t in TASKS:
-            pairs = [(r, g) for r, g in zip(recs, got) if r["task"] == t]
-            if pairs:
-                right = sum(g == r["answer"] for r, g in pairs)
-                parts.append(f"{t} {right}/{len(pairs)} ({right / len(pairs):.0%})")
-        _log(f"held-out answers exactly right: {', '.join(parts)}")
+    if shown or recs:
+        _show_answers(Model(str(sft / "run")), sft / "run", shown, recs, held["records"])
     rc = verdict(before["loss"], after["loss"])
     word = "lowered" if rc == 0 else "did NOT lower"
     _log(f"held-out loss on assistant tokens: {before['loss']:.3f} before SFT, {after['loss']:.3f} after "
