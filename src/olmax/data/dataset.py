@@ -294,6 +294,18 @@ def dirty_instances(tokens: np.ndarray, *, min_period: int = 1, max_period: int 
 # --------------------------------------------------------------------------- dataset
 
 
+def olmo_core_fingerprint(cls: str, fields: Sequence[tuple[str, object]], files: Sequence) -> str:
+    """OLMo-core's ``NumpyDatasetBase.fingerprint``: the class name, ``name=value,`` per
+    fingerprint field, then ``path=basename,size=bytes,`` per file (objects with ``path`` and ``size``)."""
+    h = hashlib.sha256()
+    h.update(f"class={cls}".encode())
+    for name, value in fields:
+        h.update(f"{name}={value},".encode())
+    for f in files:
+        h.update(f"path={os.path.basename(f.path)},size={f.size},".encode())
+    return h.hexdigest()
+
+
 class TokenDataset:
     """Fixed-length instances over memory-mapped token files (OLMo-core ``NumpyFSLDataset``)."""
 
@@ -404,16 +416,10 @@ class TokenDataset:
         ``NumpyFSLDataset.fingerprint_fields``; like OLMo-core it leaves out the sequence length
         (a change of it is caught through :meth:`describe`).
         """
-        h = hashlib.sha256()
-        h.update(b"class=NumpyFSLDataset")
-        fields = (("vocab_size", self.vocab_size), ("pad_token_id", self.pad_token_id),
-                  ("eos_token_id", self.eos_token_id), ("dtype", self.dtype.type),
-                  ("max_target_sequence_length", None), ("bos_token_id", self.bos_token_id))
-        for name, value in fields:
-            h.update(f"{name}={value},".encode())
-        for f in self.files:
-            h.update(f"path={os.path.basename(f.path)},size={f.size},".encode())
-        return h.hexdigest()
+        return olmo_core_fingerprint("NumpyFSLDataset", (
+            ("vocab_size", self.vocab_size), ("pad_token_id", self.pad_token_id),
+            ("eos_token_id", self.eos_token_id), ("dtype", self.dtype.type),
+            ("max_target_sequence_length", None), ("bos_token_id", self.bos_token_id)), self.files)
 
     @functools.cached_property
     def content_hashes(self) -> list[list[str | None]]:

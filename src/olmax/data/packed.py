@@ -28,7 +28,6 @@ from __future__ import annotations
 import bisect
 import functools
 import glob
-import hashlib
 import os
 from collections import defaultdict, deque
 from dataclasses import dataclass
@@ -39,7 +38,8 @@ import numpy as np
 from olmax import io
 from olmax.config import Config
 from olmax.data import DataError
-from olmax.data.dataset import Validate, chat_label_masks, content_hash, file_sizes, open_tokens, resolve_paths, validate_tokens
+from olmax.data.dataset import (Validate, chat_label_masks, content_hash, file_sizes, olmo_core_fingerprint, open_tokens,
+                                resolve_paths, validate_tokens)
 
 LongDocStrategy = Literal["truncate", "fragment"]
 
@@ -239,17 +239,11 @@ class PackedDataset:
     @functools.cached_property
     def fingerprint(self) -> str:
         """OLMo-core's ``NumpyPackedFSLDataset.fingerprint`` (its default fields)."""
-        h = hashlib.sha256()
-        h.update(b"class=NumpyPackedFSLDataset")
-        fields = (("vocab_size", self.vocab_size), ("pad_token_id", self.pad_token_id),
-                  ("eos_token_id", self.eos_token_id), ("dtype", self.dtype.type),
-                  ("long_doc_strategy", self.long_doc_strategy), ("bos_token_id", self.bos_token_id),
-                  ("sequence_length", self.sequence_length))
-        for name, value in fields:
-            h.update(f"{name}={value},".encode())
-        for f in self.files:
-            h.update(f"path={os.path.basename(f.path)},size={f.size},".encode())
-        return h.hexdigest()
+        return olmo_core_fingerprint("NumpyPackedFSLDataset", (
+            ("vocab_size", self.vocab_size), ("pad_token_id", self.pad_token_id),
+            ("eos_token_id", self.eos_token_id), ("dtype", self.dtype.type),
+            ("long_doc_strategy", self.long_doc_strategy), ("bos_token_id", self.bos_token_id),
+            ("sequence_length", self.sequence_length)), self.files)
 
     @functools.cached_property
     def content_hashes(self) -> list[list[str | None]]:
