@@ -311,7 +311,8 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
                 clock["paused"] += time.perf_counter() - t_pause
             t_pause = time.perf_counter()
             ckpt.poll()  # checksums as soon as an asynchronous save has committed
-            clock["paused"] += time.perf_counter() - t_pause
+            if pending is None:  # a pause only while the device is idle (no step of ours in flight)
+                clock["paused"] += time.perf_counter() - t_pause
             if stop_now:
                 stopped = done < total
                 step = done
