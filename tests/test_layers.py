@@ -16,9 +16,10 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Lowest first. A module belongs to the longest prefix listed; every ``*.commands`` module is CLI.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("olmax", "olmax.config", "olmax.io", "olmax.recipes")),
-    ("model/data", ("olmax.model", "olmax.sharding", "olmax.optim", "olmax.data", "olmax.metrics")),
+    # infer.text: tokenizer files and chat templates (config only), which chat data tokenization renders.
+    ("model/data", ("olmax.model", "olmax.sharding", "olmax.optim", "olmax.data", "olmax.metrics", "olmax.infer.text")),
     ("compat/checkpoint", ("olmax.compat", "olmax.checkpoint")),
-    ("train/eval", ("olmax.train", "olmax.eval")),
+    ("train/eval", ("olmax.train", "olmax.eval", "olmax.rl")),
     ("verify/tools", ("olmax.verify", "olmax.infer", "olmax.compile", "olmax.launch", "olmax.demo", "olmax.demo_sft")),
     ("CLI", ("olmax.cli", "olmax.commands")),
 ]

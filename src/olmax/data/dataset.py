@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
 import json
 import os
@@ -173,6 +174,42 @@ def chat_label_masks(paths: Sequence[str]) -> list[str]:
         raise DataError("data.paths mixes `olmax tokenize --chat` folders with other token files: give "
                         "data.label_mask_paths for all of them")
     return out
+
+
+def expand_globs(paths: Sequence[str]) -> list[str]:
+    """Local ``*``/``?`` patterns expanded (sorted); anything else kept. A pattern matching nothing
+    is an error naming it."""
+    out: list[str] = []
+    for p in paths:
+        if not io.is_remote(p) and any(c in p for c in "*?["):
+            hits = sorted(glob.glob(p))
+            if not hits:
+                raise DataError(f"{p}: the pattern matches no file")
+            out += hits
+        else:
+            out.append(p)
+    return out
+
+
+def label_mask_files(token_paths: Sequence[str], mask_paths: Sequence[str]) -> list[str]:
+    """``data.label_mask_paths`` matched one to one with the resolved token files (globs expanded);
+    a missing file, a different count or a different length is an error naming the file."""
+    masks = expand_globs(mask_paths)
+    if len(masks) != len(token_paths):
+        raise DataError(f"data.label_mask_paths gives {len(masks)} label-mask files for {len(token_paths)} token "
+                        "files (data.paths); they pair up one to one, in order")
+    for m in masks:
+        if not io.is_remote(m) and not os.path.isfile(m):
+            raise DataError(f"label-mask file not found: {m} (data.label_mask_paths)")
+    return masks
+
+
+def check_mask_sizes(pairs: Sequence[tuple[str, str, int]], itemsize: int) -> None:
+    sizes = file_sizes([m for _, m, _ in pairs])
+    for (tok, m, tsize), msize in zip(pairs, sizes):
+        if msize != tsize // itemsize:
+            raise DataError(f"{m}: {msize} label-mask bytes but {tok} holds {tsize // itemsize} tokens "
+                            "(one bool byte per token); the files don't belong together, or one is truncated")
 
 
 def _check_manifest(mpath: Path | str, m: dict, dtype: str | None, eos_token_id: int | None,
@@ -342,7 +379,6 @@ class TokenDataset:
         self.mask_paths: tuple[str, ...] = ()
         label_mask_paths = label_mask_paths or chat_label_masks(paths)
         if label_mask_paths:
-            from olmax.data.packed import check_mask_sizes, label_mask_files
             self.mask_paths = tuple(label_mask_files([f.path for f in files], label_mask_paths))
             check_mask_sizes([(f.path, m, f.size) for f, m in zip(files, self.mask_paths)], item)
         self.num_instances = start

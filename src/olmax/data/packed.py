@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import glob
 import os
 from collections import defaultdict, deque
 from dataclasses import dataclass
@@ -38,8 +37,8 @@ import numpy as np
 from olmax import io
 from olmax.config import Config
 from olmax.data import DataError
-from olmax.data.dataset import (Validate, chat_label_masks, content_hash, file_sizes, olmo_core_fingerprint, open_tokens,
-                                resolve_paths, validate_tokens)
+from olmax.data.dataset import (Validate, chat_label_masks, check_mask_sizes, content_hash, expand_globs, file_sizes,
+                                label_mask_files, olmo_core_fingerprint, open_tokens, resolve_paths, validate_tokens)
 
 LongDocStrategy = Literal["truncate", "fragment"]
 
@@ -116,42 +115,6 @@ class PackedFile:
     @property
     def instances(self) -> int:
         return len(self.offsets) - 1
-
-
-def expand_globs(paths: Sequence[str]) -> list[str]:
-    """Local ``*``/``?`` patterns expanded (sorted); anything else kept. A pattern matching nothing
-    is an error naming it."""
-    out: list[str] = []
-    for p in paths:
-        if not io.is_remote(p) and any(c in p for c in "*?["):
-            hits = sorted(glob.glob(p))
-            if not hits:
-                raise DataError(f"{p}: the pattern matches no file")
-            out += hits
-        else:
-            out.append(p)
-    return out
-
-
-def label_mask_files(token_paths: Sequence[str], mask_paths: Sequence[str]) -> list[str]:
-    """``data.label_mask_paths`` matched one to one with the resolved token files (globs expanded);
-    a missing file, a different count or a different length is an error naming the file."""
-    masks = expand_globs(mask_paths)
-    if len(masks) != len(token_paths):
-        raise DataError(f"data.label_mask_paths gives {len(masks)} label-mask files for {len(token_paths)} token "
-                        "files (data.paths); they pair up one to one, in order")
-    for m in masks:
-        if not io.is_remote(m) and not os.path.isfile(m):
-            raise DataError(f"label-mask file not found: {m} (data.label_mask_paths)")
-    return masks
-
-
-def check_mask_sizes(pairs: Sequence[tuple[str, str, int]], itemsize: int) -> None:
-    sizes = file_sizes([m for _, m, _ in pairs])
-    for (tok, m, tsize), msize in zip(pairs, sizes):
-        if msize != tsize // itemsize:
-            raise DataError(f"{m}: {msize} label-mask bytes but {tok} holds {tsize // itemsize} tokens "
-                            "(one bool byte per token); the files don't belong together, or one is truncated")
 
 
 class PackedDataset:
