@@ -151,7 +151,9 @@ class HeldoutEvaluator:
             self.files[name] = [f for f, _ in resolve_paths(list(p), dtype=self.dtype, field=field)]
             n = self.max_batches * self.batch_size or None
             what = f"held-out files of {name!r}" if name else "held-out files"
-            if not sets and (cfg.data.packing != "none" or cfg.eval.heldout_label_mask_paths):
+            # The run's own held-out set (not files given to `olmax eval loss --data`): built as
+            # training builds its instances, with eval.heldout_label_mask_paths.
+            if not sets and paths is None and (cfg.data.packing != "none" or cfg.eval.heldout_label_mask_paths):
                 windows, masks = sft_instances(cfg, self.files[name], self.seq_len, n)
                 self.batches[name] = fixed_batches(windows, self.batch_size, cfg.model.vocab_size, what)
                 self.masks[name] = masks[: self.batches[name].size // self.seq_len].reshape(self.batches[name].shape)
