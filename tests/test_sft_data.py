@@ -253,3 +253,9 @@ def test_mesh_fsdp_max_moves_the_rest_to_tensor_parallelism():
         mesh_shape(MeshConfig(fsdp_max=24), 64)
     with pytest.raises(ConfigError, match="mesh.tensor must be 1"):
         mesh_shape(MeshConfig(fsdp_max=8, tensor=2), 64)
+
+
+def test_per_rank_loss_and_the_repetition_filter_do_not_mix():
+    from olmax.recipes import get_recipe
+    with pytest.raises(ConfigError, match="loss_ranks > 1"):
+        get_recipe("tiny", ["train.loss_ranks=2", "data.repetition_filter=true"])

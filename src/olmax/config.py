@@ -413,6 +413,9 @@ def validate(cfg: Config) -> Config:
     if t.global_batch_size % t.loss_ranks:
         raise ConfigError(f"train.loss_ranks ({t.loss_ranks}) must divide train.global_batch_size "
                           f"({t.global_batch_size}): each rank holds the same number of instances")
+    if t.loss_ranks > 1 and cfg.data.repetition_filter:
+        raise ConfigError("train.loss_ranks > 1 (OLMo-core's per-rank SFT loss) does not count the rows "
+                          "data.repetition_filter masks as OLMo-core's pre-training does: use train.loss_ranks=1")
     if cfg.data.label_mask_paths and cfg.data.repetition_filter:
         raise ConfigError("data.repetition_filter masks whole instances and data.label_mask_paths masks labels: "
                           "use one (OLMo-core's SFT runs have no repetition filter)")

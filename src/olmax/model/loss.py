@@ -10,9 +10,12 @@ where ``label_mask[:, i + 1]`` is True. CE in fp32 over the padded vocabulary, s
 counted labels, plus z-loss ``mult * logsumexp^2`` summed over the same labels; both divided by
 ``loss_denominator``: the counted labels, plus the full length L of every row whose label mask is
 all False. That is OLMo-core's rule for instances the repetition filter drops ("they count as
-tokens with a zero loss"), and it holds for evaluation too. OLMo-core divides per data-parallel
-rank and averages ranks; we divide once by the global count so the loss does not depend on the
-topology. The two agree whenever ranks see equal label counts (always, without the filter).
+tokens with a zero loss"), and it holds for evaluation too; with label-mask files or packed
+documents (SFT) a fully masked row counts nothing, as in OLMo-core's SFT. OLMo-core divides per
+data-parallel rank and averages ranks; by default (``train.loss_ranks=1``) we divide once by the
+global count so the loss does not depend on the topology. The two agree whenever ranks see equal
+label counts (always in pre-training without the filter); ``train.loss_ranks=R`` reproduces the
+per-rank rule with R ranks (``per_rank_weights``), as the SFT recipes do.
 """
 
 from __future__ import annotations
