@@ -54,11 +54,15 @@ TOLERANCES = {"lr": 1e-5, "grad_norm": 1e-3, "z_loss": 1e-3}
 # two minutes on 2 CPU cores. The window (16) is shorter than the sequence (64), so the sliding
 # layers really slide; 4 layers = 3 sliding + 1 full. The vocabulary is a multiple of 128, i.e.
 # not padded (see ``_check_supported``). lr 1e-3: see the module docstring.
-PARITY_OVERRIDES: tuple[str, ...] = (
+# The tiny OLMo 3 every training-parity check runs (here, ``verify.trl`` for DPO, ``verify.trl_grpo``).
+PARITY_MODEL: tuple[str, ...] = (
     "model.vocab_size=512", "model.padded_vocab_size=512", "model.d_model=64", "model.n_layers=4",
     "model.n_heads=4", "model.n_kv_heads=4", "model.head_dim=16", "model.mlp_hidden=176",
     "model.sliding_window=16", "model.full_attention_every=4", "model.max_position_embeddings=4096",
     "model.param_dtype=float32", "model.compute_dtype=float32", "model.attention_impl=reference",
+)
+PARITY_OVERRIDES: tuple[str, ...] = (
+    *PARITY_MODEL,
     "data.sequence_length=64", "data.dtype=uint16", "data.workers=0",
     "train.global_batch_size=8", "train.log_interval=1",
     "optim.lr=1e-3", "optim.schedule.name=cosine", "optim.schedule.warmup=20",

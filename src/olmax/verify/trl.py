@@ -47,14 +47,12 @@ import numpy as np
 
 from olmax import jsonout
 from olmax.config import Config, ConfigError
+from olmax.verify.olmo_core import PARITY_MODEL
 
 TOLERANCE = 1e-5   # loss and rewards absolute, grad norm relative
 
 PARITY_OVERRIDES: tuple[str, ...] = (
-    "model.vocab_size=512", "model.padded_vocab_size=512", "model.d_model=64", "model.n_layers=4",
-    "model.n_heads=4", "model.n_kv_heads=4", "model.head_dim=16", "model.mlp_hidden=176",
-    "model.sliding_window=16", "model.full_attention_every=4", "model.max_position_embeddings=4096",
-    "model.param_dtype=float32", "model.compute_dtype=float32", "model.attention_impl=reference",
+    *PARITY_MODEL,
     "data.sequence_length=64", "data.eos_token_id=0", "data.pad_token_id=1",
     "train.global_batch_size=4", "train.log_interval=1",
     "optim.lr=1e-4", "optim.beta1=0.9", "optim.beta2=0.999", "optim.eps=1e-8", "optim.weight_decay=0.0",

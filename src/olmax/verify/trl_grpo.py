@@ -43,6 +43,7 @@ import numpy as np
 
 from olmax import jsonout
 from olmax.config import Config, ConfigError
+from olmax.verify.olmo_core import PARITY_MODEL
 
 TOLERANCE = 1e-5
 LOSS_TYPES = {"dapo": "token_mean", "grpo": "sequence_mean"}
@@ -52,10 +53,7 @@ ITERATIONS = 2      # optimizer steps per generation batch (TRL num_iterations)
 EOS, PAD = 0, 1
 
 PARITY_OVERRIDES: tuple[str, ...] = (
-    "model.vocab_size=512", "model.padded_vocab_size=512", "model.d_model=64", "model.n_layers=4",
-    "model.n_heads=4", "model.n_kv_heads=4", "model.head_dim=16", "model.mlp_hidden=176",
-    "model.sliding_window=16", "model.full_attention_every=4", "model.max_position_embeddings=4096",
-    "model.param_dtype=float32", "model.compute_dtype=float32", "model.attention_impl=reference",
+    *PARITY_MODEL,
     f"data.eos_token_id={EOS}", f"data.pad_token_id={PAD}",
     "optim.lr=1e-4", "optim.beta1=0.9", "optim.beta2=0.999", "optim.eps=1e-8", "optim.weight_decay=0.0",
     "optim.max_grad_norm=null", "optim.skip_step.enabled=false",
