@@ -205,7 +205,8 @@ def test_epochs_resolve_to_steps_and_sft_run_trains(tmp_path):
             "eval.batches=2", "eval.interval=1000", "checkpoint.interval=1000", "train.log_interval=1"]
     cfg = get_recipe("tiny_sft", sets)
     n = len(PackedDataset(paths, sequence_length=L, vocab_size=V, eos_token_id=EOS, pad_token_id=PAD, dtype="uint16"))
-    resolved = resolve_epochs(cfg)
+    resolved, built = resolve_epochs(cfg)
+    assert len(built) == n  # handed to the loader, not built again
     assert resolved.train.steps == 2 * (n // 32)
     sched = make_schedule(resolved.optim, resolved.train.steps)
     S = resolved.train.steps  # round(0.03 * S) = 0 warmup steps: linear decay from the first update

@@ -78,12 +78,13 @@ class TrainData:
     """The loader as the loop sees it: global batch k as sharded ``jax.Array``s, in step order."""
 
     def __init__(self, cfg: Config, start_step: int, data_state: dict | None, allow_fingerprint_mismatch: bool,
-                 mesh: jax.sharding.Mesh, cache_dir: Path | None = None, trace_dir: Path | None = None):
+                 mesh: jax.sharding.Mesh, cache_dir: Path | None = None, trace_dir: Path | None = None,
+                 dataset: Any = None):
         resume = DataState.from_dict(data_state) if data_state is not None else None
         self.loader = DataLoader(cfg, process_index=jax.process_index(), process_count=jax.process_count(),
                                  start_step=start_step, resume=resume,
                                  allow_fingerprint_mismatch=allow_fingerprint_mismatch,
-                                 cache_dir=cfg.data.cache_dir or cache_dir)
+                                 cache_dir=cfg.data.cache_dir or cache_dir, dataset=dataset)
         self.fingerprint = self.loader.dataset.fingerprint
         self.mesh = mesh
         self._it = iter(self.loader)

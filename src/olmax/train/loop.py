@@ -90,7 +90,7 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
            max_steps_this_run: int | None, progress: bool) -> TrainResult:
     if max_steps_this_run is not None and max_steps_this_run <= 0:
         raise ConfigError(f"--max-steps-this-run must be positive, got {max_steps_this_run}")
-    cfg = resolve_epochs(cfg)
+    cfg, dataset = resolve_epochs(cfg)  # the dataset it built (packing is not free) goes to the loader
     # An s3:// or gs:// run directory is written through a local mirror (olmax.checkpoint.remote).
     mirror = _remote_mirror(run_dir)
     run = mirror.local if mirror is not None else Path(run_dir)
@@ -122,7 +122,7 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
 
     # -- data first: a bad path or a changed dataset fails before anything is allocated or compiled.
     # The order is a pure function of the step; resume checks the fingerprint.
-    loader = _train_data(cfg, start or 0, data_state, allow_fingerprint_mismatch, mesh, run)
+    loader = _train_data(cfg, start or 0, data_state, allow_fingerprint_mismatch, mesh, run, dataset)
     evaluator = HeldoutEvaluator(cfg, mesh, per_batch=True) if cfg.eval.heldout_paths else None
     alarm = None
     if cfg.eval.reference:
@@ -140,7 +140,7 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
             loader.close()
             candidates = [c for c in candidates if c < start]
             start, data_state = _pick_checkpoint(ckpt, ckpt_root, cfg, candidates, damaged)
-            loader = _train_data(cfg, start or 0, data_state, allow_fingerprint_mismatch, mesh, run)
+            loader = _train_data(cfg, start or 0, data_state, allow_fingerprint_mismatch, mesh, run, dataset)
     # Damaged checkpoints newer than the one resumed are renamed (never deleted): the run will
     # write those steps again, and rotation must not count them as good ones.
     for bad in [c for c in ckpt.all_steps() if start is None or c > start]:
@@ -360,14 +360,16 @@ def _resume_advice(ckpt: Any, run: Path) -> str:
             "model.init_std / model.norm_eps values, then start again")
 
 
-def resolve_epochs(cfg: Config) -> Config:
-    """``train.epochs`` as ``train.steps``: epochs x the whole global batches of one epoch."""
+def resolve_epochs(cfg: Config) -> tuple[Config, Any]:
+    """``train.epochs`` as ``train.steps``: epochs x the whole global batches of one epoch. Returns
+    the resolved config and the dataset built to count them (None without ``train.epochs``)."""
     if cfg.train.epochs is None:
-        return cfg
+        return cfg, None
     if cfg.train.objective != "lm":
         raise ConfigError("train.epochs is for train.objective=lm; set train.steps for the number of updates")
     from olmax.data.loader import build_dataset
-    n = len(build_dataset(cfg, validate="none"))
+    dataset = build_dataset(cfg)
+    n = len(dataset)
     per_epoch = n // cfg.train.global_batch_size
     if per_epoch < 1:
         raise ConfigError(f"train.global_batch_size={cfg.train.global_batch_size} is larger than the dataset's "
@@ -376,15 +378,17 @@ def resolve_epochs(cfg: Config) -> Config:
     if jax.process_index() == 0:
         print(f"olmax: train.epochs={cfg.train.epochs}: {n} instances, {per_epoch} global batches an epoch -> "
               f"train.steps={steps}", file=sys.stderr, flush=True)
-    return cfg.override([f"train.steps={steps}"])
+    return cfg.override([f"train.steps={steps}"]), dataset
 
 
-def _train_data(cfg: Config, start: int, data_state: dict | None, allow_mismatch: bool, mesh: Any, run: Path) -> Any:
+def _train_data(cfg: Config, start: int, data_state: dict | None, allow_mismatch: bool, mesh: Any, run: Path,
+                dataset: Any = None) -> Any:
     """The loop's data: token instances (LM) or preference pairs with reference log-probs (DPO)."""
     if cfg.train.objective == "dpo":
         from olmax.train.dpo import DpoData
         return DpoData(cfg, start, data_state, allow_mismatch, mesh, run)
-    return TrainData(cfg, start, data_state, allow_mismatch, mesh, cache_dir=run / "order_cache", trace_dir=run)
+    return TrainData(cfg, start, data_state, allow_mismatch, mesh, cache_dir=run / "order_cache", trace_dir=run,
+                     dataset=dataset)
 
 
 def _initial_params(cfg: Config, mesh: Any, pshard: Any, oshard: Any) -> Any:
