@@ -181,9 +181,12 @@ def test_per_rank_loss_weights_are_olmo_core_rule():
         w = np.asarray(per_rank_weights(jnp.asarray(mask), R, P))
         got = float((w[:, 1:] * ce).sum())
         ranks = rank_of_rows(B, P, R)
-        # Row j of process p is global column p + i * P (olmax.data.order.process_share).
-        per = B // P
-        assert [j // per + (j % per) * P for j in range(B)] == [c for c in (np.arange(B) // per + (np.arange(B) % per) * P)]
+        # The step's rows are process 0's share, then process 1's, ... as process_share cuts them.
+        from olmax.data.order import GlobalOrder, process_share
+        order = GlobalOrder(B, B, seed=0)
+        columns = {int(c): k for k, c in enumerate(order.batches([0])[0])}
+        rows = np.concatenate([process_share(order, np.array([0]), p, P)[0] for p in range(P)])
+        assert ranks.tolist() == [columns[int(i)] % R for i in rows]
         want = np.mean([(ce * mask[:, 1:])[ranks == r].sum() / mask[ranks == r, 1:].sum() for r in range(R)])
         assert got == pytest.approx(want, rel=1e-6)
         assert sorted(np.bincount(ranks).tolist()) == [B // R] * R
