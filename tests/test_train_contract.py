@@ -279,6 +279,20 @@ def test_p18_grain_workers_die_with_a_killed_trainer(tmp_path, corpus):
     assert not [w for w in workers if running(w)]
 
 
+def test_p18_a_worker_orphaned_before_its_init_hook_ran_dies_at_once():
+    """The race behind a CI failure: a spawned worker still importing when the trainer is killed
+    runs the hook under its new parent (PID 1); the trainer's pid passed in names the orphaning."""
+    import subprocess
+    import sys
+
+    code = ("import time\n"
+            "from olmax.data.loader import die_with_parent\n"
+            "die_with_parent(1, 2, parent=0)  # no process here is a child of pid 0\n"
+            "time.sleep(60)\n")
+    p = subprocess.run([sys.executable, "-c", code], timeout=50)
+    assert p.returncode == -9
+
+
 def test_p20_init_from_on_a_run_with_checkpoints_says_it_is_ignored(tmp_path, corpus, capfd):
     run = tmp_path / "run"
     train(cfg_for(corpus, "train.steps=2"), run, progress=False)

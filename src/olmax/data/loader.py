@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -121,20 +122,27 @@ class StepSource:
                 "step": np.int64(step)}
 
 
-def die_with_parent(worker_index: int = 0, worker_count: int = 0) -> None:
+def die_with_parent(worker_index: int = 0, worker_count: int = 0, *, parent: int | None = None) -> None:
     """Grain worker init: exit when the trainer that started this worker is gone (``kill -9``
     leaves no chance to stop its workers, which otherwise live on under PID 1 holding their
-    memory). A daemon thread watches the parent pid, once a second."""
+    memory, and keep multiprocessing's resource tracker alive with them). A daemon thread watches
+    the parent pid, once a second.
+
+    ``parent`` is the trainer's pid, taken in the trainer when the pipeline is built: a spawned
+    worker still importing when the trainer is killed runs this hook already orphaned, and
+    ``os.getppid()`` read then would name PID 1 (or a subreaper) and never change."""
     import signal
     import threading
     import time
-    parent = os.getppid()
+    parent = os.getppid() if parent is None else parent
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGKILL)
 
+    if os.getppid() != parent:
+        watch()  # orphaned before this hook ran
     threading.Thread(target=watch, name="olmax-die-with-parent", daemon=True).start()
 
 
@@ -233,7 +241,7 @@ class DataLoader:
             it = grain.experimental.WithOptionsIterDataset(it, grain.experimental.DatasetOptions(min_shm_size=1 << 62))
             it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=d.workers,
                                                              per_worker_buffer_size=max(d.prefetch, 1)),
-                                worker_init_fn=die_with_parent)
+                                worker_init_fn=functools.partial(die_with_parent, parent=os.getpid()))
         return iter(it)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
