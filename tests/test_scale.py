@@ -342,6 +342,113 @@ def test_compile_bad_topology_exits_2():
     assert "v5p-7" in json.loads(r.stdout)["error"]
 
 
+class _Dev:
+    """A stand-in device: what the slice count is read from."""
+    def __init__(self, i: int, slice_index: int | None, platform: str = "tpu"):
+        self.id, self.platform = i, platform
+        if slice_index is not None:
+            self.slice_index = slice_index
+
+
+def _devs(slices: int, per_slice: int = 4, platform: str = "tpu") -> list:
+    return [_Dev(s * per_slice + i, s if platform == "tpu" else None, platform)
+            for s in range(slices) for i in range(per_slice)]
+
+
+def test_the_slice_count_comes_from_the_devices():
+    """mesh.slice left at 1 takes the count from the devices' slice_index (a run on N slices
+    builds the mesh `olmax compile --slices N` measured); an explicit value must agree."""
+    from olmax.config import MeshConfig
+    from olmax.sharding import device_slices, mesh_shape, slice_mesh_config
+    assert device_slices(_devs(2)) == 2 and device_slices(_devs(1)) == 1 and device_slices(_devs(2, platform="cpu")) is None
+    cfg = slice_mesh_config(MeshConfig(), _devs(2))
+    assert cfg.slice == 2 and mesh_shape(cfg, 8) == {"slice": 2, "data": 1, "fsdp": 4, "tensor": 1}
+    assert slice_mesh_config(MeshConfig(slice=2), _devs(2)).slice == 2     # as `launch tpu --num-slices 2` sets it
+    assert slice_mesh_config(MeshConfig(slice=-1, fsdp=4), _devs(2)).slice == -1  # resolves to 2
+    assert slice_mesh_config(MeshConfig(), _devs(1)).slice == 1
+    # Off TPU no device carries a slice: mesh.slice stays a plain data-parallel axis.
+    assert slice_mesh_config(MeshConfig(slice=2), _devs(2, platform="cpu")).slice == 2
+
+
+@pytest.mark.parametrize("mesh,devices,said", [
+    (dict(slice=3), (3, 4), None),                       # 12 devices over 3 slices: fine
+    (dict(slice=3), (2, 6), "mesh.slice=3 but the 12 devices span 2 slice"),
+    (dict(slice=2), (1, 8), "mesh.slice=2 but the 8 devices span 1 slice"),  # a launch whose slices came up alone
+    (dict(slice=-1, fsdp=2), (2, 4), "mesh.slice=-1 (resolved to 4) but the 8 devices span 2 slice"),
+])
+def test_a_slice_count_that_disagrees_with_the_devices_is_refused(mesh, devices, said):
+    from olmax.config import MeshConfig
+    from olmax.sharding import slice_mesh_config
+    if said is None:
+        assert slice_mesh_config(MeshConfig(**mesh), _devs(*devices)).slice == mesh["slice"]
+        return
+    with pytest.raises(ConfigError, match="slice_index") as e:
+        slice_mesh_config(MeshConfig(**mesh), _devs(*devices))
+    assert said in str(e.value)
+
+
+_SAME_PROGRAM = """
+import hashlib, json, shlex, sys
+from olmax.compile import abstract_devices, parse_topology, quiet_libtpu
+quiet_libtpu(parse_topology("v5p:2x2x1", 2))
+import jax, jax.numpy as jnp
+from olmax.checkpoint.state import abstract_train_state, shardings
+from olmax.config import ConfigError
+from olmax.recipes import get_recipe
+from olmax.sharding import batch_sharding, make_mesh, plan_batch
+from olmax.train.step import jit_train_step
+
+def build(cfg, devices):
+    # What the train loop and compile_for both do with a config and the global devices.
+    mesh = make_mesh(cfg.mesh, devices)
+    plan = plan_batch(cfg.train.global_batch_size, dict(mesh.shape), cfg.train.micro_batch_size,
+                      cfg.train.max_micro_batch_size)
+    st = abstract_train_state(cfg, mesh)
+    b = batch_sharding(mesh)
+    n, L = cfg.train.global_batch_size, cfg.data.sequence_length
+    batch = {"input_ids": jax.ShapeDtypeStruct((n, L), jnp.int32, sharding=b),
+             "label_mask": jax.ShapeDtypeStruct((n, L), jnp.bool_, sharding=b)}
+    low = jit_train_step(cfg, mesh, plan, shardings(st["params"]), shardings(st["opt_state"])).lower(
+        st["params"], st["opt_state"], batch)
+    return {"mesh": dict(mesh.shape), "devices": [d.id for d in mesh.devices.flat],
+            "params": sorted(str(s.spec) for s in jax.tree.leaves(shardings(st["params"]))),
+            "hlo": hashlib.sha256(low.as_text().encode()).hexdigest()}
+
+user, launched = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+two, one = abstract_devices(parse_topology("v5p:2x2x1", 2)), abstract_devices(parse_topology("v5p:2x4x1", 1))
+out = {"compile": build(get_recipe("tiny", user), two),        # `olmax compile --slices 2` with the user's --set
+       "launched": build(get_recipe("tiny", launched), two)}   # the run `launch tpu --num-slices 2` starts
+try:  # the same launched command on hosts that came up as one slice of 8 chips
+    build(get_recipe("tiny", launched), one)
+except ConfigError as e:
+    out["one_slice_error"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_a_launched_multislice_run_builds_the_program_its_compile_measured():
+    """`olmax launch tpu --num-slices 2` starts a run whose mesh, shardings and lowered train step on
+    two abstract v5p slices are those of `olmax compile --slices 2` (the same lowered HLO); on
+    hosts that came up as one slice the launched run stops with an error naming both counts."""
+    import shlex
+    user = ["mesh.tensor=2", "model.compute_dtype=bfloat16"]
+    r = subprocess.run([sys.executable, "-m", "olmax.cli", "launch", "tpu", "tiny", "--run-dir", "gs://b/r",
+                        "--num-slices", "2", *[a for o in user for a in ("--set", o)]],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    host = next(line for line in r.stdout.splitlines() if line.startswith("OLMAX_DISTRIBUTED="))
+    words = shlex.split(host)
+    launched = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+    assert launched == [*user, "mesh.slice=2"]
+    r = subprocess.run([sys.executable, "-c", _SAME_PROGRAM, json.dumps(user), json.dumps(launched)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.splitlines()[-1])
+    assert out["compile"]["mesh"] == {"slice": 2, "data": 1, "fsdp": 2, "tensor": 2}
+    assert out["launched"] == out["compile"]
+    assert "mesh.slice=2 but the 8 devices span 1 slice" in out["one_slice_error"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe,topology", [
     ("olmo3_7b_stage1", "v5p-128"), ("olmo3_7b_stage1", "v6e-256"), ("olmo3_7b_stage1", "tpu7x-128"),

@@ -15,7 +15,7 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -182,9 +182,8 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
     from olmax.checkpoint.state import abstract_train_state, shardings
     from olmax.train.step import jit_train_step
 
-    if topology.slices > 1 and cfg.mesh.slice == 1:
-        cfg = replace(cfg, mesh=replace(cfg.mesh, slice=topology.slices))
     devices = abstract_devices(topology)
+    # mesh.slice is taken from the devices' slice_index, as in the launched run (make_mesh).
     mesh = make_mesh(cfg.mesh, devices)
     sizes = dict(mesh.shape)
     plan = plan_batch(cfg.train.global_batch_size, sizes, cfg.train.micro_batch_size,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import jax
@@ -81,27 +81,52 @@ def data_parallel_size(sizes: dict[str, int] | Any) -> int:
     return math.prod(int(sizes.get(a, 1)) for a in BATCH_AXES)
 
 
+def device_slices(devices: list) -> int | None:
+    """How many TPU slices ``devices`` span (distinct ``slice_index``); None off TPU, where
+    devices carry no slice."""
+    if not devices or getattr(devices[0], "platform", None) != "tpu":
+        return None
+    return len({getattr(d, "slice_index", 0) for d in devices})
+
+
+def slice_mesh_config(cfg: MeshConfig, devices: list) -> MeshConfig:
+    """``cfg`` with its ``slice`` axis matching the slices the devices span: the one source of the
+    slice count for ``olmax train`` and ``olmax compile --slices N`` alike. ``mesh.slice`` left at
+    its default 1 takes the count from the devices' ``slice_index``; any other value must equal it
+    (``olmax launch tpu --num-slices N`` passes ``mesh.slice=N``, so a launch whose hosts came up
+    as fewer slices stops here instead of training a different program)."""
+    n = device_slices(devices)
+    if n is None:
+        return cfg
+    if cfg.slice == 1 and n > 1:
+        cfg = replace(cfg, slice=n)
+    resolved = mesh_shape(cfg, len(devices))["slice"]
+    if resolved != n:
+        spelled = f"mesh.slice={cfg.slice}" + (f" (resolved to {resolved})" if cfg.slice != resolved else "")
+        raise ConfigError(f"{spelled} but the {len(devices)} devices span {n} slice(s) (their slice_index); "
+                          "leave mesh.slice at 1 to take the count from the devices, or launch on "
+                          f"{resolved} slices (olmax launch tpu --num-slices {resolved})")
+    return cfg
+
+
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     """The mesh over the *global* devices (never ``jax.local_devices()``). On TPUs the devices
     are laid out by ``mesh_utils`` so that inner axes follow the physical torus (and the
-    ``slice`` axis runs over DCN between slices); elsewhere a plain reshape."""
+    ``slice`` axis runs over DCN between slices, its size from :func:`slice_mesh_config`);
+    elsewhere a plain reshape."""
     devices = list(devices if devices is not None else jax.devices())
+    cfg = slice_mesh_config(cfg, devices)
     sizes = mesh_shape(cfg, len(devices))
     shape = tuple(sizes[a] for a in MESH_AXES)
     arr = None
     if devices and devices[0].platform == "tpu":
         from jax.experimental import mesh_utils
-        n_slices = len({getattr(d, "slice_index", 0) for d in devices})
         try:
-            if n_slices > 1:
-                if sizes["slice"] != n_slices:
-                    raise ConfigError(f"mesh.slice={sizes['slice']} but the devices span {n_slices} slices")
-                arr = mesh_utils.create_hybrid_device_mesh((1, *shape[1:]), (n_slices, 1, 1, 1), devices)
+            if sizes["slice"] > 1:
+                arr = mesh_utils.create_hybrid_device_mesh((1, *shape[1:]), (sizes["slice"], 1, 1, 1), devices)
             else:
                 arr = mesh_utils.create_device_mesh(shape, devices)
-        except (AssertionError, NotImplementedError, ValueError) as e:
-            if isinstance(e, ConfigError):
-                raise
+        except (AssertionError, NotImplementedError, ValueError):
             arr = None  # a shape mesh_utils cannot place physically: fall back to the plain order
     if arr is None:
         arr = np.asarray(devices).reshape(shape)

@@ -15,7 +15,7 @@ from olmax.config import ConfigError
 from olmax.launch import latest_checkpoint, train_command
 from olmax.launch.local import supervise
 from olmax.launch.slurm import sbatch_script
-from olmax.launch.tpu import gcloud_command, host_command, jobset_manifest
+from olmax.launch.tpu import gcloud_command, host_command, jobset_manifest, slice_overrides
 from olmax.recipes import add_recipe_args, get_recipe
 
 
@@ -65,7 +65,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--topology", default="2x2x2")
     q.add_argument("--hosts", type=positive_int, default=2, help="hosts per slice")
     q.add_argument("--chips-per-host", type=positive_int, default=4)
-    q.add_argument("--num-slices", type=positive_int, default=1)
+    q.add_argument("--num-slices", type=positive_int, default=1,
+                   help="slices (multi-slice data parallelism over DCN); passes mesh.slice=N to the run, "
+                        "as `olmax compile --slices N` compiles it")
     q.add_argument("--image", default="IMAGE_WITH_OLMAX")
     q.add_argument("--python", default="python3")
     q.add_argument("--manifest", default=None, help="write the JobSet manifest here instead of printing it")
@@ -135,7 +137,8 @@ def cmd_tpu(args: argparse.Namespace) -> int:
     if not run_dir.startswith("gs://"):
         print(f"warning: run directory {run_dir} is not gs://; every host must reach it and a new slice must "
               "find the checkpoints", file=sys.stderr)
-    cmd = train_command(args.recipe, run_dir, overrides, python=args.python)
+    cmd = train_command(args.recipe, run_dir, overrides + slice_overrides(cfg.mesh.slice, args.num_slices),
+                        python=args.python)
     host = host_command(cmd)
     manifest = jobset_manifest(cmd, name=f"olmax-{cfg.name}".replace("_", "-").lower(), image=args.image,
                                accelerator=args.accelerator, topology=args.topology, hosts=args.hosts,

@@ -12,6 +12,21 @@ from __future__ import annotations
 
 import shlex
 
+from olmax.config import ConfigError
+
+
+def slice_overrides(mesh_slice: int, num_slices: int) -> list[str]:
+    """The ``--set`` the launched run needs so that its mesh is the one ``olmax compile --slices N``
+    measured: ``mesh.slice=N``. The run then checks it against the slices its devices span
+    (:func:`olmax.sharding.slice_mesh_config`), so hosts that came up as fewer slices stop with an
+    error rather than each training alone. A config's own ``mesh.slice`` must agree."""
+    if mesh_slice in (num_slices, -1):  # already N (or 1 on one slice); -1 is resolved by the run
+        return []
+    if mesh_slice == 1:
+        return [f"mesh.slice={num_slices}"]
+    raise ConfigError(f"mesh.slice={mesh_slice} conflicts with --num-slices {num_slices}: the run's slice axis is the "
+                      f"number of slices it runs on; pass --num-slices {mesh_slice} or drop mesh.slice")
+
 
 def host_command(train_cmd: list[str], env: dict[str, str] | None = None) -> str:
     env = {"OLMAX_DISTRIBUTED": "auto", **(env or {})}
