@@ -286,6 +286,22 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases logging of the rows of metrics.jsonl (``olmax.metrics.sinks.WandbSink``),
+    from process 0, as OLMo-core, open-instruct and TRL log. Off unless ``project`` is set."""
+
+    project: str | None = None
+    entity: str | None = None
+    # None: the run directory's name.
+    name: str | None = None
+    group: str | None = None
+    tags: tuple[str, ...] = ()
+    # auto: online when an API key is configured (WANDB_API_KEY or `wandb login`'s netrc entry) or
+    # WANDB_MODE says so, else offline (files under RUN/wandb for `wandb sync`).
+    mode: Literal["auto", "online", "offline"] = "auto"
+
+
+@dataclass(frozen=True)
 class DpoConfig:
     """Direct preference optimisation (``olmax.train.dpo``), as open-instruct's ``dpo_tune_cache.py``."""
 
@@ -313,6 +329,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -384,6 +401,7 @@ def model_differences(a: ModelConfig, b: ModelConfig, ignore: frozenset[str] = f
 def validate(cfg: Config) -> Config:
     """Cross-field checks that are cheap and catch mistakes before anything compiles."""
     _validate_ranges(cfg)  # first: the checks below divide by these sizes
+    _validate_wandb(cfg.wandb)
     m = cfg.model
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({m.n_kv_heads})")
@@ -428,6 +446,25 @@ def validate(cfg: Config) -> Config:
     if cfg.dpo.reference_batch_size is not None and cfg.dpo.reference_batch_size < 1:
         raise ConfigError(f"dpo.reference_batch_size must be positive or null, got {cfg.dpo.reference_batch_size}")
     return cfg
+
+
+def _validate_wandb(w: WandbConfig) -> None:
+    # W&B's own rules (wandb.Settings), checked before training rather than at its first log.
+    for name in ("project", "entity"):
+        v = getattr(w, name)
+        bad = sorted({c for c in (v or "") if c in '/\\#?%:'})
+        if bad or (v is not None and len(v) > 128):
+            raise ConfigError(f"wandb.{name}={v!r}: W&B names are at most 128 characters, without any of "
+                              f"/ \\ # ? % : (found {' '.join(map(repr, bad)) or 'too long'})")
+    for t in w.tags:
+        if not t.strip() or len(t) > 64:
+            raise ConfigError(f"wandb.tags: each tag must be 1 to 64 characters, got {t!r}")
+    if not w.project:
+        extra = [f"wandb.{k}" for k in ("entity", "name", "group", "tags") if getattr(w, k)]
+        extra += ["wandb.mode"] if w.mode != "auto" else []
+        if extra:
+            raise ConfigError(f"{', '.join(extra)} set but wandb.project is empty, so W&B logging is off: "
+                              "set wandb.project=NAME to log to W&B")
 
 
 def _validate_ranges(cfg: Config) -> None:

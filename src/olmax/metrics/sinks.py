@@ -1,4 +1,5 @@
-"""Metric sinks: ``RUN_DIR/metrics.jsonl`` (always), TensorBoard events, and a progress bar.
+"""Metric sinks: ``RUN_DIR/metrics.jsonl`` (always), TensorBoard events, Weights & Biases (when
+``wandb.project`` is set), and a progress bar.
 
 Every row carries ``step``, the 1-based count of optimizer updates, so that step N in the
 metrics is the update whose result checkpoint N holds. Only process 0 should own sinks.
@@ -8,14 +9,21 @@ from __future__ import annotations
 
 import json
 import math
+import netrc
 import os
+import re
+import secrets
+import string
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TextIO
+from urllib.parse import urlparse
 
 import numpy as np
+
+from olmax.config import WandbConfig
 
 # Short key -> logged name: OLMo-core's names, each value once (``olmax.eval.runs`` reads the
 # MaxText reproduction's own names for these under OLMo-core's when runs are compared).
@@ -213,6 +221,117 @@ class TensorBoardSink:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+
+
+# --------------------------------------------------------------------------- Weights & Biases
+
+
+class WandbSink:
+    """The rows of ``metrics.jsonl`` in a W&B run: the same names, olmax's step as W&B's step.
+
+    The run's id is kept in ``RUN/wandb_run_id`` (uploaded and downloaded with a remote run
+    directory), so every restart resumes the same W&B run; steps W&B already holds (a crashed run
+    logged past the checkpoint resumed: the same losses, bitwise, other timings) are not sent
+    twice. W&B's own files go to ``WANDB_DIR`` or ``RUN/wandb``. ``wandb`` is imported at the first
+    row. A W&B failure (no network, a bad key, its service gone) never stops training: it is
+    reported once on stderr and the sink goes quiet; ``metrics.jsonl`` and TensorBoard carry on.
+    """
+
+    ID_FILE = "wandb_run_id"
+
+    def __init__(self, cfg: WandbConfig, run_dir: str | os.PathLike, config: Mapping[str, Any] | None = None,
+                 name: str | None = None, err: TextIO | None = None):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self._config = dict(config or {})
+        self._name = cfg.name or name or self.run_dir.resolve().name
+        self._err = err
+        self._run: Any = None
+        self._failed = False
+        self._first_new_step = 0  # W&B's next step after a resume: rows before it are there already
+
+    def write(self, step: int, values: Mapping[str, int | float]) -> None:
+        if self._failed:
+            return
+        try:
+            if self._run is None:
+                self._start()
+            if step >= self._first_new_step:
+                self._run.log(dict(values), step=step)
+        except Exception as e:  # noqa: BLE001 (whatever W&B raises, training goes on)
+            self._fail(e)
+
+    def close(self) -> None:
+        if self._run is not None and not self._failed:
+            try:
+                self._run.finish()
+            except Exception as e:  # noqa: BLE001
+                self._fail(e)
+        self._run = None
+
+    def run_id(self) -> str:
+        """This run directory's W&B run id, made (and written) on first use."""
+        path = self.run_dir / self.ID_FILE
+        if path.exists():
+            rid = path.read_text(encoding="utf-8", errors="replace").strip()
+            if not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", rid):
+                raise ValueError(f"{path} does not hold a W&B run id (got {rid[:40]!r}); fix or delete it")
+            return rid
+        rid = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))  # as W&B's own
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(rid + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+        return rid
+
+    def _start(self) -> None:
+        import wandb  # only when W&B logging is on: it is a large import and starts a service
+
+        c = self.cfg
+        mode = _wandb_mode(c.mode)
+        self._run = wandb.init(
+            project=c.project, entity=c.entity, name=self._name, group=c.group, tags=list(c.tags) or None,
+            id=self.run_id(), resume="allow", mode=mode, config=self._config,
+            dir=None if os.environ.get("WANDB_DIR") else str(self.run_dir),
+            # olmax's stdout and stderr stay as they are (a --json report, the launcher's logs)
+            settings=wandb.Settings(console="off"))
+        if mode == "offline" and c.mode == "auto":
+            print(f"olmax: W&B: no API key found (WANDB_API_KEY, `wandb login`): logging offline; upload with "
+                  f"`wandb sync --id {self._run.id} {Path(self._run.dir).parent.parent}/offline-run-*`",
+                  file=self._err or sys.stderr, flush=True)
+        try:
+            self._first_new_step = int(self._run.step)
+        except Exception:  # noqa: BLE001 (offline runs start at 0; some modes have no step)
+            self._first_new_step = 0
+
+    def _fail(self, e: BaseException) -> None:
+        self._failed = True
+        msg = (str(e).strip().splitlines() or [""])[0][:300]
+        print(f"olmax: warning: W&B logging stopped ({type(e).__name__}: {msg}); training continues, and "
+              "metrics.jsonl and TensorBoard have every row", file=self._err or sys.stderr, flush=True)
+        run, self._run = self._run, None
+        if run is not None:
+            try:
+                run.finish(exit_code=1)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _wandb_mode(mode: str) -> str | None:
+    """``auto``: W&B's own ``WANDB_MODE`` if set (None lets W&B read it), else online with an API
+    key (``WANDB_API_KEY`` or the netrc entry ``wandb login`` writes), else offline."""
+    if mode != "auto":
+        return mode
+    if os.environ.get("WANDB_MODE"):
+        return None
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    try:
+        if host and netrc.netrc(os.environ.get("NETRC")).authenticators(host):
+            return "online"
+    except (OSError, netrc.NetrcParseError):
+        pass
+    return "offline"
 
 
 # --------------------------------------------------------------------------- logger

@@ -30,7 +30,7 @@ from olmax.config import Config, ConfigError
 from olmax.eval.alarm import ALARM, MemorisationAlarm
 from olmax.eval.heldout import HeldoutEvaluator
 from olmax.metrics.flops import device_peak_flops, flops_per_token, mfu
-from olmax.metrics.sinks import JsonlSink, MetricsLogger, ProgressBar, TensorBoardSink, named
+from olmax.metrics.sinks import JsonlSink, MetricsLogger, ProgressBar, TensorBoardSink, WandbSink, named
 from olmax.model.params import init_params
 from olmax.optim import init_opt_state
 from olmax.sharding import make_mesh, plan_batch
@@ -188,6 +188,8 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
         # TensorBoard is rebuilt from metrics.jsonl on resume (rows a kill -9 caught in its buffer)
         sinks = [JsonlSink(run / "metrics.jsonl"),
                  TensorBoardSink(run / "tensorboard", rebuild_from=run / "metrics.jsonl")]
+        if cfg.wandb.project:  # the same rows in W&B; a W&B failure warns once and never stops training
+            sinks.append(WandbSink(cfg.wandb, run, config=cfg.to_dict(), name=Path(str(run_dir)).name))
     logger = MetricsLogger(sinks)
     # Lines past the resumed checkpoint come from a crashed run: drop them so the metrics equal
     # those of an uninterrupted run.
