@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("model/data", ("olmax.model", "olmax.sharding", "olmax.optim", "olmax.data", "olmax.metrics", "olmax.infer.text")),
     ("compat/checkpoint", ("olmax.compat", "olmax.checkpoint")),
     ("train/eval", ("olmax.train", "olmax.eval", "olmax.rl")),
-    ("verify/tools", ("olmax.verify", "olmax.infer", "olmax.compile", "olmax.launch", "olmax.demo", "olmax.demo_sft")),
+    ("verify/tools", ("olmax.verify", "olmax.infer", "olmax.compile", "olmax.launch", "olmax.demo", "olmax.demo_sft", "olmax.demo_rl")),
     ("CLI", ("olmax.cli", "olmax.commands")),
 ]
 CLI = len(LAYERS) - 1

@@ -253,9 +253,11 @@ class TrainConfig:
     # and the R quotients are averaged (a rank with no counted label adds 0: OLMo-core divides by
     # zero). The two agree when every rank counts as many labels, as in pre-training.
     loss_ranks: int = 1
-    # What a step optimises: lm (next-token CE over data.paths) or dpo (preference pairs from
-    # data.preference_path, the ``dpo`` section; global_batch_size then counts pairs).
-    objective: Literal["lm", "dpo"] = "lm"
+    # What a step optimises: lm (next-token CE over data.paths), dpo (preference pairs from
+    # data.preference_path, the ``dpo`` section; global_batch_size then counts pairs) or grpo (RL
+    # with verifiable rewards on completions sampled from the policy, the ``rl`` section;
+    # global_batch_size then counts the completions of one step: rl.prompts_per_step x rl.group_size).
+    objective: Literal["lm", "dpo", "grpo"] = "lm"
 
 
 @dataclass(frozen=True)
@@ -320,6 +322,60 @@ class DpoConfig:
 
 
 @dataclass(frozen=True)
+class RlConfig:
+    """RL with verifiable rewards (``train.objective=grpo``; ``olmax.rl``), as open-instruct's
+    ``grpo_fast.py`` ran it for OLMo 3. Each step samples ``group_size`` completions of
+    ``prompts_per_step`` prompts from the policy being trained (its own weights, no copy), scores
+    them, and takes ``num_mini_batches x num_epochs`` optimizer steps on them."""
+
+    # JSONL: one prompt a line, {"messages": [...]} (rendered with the tokenizer's chat template and
+    # its generation prompt) or {"prompt": "..."} (raw text), and "ground_truth" (the gold answer).
+    prompts_path: str | None = None
+    # tokenizer.json (or a folder holding one); None = the one of train.init_from (or of the data).
+    tokenizer: str | None = None
+    group_size: int = 8
+    prompts_per_step: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # Longer prompts are left out (counted at start-up), as open-instruct does.
+    max_prompt_length: int = 2048
+    max_response_length: int = 32768
+    # Generation also stops after any of these strings (open-instruct --stop_strings).
+    stop_strings: tuple[str, ...] = ()
+    # A built-in (math, exact_match, format) or module:function; reward = multiplier x score.
+    reward: str = "math"
+    reward_multiplier: float = 10.0
+    reward_timeout_s: float = 10.0
+    # centered: r - group mean (AI2's OLMo 3 runs); standard: / (population std + 1e-8);
+    # trl_group / trl_batch: TRL's scale_rewards="group" / "batch" (olmax.rl.grpo).
+    advantage: Literal["centered", "standard", "trl_group", "trl_batch"] = "centered"
+    clip_low: float = 0.2
+    clip_high: float = 0.272
+    # k3 KL to the policy's initial weights (a frozen second copy, only when > 0).
+    kl_beta: float = 0.0
+    # token_mean (global token mean; open-instruct after PR #1161, TRL dapo), sequence_mean (TRL
+    # grpo), microbatch_mean (per micro-batch mean / accumulation steps: AI2's 7B runs).
+    aggregation: Literal["token_mean", "sequence_mean", "microbatch_mean"] = "token_mean"
+    # Groups whose rewards are all equal carry no signal and are not trained on.
+    filter_zero_std: bool = True
+    # Keep sampling new prompts until prompts_per_step informative groups (at most
+    # max_sampling_rounds rounds of prompts_per_step prompts a step).
+    active_sampling: bool = False
+    max_sampling_rounds: int = 4
+    # Prompts whose group solved at least this share (reward > 0) are not drawn again; None = off.
+    retire_pass_rate: float | None = None
+    num_mini_batches: int = 1
+    num_epochs: int = 1
+    # Truncated importance sampling cap against the generation log-probs; None = off. In olmax
+    # they are the trainer's own, so the weight is 1 up to rounding.
+    tis_cap: float | None = 2.0
+    # Completions that hit max_response_length train nothing (open-instruct mask_truncated_completions).
+    mask_truncated: bool = False
+    # Completions decoded at once; None = all rows of a sampling round.
+    generation_batch: int | None = None
+
+
+@dataclass(frozen=True)
 class Config:
     name: str = "custom"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -331,6 +387,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    rl: RlConfig = field(default_factory=RlConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(self)
@@ -445,7 +502,50 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"dpo.label_smoothing must be >= 0 and < 0.5, got {cfg.dpo.label_smoothing!r}")
     if cfg.dpo.reference_batch_size is not None and cfg.dpo.reference_batch_size < 1:
         raise ConfigError(f"dpo.reference_batch_size must be positive or null, got {cfg.dpo.reference_batch_size}")
+    _validate_rl(cfg)
     return cfg
+
+
+def _validate_rl(cfg: Config) -> None:
+    r = cfg.rl
+    for name in ("group_size", "prompts_per_step", "max_prompt_length", "max_response_length", "max_sampling_rounds",
+                 "num_mini_batches", "num_epochs"):
+        if getattr(r, name) < 1:
+            raise ConfigError(f"rl.{name} must be >= 1, got {getattr(r, name)}")
+    if r.generation_batch is not None and r.generation_batch < 1:
+        raise ConfigError(f"rl.generation_batch must be >= 1 or null, got {r.generation_batch}")
+    if not r.temperature > 0:
+        raise ConfigError(f"rl.temperature must be > 0 (RL samples), got {r.temperature!r}")
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"rl.top_p must be in (0, 1], got {r.top_p!r}")
+    if not (0 <= r.clip_low < 1 and r.clip_high >= 0):
+        raise ConfigError(f"rl.clip_low must be in [0, 1) and rl.clip_high >= 0, got {r.clip_low!r}, {r.clip_high!r}")
+    if r.kl_beta < 0:
+        raise ConfigError(f"rl.kl_beta must be >= 0, got {r.kl_beta!r}")
+    if r.tis_cap is not None and not r.tis_cap > 0:
+        raise ConfigError(f"rl.tis_cap must be > 0 or null, got {r.tis_cap!r}")
+    if not r.reward_timeout_s > 0:
+        raise ConfigError(f"rl.reward_timeout_s must be > 0, got {r.reward_timeout_s!r}")
+    if r.retire_pass_rate is not None and not 0 < r.retire_pass_rate <= 1:
+        raise ConfigError(f"rl.retire_pass_rate must be in (0, 1] or null, got {r.retire_pass_rate!r}")
+    if any(not s for s in r.stop_strings):
+        raise ConfigError("rl.stop_strings has an empty string")
+    if cfg.train.objective != "grpo":
+        return
+    rows = r.prompts_per_step * r.group_size
+    if cfg.train.global_batch_size != rows:
+        raise ConfigError(f"train.objective=grpo: train.global_batch_size ({cfg.train.global_batch_size}) must be "
+                          f"rl.prompts_per_step x rl.group_size = {r.prompts_per_step} x {r.group_size} = {rows} "
+                          "(the completions of one step)")
+    if rows % r.num_mini_batches or (rows // r.num_mini_batches) % r.group_size:
+        raise ConfigError(f"rl.num_mini_batches ({r.num_mini_batches}) must split the step's {r.prompts_per_step} "
+                          f"groups of {r.group_size} completions into whole groups")
+    need = r.max_prompt_length + r.max_response_length
+    if cfg.data.sequence_length < need:
+        raise ConfigError(f"train.objective=grpo: data.sequence_length ({cfg.data.sequence_length}) must hold "
+                          f"rl.max_prompt_length + rl.max_response_length = {need} tokens")
+    if r.active_sampling and not r.filter_zero_std:
+        raise ConfigError("rl.active_sampling refills the groups rl.filter_zero_std drops: set rl.filter_zero_std=true")
 
 
 def _validate_wandb(w: WandbConfig) -> None:

@@ -227,3 +227,10 @@ def plan_batch(global_batch: int, mesh_sizes: dict[str, int], micro_batch: int |
         raise ConfigError(f"train.micro_batch_size={mb} does not divide the per-device batch {per} "
                           f"(train.global_batch_size={global_batch} over {dp} data-parallel shards)")
     return BatchPlan(global_batch, n, dp, per, mb, per // mb)
+
+
+def split_micro(x: jax.Array, accum: int) -> jax.Array:
+    """[B, ...] -> [accum, B/accum, ...] with micro-batch a = rows a::accum, so every micro-batch
+    is spread evenly over the data-parallel shards (rows are sharded in contiguous blocks)."""
+    b = x.shape[0]
+    return x.reshape(b // accum, accum, *x.shape[1:]).swapaxes(0, 1)

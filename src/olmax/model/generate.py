@@ -111,12 +111,19 @@ class Generator:
     def __init__(self, params: Any, cfg: ModelConfig, sampling: Sampling = Sampling(), mesh: Mesh | None = None):
         sampling.check()
         self.cfg, self.sampling, self.mesh = cfg, sampling, mesh
-        if mesh is not None:
-            params = jax.device_put(params, param_shardings(logical_axes(cfg), mesh))
-        self.prepared = jax.jit(_on_mesh(partial(prepare, cfg=cfg), mesh))(params)
+        self._prepare = jax.jit(_on_mesh(partial(prepare, cfg=cfg), mesh))
+        self.load(params)
         self._prefill = jax.jit(_on_mesh(self._prefill_and_sample, mesh), static_argnames=("max_length", "greedy"))
         self._decode = jax.jit(_on_mesh(self._decode_and_sample, mesh), static_argnames=("max_length", "greedy"),
                                donate_argnums=(2,))
+
+    def load(self, params: Any) -> None:
+        """Decode with these weights from now on (RL: the trainer's, after each update); the
+        compiled programs are kept."""
+        if self.mesh is not None:
+            params = jax.device_put(params, param_shardings(logical_axes(self.cfg), self.mesh))
+        self.prepared = None  # the previous weights' prepared copy goes before the next is made
+        self.prepared = self._prepare(params)
 
     def _prefill_and_sample(self, prepared, tokens, lengths, seed, indices, knobs, max_length, greedy):
         logits, cache = prefill(prepared, tokens, lengths, self.cfg, max_length)

@@ -176,3 +176,58 @@ def head_loss(params: Any, batch: Batch, cfg: Config) -> tuple[jax.Array, tuple[
     total, sums = _head_loss(params["lm_head"], x, batch["input_ids"], batch["label_mask"], cfg.model,
                              float(cfg.optim.z_loss or 0.0))
     return total, jax.lax.stop_gradient(sums)
+
+
+# --------------------------------------------------------------------------- per-token log-probs
+# (DPO and RL: the log-prob of each trained token, not a mean loss)
+
+
+def _chunks(x: jax.Array, targets: jax.Array, valid: jax.Array, chunk: int | None):
+    """Positions in chunks of ``chunk``: ``(unchunk, (x, targets, valid) as [n, b, c, ...])``;
+    padded positions carry no label, ``unchunk`` maps [n, b, c] back to [b, t]."""
+    b, t = targets.shape
+    chunk = t if chunk is None or chunk >= t else chunk
+    n = -(-t // chunk)
+    pad = ((0, 0), (0, n * chunk - t))
+    x, targets, valid = jnp.pad(x, pad + ((0, 0),)), jnp.pad(targets, pad), jnp.pad(valid, pad)
+
+    def split(a: jax.Array) -> jax.Array:
+        return a.reshape(b, n, chunk, *a.shape[2:]).swapaxes(0, 1)
+
+    def unchunk(a: jax.Array) -> jax.Array:
+        return a.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+
+    return unchunk, (split(x), split(targets), split(valid))
+
+
+def token_logps(params: Any, tokens: jax.Array, label_mask: jax.Array, cfg: Any, *,
+                sampled_vocab: bool = False) -> jax.Array:
+    """Log-prob of each counted target, fp32 [n, L] (0 where not counted): position i holds
+    log p(tokens[i + 1] | tokens[:i + 1]) when ``label_mask[i + 1]``. Logits exist for
+    ``model.logits_chunk`` positions at a time and are recomputed in the backward pass.
+
+    The softmax runs over every embedding row, as the LM loss and OLMo-core / open-instruct's DPO
+    do; ``sampled_vocab`` leaves out the padding rows past ``model.vocab_size``, as the sampler
+    does (RL: the policy whose log-probs are trained is the one that sampled)."""
+    m = cfg.model
+    x = hidden_states(params, tokens, m)
+    n = tokens.shape[0]
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((n, 1), tokens.dtype)], axis=1)
+    valid = jnp.concatenate([label_mask[:, 1:], jnp.zeros((n, 1), label_mask.dtype)], axis=1).astype(jnp.float32)
+    unchunk, xs = _chunks(x, targets, valid, m.logits_chunk)
+    head = params["lm_head"]
+
+    @jax.checkpoint
+    def chunk(head, xc, tc):
+        logits = lm_head({"lm_head": head}, xc, m)
+        if sampled_vocab and m.embedding_rows > m.vocab_size:
+            logits = jnp.where(jnp.arange(logits.shape[-1]) < m.vocab_size, logits, -jnp.inf)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        return jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0] - lse
+
+    def body(carry, xs):
+        xc, tc, vc = xs
+        return carry, chunk(head, xc, tc) * vc
+
+    _, lp = jax.lax.scan(body, None, xs)
+    return unchunk(lp)

@@ -1,7 +1,7 @@
 """GRPO core: group advantages, the clipped policy loss, its aggregation, and the train step.
 
 Layout. A batch holds ``n`` rows of prompt + completion tokens, ``input_ids`` int [n, L], and a
-``completion_mask`` bool [n, L] in the label-mask convention of ``olmax.train.dpo.token_logps``:
+``completion_mask`` bool [n, L] in the label-mask convention of ``olmax.model.loss.token_logps``:
 True at each completion token (the tokens that are trained). Per-token quantities (``old_logps``,
 ``gen_logps``, ``ref_logps``, the policy's log-probs) use ``token_logps``'s output layout: position
 i holds log p(tokens[i + 1] | tokens[:i + 1]), counted where ``completion_mask[i + 1]``.
@@ -38,7 +38,7 @@ Aggregation of L over the tokens of one optimizer step's batch (``aggregation``)
   how many tokens share its micro-batch.
 
 The step (``make_grpo_step``) splits the batch into ``accum_steps`` micro-batches (rows a::accum,
-as ``olmax.train.step.split_micro``), accumulates the gradients of each micro-batch's share of the
+as ``olmax.sharding.split_micro``), accumulates the gradients of each micro-batch's share of the
 loss, and applies one optimizer update (``olmax.optim.apply_update``). Several optimizer steps per
 rollout batch (``train_on_batch``): ``num_epochs`` passes over the batch (TRL ``num_iterations``),
 each split into ``num_mini_batches`` contiguous mini-batches (open-instruct ``num_mini_batches``),
@@ -158,7 +158,7 @@ def per_token_terms(logp: jax.Array, old_logp: jax.Array, adv: jax.Array, loss: 
 
 
 def aggregate(per_tok: jax.Array, mask: jax.Array, aggregation: str, *, total_tokens: jax.Array | float,
-              total_sequences: int, accum_steps: int) -> jax.Array:
+              total_sequences: jax.Array | int, accum_steps: int) -> jax.Array:
     """One micro-batch's share of the batch loss (the shares add up over micro-batches).
 
     ``total_tokens`` and ``total_sequences`` count the whole optimizer batch."""
@@ -177,8 +177,8 @@ def aggregate(per_tok: jax.Array, mask: jax.Array, aggregation: str, *, total_to
 
 
 def _logps(params: Any, tokens: jax.Array, completion_mask: jax.Array, cfg: Any) -> jax.Array:
-    from olmax.train.dpo import token_logps
-    return token_logps(params, tokens, completion_mask, cfg)
+    from olmax.model.loss import token_logps
+    return token_logps(params, tokens, completion_mask, cfg, sampled_vocab=True)
 
 
 def make_logps_fn(cfg: Any) -> Callable:
@@ -187,32 +187,43 @@ def make_logps_fn(cfg: Any) -> Callable:
     return jax.jit(lambda p, t, m: jax.lax.stop_gradient(_logps(p, t, m, cfg)))
 
 
-def make_grpo_step(cfg: Any, loss: GrpoLoss, accum_steps: int, apply_update: Callable) -> Callable:
+def make_grpo_step(cfg: Any, loss: GrpoLoss, accum_steps: int, apply_update: Callable,
+                   micro_constraint: Callable[[jax.Array], jax.Array] | None = None, mesh: Any = None) -> Callable:
     """``step(params, opt_state, batch) -> (params, opt_state, metrics)`` (not jitted); ``cfg`` is
     an olmax ``Config`` (its ``model`` section is used).
 
     ``batch``: ``input_ids`` [n, L], ``completion_mask`` [n, L], ``advantages`` [n], ``old_logps``
     [n, L]; ``gen_logps`` [n, L] with ``loss.tis_cap``; ``ref_logps`` [n, L] with ``loss.beta``
-    (or to report the KL). n must divide by ``accum_steps``. Metrics: ``loss``, ``clip_fraction``
+    (or to report the KL); optional ``row_valid`` [n] bool: rows that count as sequences (the RL
+    loop's filtered groups are rows with no trained token and ``row_valid`` False; without it all n
+    rows count). n must divide by ``accum_steps``. Metrics: ``loss``, ``clip_fraction``
     (share of completion tokens whose clipped term is the one taken, TRL's ``clip_ratio/region_mean``),
     ``kl`` (token mean of k3 to the reference, 0 without one), ``ratio_mean``, ``tokens``, and the
     optimizer's (``grad_norm``: the pre-clip gradient norm, ``lr``, ...)."""
-    from olmax.train.step import split_micro
+    from olmax.sharding import activation_mesh
+    from olmax.sharding import split_micro
 
     def step(params, opt_state, batch):
+        with activation_mesh(mesh):
+            return _step(params, opt_state, batch)
+
+    def _step(params, opt_state, batch):
         n = batch["input_ids"].shape[0]
         if n % accum_steps:
             raise ValueError(f"{n} rows do not split into {accum_steps} micro-batches")
         mask_all = token_mask(batch["completion_mask"])
         total_tokens = jnp.sum(mask_all)
+        sequences = jnp.maximum(jnp.sum(batch["row_valid"].astype(jnp.float32)), 1.0) if "row_valid" in batch else n
         micro = jax.tree.map(lambda x: split_micro(x, accum_steps), batch)
 
         def micro_loss(p, mb):
+            if micro_constraint is not None:
+                mb = jax.tree.map(micro_constraint, mb)
             mask = token_mask(mb["completion_mask"])
             logp = _logps(p, mb["input_ids"], mb["completion_mask"], cfg)
             t = per_token_terms(logp, mb["old_logps"], mb["advantages"], loss, mb.get("gen_logps"),
                                 mb.get("ref_logps"))
-            share = aggregate(t["loss"], mask, loss.aggregation, total_tokens=total_tokens, total_sequences=n,
+            share = aggregate(t["loss"], mask, loss.aggregation, total_tokens=total_tokens, total_sequences=sequences,
                               accum_steps=accum_steps)
             sums = {"clipped": jnp.sum(t["clipped"] * mask), "kl": jnp.sum(t["kl"] * mask),
                     "ratio": jnp.sum(t["ratio"] * mask)}

@@ -44,7 +44,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from olmax.config import RUNTIME_MODEL_FIELDS, Config, ConfigError, model_differences
-from olmax.model.olmo3 import hidden_states, lm_head
+from olmax.model.loss import token_logps
 from olmax.sharding import BatchPlan, activation_mesh, batch_sharding
 
 PAIRS_FORMAT = "olmax-pairs/1"
@@ -194,50 +194,6 @@ def step_pairs(n: int, seed: int, global_batch: int, step: int) -> np.ndarray:
 # --------------------------------------------------------------------------- the model side
 
 
-def _chunks(x: jax.Array, targets: jax.Array, valid: jax.Array, chunk: int | None):
-    """Positions in chunks of ``chunk``: ``(unchunk, (x, targets, valid) as [n, b, c, ...])``;
-    padded positions carry no label, ``unchunk`` maps [n, b, c] back to [b, t]."""
-    b, t = targets.shape
-    chunk = t if chunk is None or chunk >= t else chunk
-    n = -(-t // chunk)
-    pad = ((0, 0), (0, n * chunk - t))
-    x, targets, valid = jnp.pad(x, pad + ((0, 0),)), jnp.pad(targets, pad), jnp.pad(valid, pad)
-
-    def split(a: jax.Array) -> jax.Array:
-        return a.reshape(b, n, chunk, *a.shape[2:]).swapaxes(0, 1)
-
-    def unchunk(a: jax.Array) -> jax.Array:
-        return a.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
-
-    return unchunk, (split(x), split(targets), split(valid))
-
-
-def token_logps(params: Any, tokens: jax.Array, label_mask: jax.Array, cfg: Config) -> jax.Array:
-    """Log-prob of each counted target, fp32 [n, L] (0 where not counted): position i holds
-    log p(tokens[i + 1] | tokens[:i + 1]) when ``label_mask[i + 1]``. Logits exist for
-    ``model.logits_chunk`` positions at a time and are recomputed in the backward pass."""
-    m = cfg.model
-    x = hidden_states(params, tokens, m)
-    n = tokens.shape[0]
-    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((n, 1), tokens.dtype)], axis=1)
-    valid = jnp.concatenate([label_mask[:, 1:], jnp.zeros((n, 1), label_mask.dtype)], axis=1).astype(jnp.float32)
-    unchunk, xs = _chunks(x, targets, valid, m.logits_chunk)
-    head = params["lm_head"]
-
-    @jax.checkpoint
-    def chunk(head, xc, tc):
-        logits = lm_head({"lm_head": head}, xc, m)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        return jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0] - lse
-
-    def body(carry, xs):
-        xc, tc, vc = xs
-        return carry, chunk(head, xc, tc) * vc
-
-    _, lp = jax.lax.scan(body, None, xs)
-    return unchunk(lp)
-
-
 def sequence_logps(params: Any, input_ids: jax.Array, label_mask: jax.Array, cfg: Config
                    ) -> tuple[jax.Array, jax.Array]:
     """``(summed log-prob, counted tokens)`` per sequence of ``input_ids`` [..., L] (leading axes kept)."""
@@ -304,7 +260,7 @@ def make_dpo_step(cfg: Config, accum_steps: int, apply_update: Callable,
                   mesh: Mesh | None = None) -> Callable:
     """``step(params, opt_state, batch) -> (params, opt_state, metrics)`` (not jitted): the mean
     DPO loss over the global batch's pairs, gradients accumulated over micro-batches of pairs."""
-    from olmax.train.step import split_micro
+    from olmax.sharding import split_micro
 
     def step(params, opt_state, batch):
         with activation_mesh(mesh):

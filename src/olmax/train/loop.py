@@ -103,8 +103,12 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
     if cfg.model.attention_impl == "cudnn" and platform != "gpu":  # a user's choice, not a crash to retry
         raise ConfigError(f"model.attention_impl=cudnn needs GPUs, these devices are {platform}: use auto, xla, "
                           "blocked or reference")
-    plan = plan_batch(cfg.train.global_batch_size, dict(mesh.shape), cfg.train.micro_batch_size,
-                      cfg.train.max_micro_batch_size)
+    from olmax.rl.rollout import updates_per_step
+    rl = cfg.train.objective == "grpo"
+    updates = updates_per_step(cfg)  # optimizer updates per step (RL: per rollout batch)
+    # RL: one update sees one mini-batch of the step's completions
+    per_update = cfg.train.global_batch_size // (cfg.rl.num_mini_batches if rl else 1)
+    plan = plan_batch(per_update, dict(mesh.shape), cfg.train.micro_batch_size, cfg.train.max_micro_batch_size)
     total = cfg.train.steps
     L = cfg.data.sequence_length
 
@@ -149,7 +153,7 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
             print(f"olmax: moved the damaged checkpoint {bad} aside to {moved}", file=sys.stderr, flush=True)
     if start is not None:
         params, opt_state = state["params"], state["opt_state"]
-        if int(meta["step"]) != start or int(opt_state.step) != start:
+        if int(meta["step"]) != start or int(opt_state.step) != start * updates:
             raise ConfigError(f"checkpoint {start} in {run} is inconsistent: meta step {meta['step']}, "
                               f"optimizer step {int(opt_state.step)}")
         if is_main:
@@ -180,6 +184,11 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
     if dpo:
         from olmax.train.dpo import jit_dpo_step
         step_fn = jit_dpo_step(cfg, mesh, plan, pshard, oshard)
+    elif rl:
+        from olmax.rl.step import RlStep
+        # KL to the initial weights: a frozen second copy, only when rl.kl_beta > 0
+        reference = _initial_params(cfg, mesh, pshard, oshard) if cfg.rl.kl_beta > 0 else None
+        step_fn = RlStep(cfg, mesh, plan, pshard, oshard, reference=reference)
     else:
         step_fn = jit_train_step(cfg, mesh, plan, pshard, oshard)
 
@@ -227,20 +236,23 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
     def emit(step: int, metrics: dict, dt: float) -> None:
         nonlocal failure
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        if dpo:  # the DPO loss stands where the CE loss stands; its metrics are full names (dpo/...)
+        if dpo or rl:  # the DPO / RL loss stands where the CE loss stands; its metrics are full names
             m["ce_loss"] = m.pop("loss")
         losses[step] = m["ce_loss"]
         t = time.perf_counter()  # step ``step`` has finished: its metrics are on the host
         dt = t - clock["last_done"] - clock["paused"]
         clock.update(last_done=t, paused=0.0)
+        if rl:  # the RL step is synchronous: its own clock (sampling + updates) times it
+            dt = m.get("rl/time_generation_s", 0.0) + m.get("rl/time_training_s", 0.0)
         tps_dev = tokens_per_step / dt / jax.device_count() if dt > 0 else 0.0
         # OLMo-core's names, each value once (``named``).
-        row = named({**({} if dpo else {"ce_loss": m["ce_loss"], "z_loss": m["z_loss"]}),
+        row = named({**({} if (dpo or rl) else {"ce_loss": m["ce_loss"], "z_loss": m["z_loss"]}),
                      "grad_norm": m["grad_norm"], "lr": m["lr"],
                      "step_skipped": m["step_skipped"], "total_tokens": step * tokens_per_step,
                      "tps_device": tps_dev, "mfu": mfu(fl_tok, tps_dev, peak),
                      "tflops_device": fl_tok * tps_dev / 1e12,
-                     NONFINITE_METRIC: m["nonfinite"], **{k: v for k, v in m.items() if k.startswith("dpo/")}})
+                     NONFINITE_METRIC: m["nonfinite"],
+                     **{k: v for k, v in m.items() if k.startswith(("dpo/", "rl/"))}})
         bad = m["nonfinite"] > 0
         nonfinite_run[:] = nonfinite_run + [step] if bad else []
         if bad and is_main and failure is None:  # past the limit the run is stopping: no more warnings
@@ -261,7 +273,7 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
     step = start
     with StopSignal() as stop:
         for step in range(start, total):
-            batch = loader.global_batch(step)
+            batch = loader.rollouts(step, params) if rl else loader.global_batch(step)
             params, opt_state, metrics = step_fn(params, opt_state, batch)
             now = time.perf_counter()
             # Metrics of the previous step are fetched now, while this step runs on the device.
@@ -385,10 +397,14 @@ def resolve_epochs(cfg: Config) -> tuple[Config, Any]:
 
 def _train_data(cfg: Config, start: int, data_state: dict | None, allow_mismatch: bool, mesh: Any, run: Path,
                 dataset: Any = None) -> Any:
-    """The loop's data: token instances (LM) or preference pairs with reference log-probs (DPO)."""
+    """The loop's data: token instances (LM), preference pairs with reference log-probs (DPO) or
+    prompts and the rollouts sampled from them (RL)."""
     if cfg.train.objective == "dpo":
         from olmax.train.dpo import DpoData
         return DpoData(cfg, start, data_state, allow_mismatch, mesh, run)
+    if cfg.train.objective == "grpo":
+        from olmax.rl.rollout import RlData
+        return RlData(cfg, start, data_state, allow_mismatch, mesh, run)
     return TrainData(cfg, start, data_state, allow_mismatch, mesh, cache_dir=run / "order_cache", trace_dir=run,
                      dataset=dataset)
 

@@ -13,14 +13,7 @@ from jax.sharding import Mesh
 from olmax.config import Config
 from olmax.model.loss import head_loss, loss_denominator, per_rank_weights, whole_rows_count, with_documents
 from olmax.optim import apply_update
-from olmax.sharding import BatchPlan, activation_mesh, batch_sharding
-
-
-def split_micro(x: jax.Array, accum: int) -> jax.Array:
-    """[B, ...] -> [accum, B/accum, ...] with micro-batch a = rows a::accum, so every micro-batch
-    is spread evenly over the data-parallel shards (rows are sharded in contiguous blocks)."""
-    b = x.shape[0]
-    return x.reshape(b // accum, accum, *x.shape[1:]).swapaxes(0, 1)
+from olmax.sharding import BatchPlan, activation_mesh, batch_sharding, split_micro  # noqa: F401 (re-export)
 
 
 def make_train_step(cfg: Config, accum_steps: int, apply_update: Callable,

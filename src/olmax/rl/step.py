@@ -1,0 +1,103 @@
+"""One RL step as the training loop runs it: rollouts in, ``num_mini_batches x num_epochs``
+optimizer updates out (``olmax.rl.grpo``), on the trainer's mesh.
+
+Before the first update the policy's log-probs of the batch (``old_logps``) are computed by the
+training forward; they are the ratio's denominator, the truncated-importance-sampling reference,
+and, against the log-probs the generator reported while sampling, the proof that rollouts came
+from these very weights: ``rl/max_logprob_gap`` (0 up to rounding by construction; vLLM-based
+trainers see 1e-2 and more, hence their importance-weight truncation).
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Any
+
+import jax
+import numpy as np
+
+from olmax.config import Config
+from olmax.rl import grpo
+from olmax.rl.rollout import max_gap, updates_per_step
+from olmax.sharding import BatchPlan, activation_mesh, batch_sharding
+
+KEYS_2D = ("input_ids", "completion_mask", "old_logps", "gen_logps", "ref_logps")
+KEYS_1D = ("advantages", "row_valid")
+
+
+def loss_options(cfg: Config) -> grpo.GrpoLoss:
+    r = cfg.rl
+    return grpo.GrpoLoss(eps_low=r.clip_low, eps_high=r.clip_high, aggregation=r.aggregation, beta=r.kl_beta,
+                         tis_cap=r.tis_cap)
+
+
+class RlStep:
+    """``step(params, opt_state, (batch, rollout_metrics)) -> (params, opt_state, metrics)``."""
+
+    def __init__(self, cfg: Config, mesh: Any, plan: BatchPlan, pshard: Any, oshard: Any,
+                 reference: Any = None):
+        from olmax.optim import apply_update
+        self.cfg, self.mesh = cfg, mesh
+        r = cfg.rl
+        self.updates = updates_per_step(cfg)
+        self.reference = reference
+        loss = loss_options(cfg)
+        update = partial(apply_update, optim_cfg=cfg.optim, total_steps=cfg.train.steps * self.updates)
+        micro = (lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim)))
+        keys = {"input_ids", "completion_mask", "old_logps", "advantages", "row_valid"}
+        if r.tis_cap is not None:
+            keys.add("gen_logps")
+        if reference is not None:
+            keys.add("ref_logps")
+        self.keys = sorted(keys)
+        bshard = {k: batch_sharding(mesh, 2 if k in KEYS_2D else 1) for k in self.keys}
+        self._update = jax.jit(grpo.make_grpo_step(cfg, loss, plan.accum_steps, update, micro_constraint=micro,
+                                                   mesh=mesh),
+                               in_shardings=(pshard, oshard, bshard), out_shardings=(pshard, oshard, None),
+                               donate_argnums=(0, 1))
+        s2 = batch_sharding(mesh, 2)
+
+        def logps(p, t, m):
+            with activation_mesh(mesh):
+                return jax.lax.stop_gradient(grpo._logps(p, t, m, cfg))
+
+        self._logps = jax.jit(logps, in_shardings=(pshard, s2, s2), out_shardings=s2)
+
+    def __call__(self, params: Any, opt_state: Any, item: tuple[dict[str, np.ndarray], dict[str, float]]):
+        batch, rollout_metrics = item
+        r = self.cfg.rl
+        t0 = time.perf_counter()
+        put = (lambda k, v: jax.device_put(v, batch_sharding(self.mesh, np.ndim(v))))
+        dev = {k: put(k, v) for k, v in batch.items() if k in ("input_ids", "completion_mask", "gen_logps",
+                                                                "advantages", "row_valid", "generated_mask")}
+        dev["old_logps"] = self._logps(params, dev["input_ids"], dev["generated_mask"])
+        gap = max_gap(np.asarray(dev["old_logps"]), batch["gen_logps"], batch["generated_mask"])
+        if self.reference is not None:
+            dev["ref_logps"] = self._logps(self.reference, dev["input_ids"], dev["generated_mask"])
+        n = batch["input_ids"].shape[0]
+        size = n // r.num_mini_batches
+        rows = []
+        for _ in range(r.num_epochs):
+            for k in range(r.num_mini_batches):
+                mb = {key: dev[key][k * size:(k + 1) * size] if r.num_mini_batches > 1 else dev[key]
+                      for key in self.keys}
+                params, opt_state, m = self._update(params, opt_state, mb)
+                rows.append(m)
+        rows = jax.device_get(rows)
+        t_train = time.perf_counter() - t0
+        last = {k: float(v) for k, v in rows[-1].items()}
+        mean = (lambda k: float(np.mean([float(x[k]) for x in rows])))
+        metrics = {**last, "loss": mean("loss"), "grad_norm": last["grad_norm"],
+                   "rl/clip_fraction": mean("clip_fraction"), "rl/kl": mean("kl"), "rl/ratio_mean": mean("ratio_mean"),
+                   "rl/trained_tokens": float(np.sum(batch["completion_mask"])),
+                   "rl/max_logprob_gap": gap, "rl/time_training_s": t_train,
+                   "rl/updates": float(len(rows)), **rollout_metrics}
+        t_gen = rollout_metrics.get("rl/time_generation_s", 0.0)
+        metrics["rl/generation_share"] = t_gen / (t_gen + t_train) if t_gen + t_train > 0 else 0.0
+        for k in ("clip_fraction", "kl", "ratio_mean", "tokens"):
+            metrics.pop(k, None)
+        # the loop checkpoints this step's state: any update skipped or non-finite counts
+        metrics["step_skipped"] = float(max(float(x["step_skipped"]) for x in rows))
+        metrics["nonfinite"] = float(max(float(x["nonfinite"]) for x in rows))
+        return params, opt_state, metrics

@@ -1,0 +1,134 @@
+"""The RL loop (``train.objective=grpo``): rollouts sampled from the trainer's own weights, the
+log-prob gap between generation and training, resume, the prompt stream, and bad input."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from olmax.config import ConfigError
+from olmax.recipes import get_recipe
+from olmax.rl.rollout import PromptDataError, RlData, completion_text
+from olmax.train.loop import train
+
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "fast", "blue", "sky", "is", "and", "we", "see"]
+
+
+@pytest.fixture(scope="module")
+def rl_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small BPE (``tokenizer.json``) and 12 prompts whose gold answer is the letter "e"."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    d = tmp_path_factory.mktemp("rl_data")
+    rnd = random.Random(0)
+    corpus = [" ".join(rnd.choices(WORDS, k=rnd.randint(4, 12))) + "." for _ in range(300)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|pad|>"],
+                                                        show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(d / "tokenizer.json"))
+    with open(d / "prompts.jsonl", "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"prompt": " ".join(rnd.choices(WORDS, k=4)), "ground_truth": "e"}) + "\n")
+    return d
+
+
+def rl_cfg(data: Path, *extra: str):
+    # operator.contains(completion, "e"): a reward a random model earns about half the time
+    return get_recipe("tiny_rl", [f"rl.prompts_path={data / 'prompts.jsonl'}", f"rl.tokenizer={data}",
+                                  "rl.reward=operator:contains", "rl.group_size=4", "rl.prompts_per_step=2",
+                                  "train.global_batch_size=8", "rl.max_response_length=8",
+                                  "data.sequence_length=56", "model.compute_dtype=float32",
+                                  "model.param_dtype=float32", "checkpoint.interval=2", *extra])
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def straight(rl_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("rl_straight") / "run"
+    train(rl_cfg(rl_data, "train.steps=4", "rl.num_mini_batches=2", "rl.num_epochs=2"), run, progress=False)
+    return run
+
+
+def test_rl_run_reports_its_metrics_and_samples_from_its_own_weights(straight: Path):
+    got = rows(straight)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    for r in got:
+        # fp32: the generator's log-probs are the trainer's own (vLLM-based trainers see 1e-2 and more)
+        assert 0 <= r["rl/max_logprob_gap"] <= 1e-5, r["rl/max_logprob_gap"]
+        assert r["rl/updates"] == 4.0                       # 2 mini-batches x 2 epochs
+        assert 0 <= r["rl/zero_std_share"] <= 1 and 0 <= r["rl/truncation_rate"] <= 1
+        assert r["rl/tokens_generated"] > 0 and r["rl/generation_tokens_per_sec"] > 0
+        assert 0 < r["rl/generation_share"] < 1
+        assert np.isfinite(r["optim/total grad norm"])
+    # the rewards vary (a test whose groups were all flat would train nothing)
+    assert any(r["rl/groups_trained"] > 0 for r in got)
+    assert any(r["rl/clip_fraction"] > 0 or r["rl/ratio_mean"] != 1.0 for r in got)   # several updates per batch
+
+
+def test_rl_resume_is_bitwise(rl_data: Path, straight: Path, tmp_path: Path):
+    from olmax.checkpoint.load import load_params
+    run = tmp_path / "run"
+    cfg = rl_cfg(rl_data, "train.steps=4", "rl.num_mini_batches=2", "rl.num_epochs=2")
+    first = train(cfg, run, max_steps_this_run=2, progress=False)
+    assert first.stopped_early and first.end_step == 2
+    train(cfg, run, progress=False)
+    a, b = rows(straight), rows(run)
+    keys = [k for k in a[0] if k.startswith(("rl/reward", "rl/max_logprob", "optim/total", "rl/clip", "rl/response"))]
+    assert [[r[k] for k in keys] for r in a] == [[r[k] for k in keys] for r in b]
+    pa, pb = load_params(str(straight))[0], load_params(str(run))[0]
+    assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)))
+
+
+def test_prompt_stream_state_and_retirement(rl_data: Path, tmp_path: Path):
+    cfg = rl_cfg(rl_data)
+    d = RlData(cfg, 0, None, False, None, tmp_path)
+    first = d.draw(12)
+    assert sorted(first) == list(range(12))               # one epoch: every prompt once
+    second = d.draw(12)
+    assert sorted(second) == list(range(12)) and second != first   # the next epoch, reshuffled
+    state = d.state(3).to_dict()
+    d.retired = {0, 1}
+    again = RlData(cfg, 3, state, False, None, tmp_path)
+    assert again.drawn == 24
+    again.retired = {0, 1}
+    assert not {0, 1} & set(again.draw(20))
+    assert completion_text(d.codec, d.codec.encode("yes</answer> more"), ("</answer>",)) == "yes"
+    assert completion_text(d.codec, d.codec.encode("ok<|im_end|>\n"), ()) == "ok"
+
+
+def test_rl_bad_input_names_the_culprit(rl_data: Path, tmp_path: Path):
+    with pytest.raises(ConfigError, match=r"global_batch_size \(16\) must be rl.prompts_per_step x rl.group_size"):
+        get_recipe("tiny_rl", ["rl.prompts_per_step=3"])
+    with pytest.raises(ConfigError, match="data.sequence_length"):
+        get_recipe("tiny_rl", ["rl.max_response_length=100"])
+    with pytest.raises(ConfigError, match="whole groups"):
+        get_recipe("tiny_rl", ["rl.num_mini_batches=8"])
+    with pytest.raises(ConfigError, match="rl.temperature"):
+        get_recipe("tiny_rl", ["rl.temperature=0"])
+    with pytest.raises(ConfigError, match="needs rl.prompts_path"):
+        RlData(get_recipe("tiny_rl"), 0, None, False, None, tmp_path)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a cat", "ground_truth": "e"}\n{"prompt": "no gold"}\n')
+    with pytest.raises(PromptDataError, match=r"bad.jsonl:2: no ground_truth"):
+        RlData(rl_cfg(rl_data, f"rl.prompts_path={bad}"), 0, None, False, None, tmp_path)
+    bad.write_text('{"prompt": "a cat", "ground_truth": "e"}\nnot json\n')
+    with pytest.raises(PromptDataError, match=r"bad.jsonl:2: not JSON"):
+        RlData(rl_cfg(rl_data, f"rl.prompts_path={bad}"), 0, None, False, None, tmp_path)
+    with pytest.raises(PromptDataError, match="no usable prompt"):
+        RlData(rl_cfg(rl_data, "rl.max_prompt_length=1", "data.sequence_length=56"), 0, None, False, None, tmp_path)
+    state = RlData(rl_cfg(rl_data), 0, None, False, None, tmp_path).state(2).to_dict()
+    state["fingerprint"] = "0" * 16
+    with pytest.raises(ConfigError, match="trained on other prompts"):
+        RlData(rl_cfg(rl_data), 2, state, False, None, tmp_path)
+    with pytest.raises(ConfigError, match="not an RL prompt stream"):
+        RlData(rl_cfg(rl_data), 2, {"kind": "dpo-pairs"}, False, None, tmp_path)
