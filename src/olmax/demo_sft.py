@@ -39,7 +39,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 HELDOUT = 0.1
 SEED = 0
@@ -145,32 +145,41 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
 def prepare_chat(sft_dir: Path, tokenizer: Path, synthetic: int, max_doc: int | None) -> dict:
     """Chat JSONL and its tokenised folders under ``sft_dir/chat``; reused when built with the same
     settings and tokenizer (a different one is an error: delete the folder)."""
+    return build_chat_folder(sft_dir / "chat", tokenizer, {"synthetic": synthetic, "max_doc": max_doc,
+                                                             "heldout": HELDOUT, "seed": SEED},
+                             lambda: build_chat_set(synthetic, max_doc), TASKS, _log)
+
+
+def build_chat_folder(chat: Path, tokenizer: Path, settings: dict, build: Callable[[], tuple[list[dict], list[dict]]],
+                      tasks: Sequence[str], log: Callable[[str], None] = _log) -> dict:
+    """``chat/{train,heldout}.jsonl`` from ``build()`` (records with ``messages`` and ``task``),
+    tokenised with ``olmax tokenize --chat`` into ``chat/{train,heldout}``; reused when ``chat``
+    was built with the same ``settings`` and tokenizer (else an error: delete the folder). Returns
+    per split its ``dir``, ``dtype``, token and mask files and ``records``."""
     from olmax.config import ConfigError
     from olmax.data.chat import summary, tokenize_chat
-    chat = sft_dir / "chat"
-    spec = {"synthetic": synthetic, "max_doc": max_doc, "heldout": HELDOUT, "seed": SEED,
-            "tokenizer_sha256": hashlib.sha256(tokenizer.read_bytes()).hexdigest(),
+    spec = {**settings, "tokenizer_sha256": hashlib.sha256(tokenizer.read_bytes()).hexdigest(),
             "python": sys.version.split()[0]}
     spec_file = chat / "spec.json"
     if spec_file.exists():
         if json.loads(spec_file.read_text()) != spec:
             raise ConfigError(f"{chat} was built with other settings or another tokenizer ({spec_file}); delete "
-                              f"{sft_dir} (or choose another --out) to build it again")
+                              f"{chat.parent} (or choose another --out) to build it again")
     else:
         if chat.exists():
             import shutil
             shutil.rmtree(chat)  # an interrupted build
         chat.mkdir(parents=True)
-        train, held = build_chat_set(synthetic, max_doc)
+        train, held = build()
         for split, recs in (("train", train), ("heldout", held)):
             _write_jsonl(chat / f"{split}.jsonl", recs)
-        parts = [f"{s} " + " + ".join(f"{sum(r['task'] == t for r in recs)} {t}" for t in TASKS)
+        parts = [f"{s} " + " + ".join(f"{sum(r['task'] == t for r in recs)} {t}" for t in tasks)
                  for s, recs in (("train", train), ("held-out", held))]
-        _log(f"chat set: {', '.join(parts)} conversations (held out by a hash of the prompt) in {chat}")
+        log(f"chat set: {', '.join(parts)} conversations (held out by a hash of the prompt) in {chat}")
         for split in ("train", "heldout"):
             man = tokenize_chat([chat / f"{split}.jsonl"], chat / split, tokenizer=tokenizer, template="olmo3",
                                 progress=False)
-            _log("tokenize --chat " + summary(man, chat / split))
+            log("tokenize --chat " + summary(man, chat / split))
         spec_file.write_text(json.dumps(spec, indent=1) + "\n")
     out: dict[str, Any] = {}
     for split in ("train", "heldout"):
