@@ -511,6 +511,34 @@ def test_compile_generate_for_a_tpu_slice():
     assert out["cache_gib_total"] > 0 and out["prefill"]["need"] < out["hbm_gib"]
 
 
+def test_compile_an_rl_recipe_counts_generation_beside_the_optimizer_state():
+    """`olmax compile` of a grpo recipe compiles the GRPO update for one mini-batch and the
+    rollouts' prefill + decode at rl.generation_batch, with Adam's moments resident during
+    sampling (the slow test below: a generation batch too large for the chip is named)."""
+    args = ("tiny_rl", "--topology", "v5p:2x2x1", "--no-eval", "--set", "model.compute_dtype=bfloat16",
+            "--set", "rl.num_mini_batches=2", "--json")
+    r = _compile(*args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["plan"]["global_batch"] == 8          # 16 completions in 2 mini-batches
+    g = out["generate"]
+    assert g["batch"] == 16 and g["max_length"] == 64 and g["fits"] is True
+    assert g["resident_gib"] > 0 and g["per_device_gib"] > g["resident_gib"]
+
+
+@pytest.mark.slow
+def test_compile_an_rl_recipe_names_a_generation_batch_that_does_not_fit():
+    args = ("tiny_rl", "--topology", "v5p:2x2x1", "--no-eval", "--set", "model.compute_dtype=bfloat16",
+            "--set", "rl.num_mini_batches=2", "--json")
+    big = _compile(*args, "--set", "rl.prompts_per_step=256", "--set", "rl.group_size=16", "--set",
+                   "train.global_batch_size=4096", "--set", "train.max_micro_batch_size=1", "--set",
+                   "model.sliding_window=null", "--set", "rl.max_response_length=65000", "--set",
+                   "data.sequence_length=65536")   # a 512 GiB cache over 4 chips
+    assert big.returncode == 1, big.stderr[-2000:]
+    out = json.loads(big.stdout)
+    assert out["generate"]["fits"] is False and "lower rl.generation_batch" in out["verdict"]
+
+
 @pytest.mark.slow
 def test_7b_generates_at_batch_32_and_32k_tokens_on_v5p_8():
     """Prefill + decode of the 7B (stage-3 model, bf16) at batch 32 x 32,768 tokens fits a v5p-8."""

@@ -186,8 +186,10 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
     # mesh.slice is taken from the devices' slice_index, as in the launched run (make_mesh).
     mesh = make_mesh(cfg.mesh, devices)
     sizes = dict(mesh.shape)
-    plan = plan_batch(cfg.train.global_batch_size, sizes, cfg.train.micro_batch_size,
-                      cfg.train.max_micro_batch_size)
+    rl = cfg.train.objective == "grpo"
+    # RL: one update sees one mini-batch of the step's completions (as the loop plans it)
+    per_update = cfg.train.global_batch_size // (cfg.rl.num_mini_batches if rl else 1)
+    plan = plan_batch(per_update, sizes, cfg.train.micro_batch_size, cfg.train.max_micro_batch_size)
     L = cfg.data.sequence_length
     abstract = abstract_train_state(cfg, mesh)
     pshard, oshard = shardings(abstract["params"]), shardings(abstract["opt_state"])
@@ -202,6 +204,15 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
                  "label_mask": jax.ShapeDtypeStruct((B, 2, L), jnp.bool_, sharding=s3),
                  "ref_logps": jax.ShapeDtypeStruct((B, 2), jnp.float32, sharding=batch_sharding(mesh, 2))}
         eval_step = eval_step and bool(cfg.eval.heldout_paths)
+    step_fn = None
+    if rl:  # prompt + completion rows with their masks, advantages and log-probs
+        from olmax.rl.step import KEYS_2D, RlStep
+        step_fn = RlStep(cfg, mesh, plan, pshard, oshard)
+        dtypes = {"input_ids": jnp.int32, "completion_mask": jnp.bool_, "row_valid": jnp.bool_}
+        batch = {k: jax.ShapeDtypeStruct((per_update, L) if k in KEYS_2D else (per_update,),
+                                         dtypes.get(k, jnp.float32), sharding=batch_sharding(mesh, 2 if k in KEYS_2D else 1))
+                 for k in step_fn.keys}
+        eval_step = eval_step and bool(cfg.eval.heldout_paths)
     report: dict[str, Any] = {
         "recipe": cfg.name, "topology": topology.name, "slices": topology.slices,
         "device_kind": devices[0].device_kind, "devices": len(devices), "chips": topology.chips,
@@ -215,8 +226,8 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
               f"{sizes}, {what} tokens per device in {plan.accum_steps} micro-batch(es))...",
               file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    m = _compiled_memory(jit_train_step(cfg, mesh, plan, pshard, oshard).lower(
-        abstract["params"], abstract["opt_state"], batch))
+    jitted = step_fn._update if step_fn is not None else jit_train_step(cfg, mesh, plan, pshard, oshard)
+    m = _compiled_memory(jitted.lower(abstract["params"], abstract["opt_state"], batch))
     report["compile_seconds"] = time.perf_counter() - t0
     if "oom" in m:
         report.update(memory_verdict(need=m["need"], hbm=m["hbm"]), hbm_gib=m["hbm"], argument_gib=None,
@@ -244,6 +255,20 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
             report["verdict"] += (f"; the eval step at batch {bs} does not fit "
                                   f"({report['eval']['per_device_gib']:.1f} GiB): lower eval.batch_size")
         report["fits"] = report["fits"] and report["eval"]["fits"]
+    if rl:  # sampling runs between updates: the optimizer state stays resident beside it
+        gb = min(cfg.rl.generation_batch or cfg.train.global_batch_size, cfg.train.global_batch_size)
+        g = compile_generate(cfg, topology, gb, L, progress=progress)
+        resident = per_device_gib(abstract["opt_state"])
+        need = g["per_device_gib"] + resident
+        report["generate"] = {"batch": gb, "max_length": L, "per_device_gib": need, "resident_gib": resident,
+                              "prefill_gib": g["prefill"]["need"], "decode_gib": g.get("decode", {}).get("need"),
+                              "cache_gib_total": g["cache_gib_total"],
+                              "fits": bool(g["fits"]) and need <= topology.family.hbm_gib,
+                              "compile_seconds": g["compile_seconds"]}
+        if not report["generate"]["fits"]:
+            report["verdict"] += (f"; generation at rl.generation_batch={gb} x {L} tokens does not fit "
+                                  f"({need:.1f} GiB with the optimizer state): lower rl.generation_batch")
+        report["fits"] = report["fits"] and report["generate"]["fits"]
     return report
 
 
@@ -357,6 +382,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
                   f"{r['temp_gib']:.2f}, outputs {r['output_gib']:.2f} (aliased with arguments {r['alias_gib']:.2f})")
         else:
             print(f"per device     {r['per_device_gib']:.2f} GiB (XLA: out of memory)")
+        if "generate" in r:
+            g = r["generate"]
+            print(f"generation     {g['per_device_gib']:.2f} GiB per device at {g['batch']} completions x "
+                  f"{g['max_length']} tokens (KV cache {g['cache_gib_total']:.1f} GiB in all; with the optimizer "
+                  f"state that stays resident, {g['resident_gib']:.2f})")
         if "eval" in r:
             print(f"eval step      {r['eval']['per_device_gib']:.2f} GiB per device at batch {r['eval']['batch_size']} "
                   f"(with the optimizer state that stays resident, {r['eval']['resident_gib']:.2f})")
