@@ -21,6 +21,7 @@ TARGETS = [
     ("olmo3_7b_stage1", "v5p-128"), ("olmo3_7b_stage1", "v6e-256"), ("olmo3_7b_stage1", "tpu7x-128"),
     ("olmo3_7b_stage2", "v5p-128"), ("olmo3_7b_stage2", "v6e-256"), ("olmo3_7b_stage2", "tpu7x-128"),
     ("olmo3_7b_stage3", "v5p-512"), ("olmo3_32b", "v5p-512"),
+    ("olmo3_7b_think_rl", "v5p-128"), ("olmo3_7b_instruct_rl", "v5p-128"),
 ]
 MAXTEXT_GIB = {("olmo3_7b_stage1", "v5p-128"): 47.9}
 

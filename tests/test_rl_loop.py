@@ -21,7 +21,7 @@ WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "fast", "blue", "s
 
 @pytest.fixture(scope="module")
 def rl_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small BPE (``tokenizer.json``) and 12 prompts whose gold answer is the letter "e"."""
+    """A small BPE (``tokenizer.json``, 300 tokens) and 12 prompts whose gold answer is the letter "a"."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     d = tmp_path_factory.mktemp("rl_data")
     rnd = random.Random(0)
@@ -35,13 +35,15 @@ def rl_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tok.save(str(d / "tokenizer.json"))
     with open(d / "prompts.jsonl", "w") as f:
         for i in range(12):
-            f.write(json.dumps({"prompt": " ".join(rnd.choices(WORDS, k=4)), "ground_truth": "e"}) + "\n")
+            f.write(json.dumps({"prompt": " ".join(rnd.choices(WORDS, k=4)), "ground_truth": "a"}) + "\n")
     return d
 
 
 def rl_cfg(data: Path, *extra: str):
-    # operator.contains(completion, "e"): a reward a random model earns about half the time
-    return get_recipe("tiny_rl", [f"rl.prompts_path={data / 'prompts.jsonl'}", f"rl.tokenizer={data}",
+    # operator.contains(completion, "a"): 8 random tokens of this BPE hold an "a" 39% of the time. The
+    # model's vocabulary is the BPE's, padded to 384 rows (the sampler and the loss leave the padding out).
+    return get_recipe("tiny_rl", ["model.vocab_size=300", "model.padded_vocab_size=384",
+                                  f"rl.prompts_path={data / 'prompts.jsonl'}", f"rl.tokenizer={data}",
                                   "rl.reward=operator:contains", "rl.group_size=4", "rl.prompts_per_step=2",
                                   "train.global_batch_size=8", "rl.max_response_length=8",
                                   "data.sequence_length=56", "model.compute_dtype=float32",
@@ -87,6 +89,39 @@ def test_rl_resume_is_bitwise(rl_data: Path, straight: Path, tmp_path: Path):
     assert [[r[k] for k in keys] for r in a] == [[r[k] for k in keys] for r in b]
     pa, pb = load_params(str(straight))[0], load_params(str(run))[0]
     assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)))
+
+
+def test_rl_options_kl_active_sampling_and_retirement(rl_data: Path, tmp_path: Path):
+    run = tmp_path / "run"
+    train(rl_cfg(rl_data, "train.steps=2", "rl.kl_beta=0.5", "rl.num_epochs=2", "rl.active_sampling=true",
+                 "rl.max_sampling_rounds=3", "rl.retire_pass_rate=1.0", "rl.aggregation=sequence_mean"),
+          run, progress=False)
+    for r in rows(run):
+        assert 1 <= r["rl/sampling_rounds"] <= 3 and r["rl/groups_trained"] <= 2
+        # active sampling stops at the first round that fills the batch with informative groups
+        assert r["rl/groups_trained"] == 2 or r["rl/sampling_rounds"] == 3
+        assert r["rl/kl"] > 0                # the second update moved away from the frozen initial weights
+
+
+def test_rl_batch_rows_masks_and_advantages(rl_data: Path, tmp_path: Path):
+    """Prompt + completion rows: trained tokens, the generation log-probs in token_logps' layout,
+    dropped groups (no trained token, advantage 0, row_valid False), and rl.mask_truncated."""
+    from olmax.model.generate import Completion
+    d = RlData(rl_cfg(rl_data, "rl.mask_truncated=true"), 0, None, False, None, tmp_path)
+    p0 = d.prompts[0].ids
+    comps = [Completion([5, 6, 0], [-0.5, -0.25, -0.125], "stop"), Completion([7] * 8, [-1.0] * 8, "length"),
+             Completion([8, 0], [-2.0, -3.0], "stop"), Completion([9, 0], [-4.0, -5.0], "stop")]
+    flat = [Completion([5, 0], [-1.0, -1.0], "stop") for _ in range(4)]
+    b = d._batch([(0, comps, np.array([1, 0, 1, 0], np.float32)), (1, flat, np.zeros(4, np.float32))], n_valid=1)
+    n = len(p0)
+    assert b["input_ids"].shape == (8, 56)
+    assert b["input_ids"][0, :n].tolist() == p0 and b["input_ids"][0, n:n + 3].tolist() == [5, 6, 0]
+    assert b["completion_mask"][0].sum() == 3 and b["completion_mask"][0, n:n + 3].all()
+    assert b["completion_mask"][1].sum() == 0 and b["generated_mask"][1].sum() == 8     # truncated: masked
+    assert b["gen_logps"][0, n - 1:n + 2].tolist() == [-0.5, -0.25, -0.125] and b["gen_logps"][0, n + 2] == 0
+    assert b["advantages"][:4].tolist() == [0.5, -0.5, 0.5, -0.5]
+    assert not b["row_valid"][4:].any() and b["row_valid"][:4].all()
+    assert b["completion_mask"][4:].sum() == 0 and (b["advantages"][4:] == 0).all()
 
 
 def test_prompt_stream_state_and_retirement(rl_data: Path, tmp_path: Path):

@@ -454,7 +454,8 @@ def test_a_launched_multislice_run_builds_the_program_its_compile_measured():
     ("olmo3_7b_stage1", "v5p-128"), ("olmo3_7b_stage1", "v6e-256"), ("olmo3_7b_stage1", "tpu7x-128"),
     ("olmo3_7b_stage2", "v5p-128"), ("olmo3_7b_stage3", "v5p-512"), ("olmo3_32b", "v5p-512"),
     ("olmo3_7b_think_sft", "v5p-128"), ("olmo3_7b_think_sft", "v6e-256"),
-    ("olmo3_7b_think_dpo", "v5p-128"), ("olmo3_7b_think_dpo", "v6e-256")])
+    ("olmo3_7b_think_dpo", "v5p-128"), ("olmo3_7b_think_dpo", "v6e-256"),
+    ("olmo3_7b_think_rl", "v5p-128"), ("olmo3_7b_instruct_rl", "v5p-128")])
 def test_production_recipes_fit_their_slices(recipe, topology):
     """Full-size AOT compiles (minutes each on 2 cores): every recipe fits with its defaults, and
     the 7B on v5p-128 needs no more per chip than MaxText 0.2.5's 47.9 GiB for the same model,
@@ -463,6 +464,8 @@ def test_production_recipes_fit_their_slices(recipe, topology):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     assert out["fits"] is True
+    if recipe.endswith("_rl"):  # the rollouts' generation is compiled and fits too
+        assert out["generate"]["fits"] is True and out["generate"]["batch"] >= 128
     if (recipe, topology) == ("olmo3_7b_stage1", "v5p-128"):
         assert out["per_device_gib"] <= 47.9
 
