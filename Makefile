@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow test-slurm bench bench-peers bench-generate rehearse-gpu
+.PHONY: setup demo test test-slow test-slurm bench bench-peers bench-generate bench-rl rehearse-gpu
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,11 @@ bench-peers: $(STAMP)
 # OLMo 3 (batch 1 and 8), compile time apart, and the cache's bytes against the formula.
 bench-generate: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_generate.py
+
+# An RL step's time split (sampling vs updates) and olmax's sampling tokens/s inside RL against
+# transformers' sampled generate on the same model and rows.
+bench-rl: $(STAMP)
+	$(VENV)/bin/python benchmarks/bench_rl.py
 
 # The GPU check (benchmarks/gpu_check.sh) rehearsed on the CPU in a venv built like the lent
 # H200's image (benchmarks/gpu_image_requirements.txt; olmax from src/, not installed): the venv

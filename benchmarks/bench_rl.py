@@ -1,0 +1,116 @@
+"""RL step speed: the share of a GRPO step spent generating vs training, and olmax's sampling speed
+inside RL against transformers' ``model.generate`` on the same model, same rows, same lengths, in
+the same run.
+
+Model: ``bench_generate``'s random OLMo 3 (d_model 512, 8 layers, 6 sliding with a 128-token
+window, vocabulary 16,384, fp32), written as a HF directory and loaded by the RL run with
+``train.init_from=hf:DIR`` (recipe ``tiny_rl`` with the model's shape). A small byte-level BPE
+made here is the tokenizer. Each step: 4 prompts x 8 completions of up to 64 tokens at temperature
+1.0 (a random model rarely samples EOS, so rows run to the length), reward ``operator:contains``
+(the letter "e"; the rewards only need to vary), 2 mini-batches, one epoch.
+
+Reported: per step, the generation time, the training time (log-probs + updates) and the share of
+generation; olmax's generated tokens/s inside RL (rollout wall time: sampling, detokenising,
+scoring) over the steps after the first (which compiles); transformers' ``generate`` on the same
+32 prompts (``do_sample=True``, ``temperature=1.0``, ``top_k=0``, 64 new tokens forced, best of
+``--repeats``) and the ratio. The step's log-prob gap is printed as well.
+
+    .venv/bin/python benchmarks/bench_rl.py [--steps 4] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import olmax  # noqa: F401  (first: keeps JAX off a TPU runtime that has no TPU here)
+from bench_generate import HF
+
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "fast", "blue", "sky", "is", "and", "we", "see"]
+PROMPTS, GROUP, NEW = 4, 8, 64
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Olmo3ForCausalLM
+
+    from olmax.compat.hf import random_hf_model
+    from olmax.recipes import get_recipe
+    from olmax.train.loop import train
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_rl_"))
+    random_hf_model(tmp / "hf", seed=0, **HF)
+    rnd = random.Random(0)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [" ".join(rnd.choices(WORDS, k=rnd.randint(4, 12))) + "." for _ in range(300)]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|pad|>"],
+                                                        show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp / "tokenizer.json"))
+    lines = [{"prompt": " ".join(rnd.choices(WORDS, k=8)), "ground_truth": "e"} for _ in range(64)]
+    (tmp / "prompts.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+    cfg = get_recipe("tiny_rl", [
+        f"train.init_from=hf:{tmp / 'hf'}", f"rl.tokenizer={tmp}", f"rl.prompts_path={tmp / 'prompts.jsonl'}",
+        "rl.reward=operator:contains", f"rl.prompts_per_step={PROMPTS}", f"rl.group_size={GROUP}",
+        f"train.global_batch_size={PROMPTS * GROUP}", f"rl.max_response_length={NEW}", "rl.max_prompt_length=64",
+        "data.sequence_length=128", "rl.num_mini_batches=2", f"train.steps={args.steps}",
+        "checkpoint.interval=1000", "model.d_model=512", "model.n_layers=8", "model.n_heads=8",
+        "model.n_kv_heads=8", "model.head_dim=64", "model.mlp_hidden=1536", "model.vocab_size=16384",
+        "model.padded_vocab_size=16384", "model.sliding_window=128", "model.max_position_embeddings=1024",
+        "model.norm_eps=1e-6", "model.param_dtype=float32", "model.compute_dtype=float32", "data.eos_token_id=0",
+        "data.pad_token_id=1"])
+    print(f"[rl] random OLMo 3 d_model 512 x 8 layers, fp32; {PROMPTS} prompts x {GROUP} completions of {NEW} "
+          f"tokens, 2 mini-batches; torch {torch.__version__} ({torch.get_num_threads()} threads)", flush=True)
+    run = tmp / "run"
+    train(cfg, run, progress=False)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        print(f"  step {r['step']}: generation {r['rl/time_generation_s']:6.2f} s  training {r['rl/time_training_s']:6.2f} s"
+              f"  generation share {r['rl/generation_share']:.1%}  {r['rl/generation_tokens_per_sec']:7.1f} tok/s"
+              f"  max log-prob gap {r['rl/max_logprob_gap']:.1e}", flush=True)
+    warm = rows[1:] or rows
+    gen_s = sum(r["rl/time_generation_s"] for r in warm)
+    ox_tps = sum(r["rl/tokens_generated"] for r in warm) / gen_s
+    share = gen_s / sum(r["rl/time_generation_s"] + r["rl/time_training_s"] for r in warm)
+
+    hf = Olmo3ForCausalLM.from_pretrained(tmp / "hf", torch_dtype=torch.float32).eval()
+    # the same rows, left-padded (transformers' batch generation), prompts masked where padded
+    enc = [tok.encode(x["prompt"]).ids for x in lines[:PROMPTS] for _ in range(GROUP)]
+    width = max(map(len, enc))
+    ids = torch.tensor([[1] * (width - len(e)) + e for e in enc])
+    mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+
+    def ref() -> None:
+        with torch.no_grad():
+            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=True,
+                        temperature=1.0, top_k=0, pad_token_id=1)
+
+    ref()  # warm-up
+    best = min(_seconds(ref) for _ in range(args.repeats))
+    hf_tps = PROMPTS * GROUP * NEW / best
+    print(f"\n  olmax inside RL (steps 2..{args.steps}): {ox_tps:8.1f} generated tok/s, generation {share:.1%} of "
+          f"the step\n  transformers generate (same rows, {NEW} new tokens, sampled): {hf_tps:8.1f} tok/s\n"
+          f"  ratio olmax / transformers: {ox_tps / hf_tps:.2f}x", flush=True)
+
+
+def _seconds(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+if __name__ == "__main__":
+    main()
