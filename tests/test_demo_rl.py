@@ -103,3 +103,18 @@ def test_warm_start_and_heldout_accuracy(tmp_path: Path) -> None:
     assert np.array_equal(sample_rewards((params, cfg), prompts, k=3, seed=1, tokenizer=r["tokenizer"]), s)
     g = sample_rewards(str(r["sft"]), prompts, k=5, temperature=0)
     assert g.shape == (6, 1)
+
+    # `olmax demo rl` with an RL stage that cannot help (lr 0): same weights, same draws, no gain,
+    # exit 1, and the figures on stdout as JSON (the warm start above is reused).
+    import contextlib
+    import io
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["demo", "--run-dir", str(demo), "rl", "--prompts", "200", "--sft-steps", "3", "--set", "optim.lr=0",
+                   "--set", "train.steps=2", "--set", "rl.prompts_per_step=2", "--set", "train.global_batch_size=16",
+                   "--eval-prompts", "6", "--samples", "3", "--json"])
+    out = json.loads(buf.getvalue())
+    assert rc == 1 and out["improved"] is False and out["rl_steps"] == 2
+    assert out["accuracy_after"] == out["accuracy_before"]
+    assert 0 <= out["max_logprob_gap"] <= 1e-5
+    assert {"accuracy_before_se", "accuracy_after_se", "greedy_before", "greedy_after"} <= set(out)

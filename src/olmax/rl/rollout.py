@@ -69,6 +69,12 @@ def load_codec(cfg: Config) -> Any:
         src = cfg.train.init_from.split(":", 1)[1] if cfg.train.init_from.split(":", 1)[0] in ("state", "olmax") \
             else cfg.train.init_from
         found = find_tokenizer(src, cfg)
+        if found is None:  # a run directory: the tokenizer beside that run's own training data
+            from olmax.config import load_yaml
+            for d in (Path(src), Path(src).parent.parent):
+                if (d / "config.yaml").is_file():
+                    found = find_tokenizer(src, load_yaml(str(d / "config.yaml")))
+                    break
         path = str(found) if found is not None else None
     if path is None:
         raise ConfigError("train.objective=grpo needs a tokenizer for prompts and completions: set rl.tokenizer "

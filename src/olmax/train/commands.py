@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from olmax import keep_freed_memory
+from olmax.argtypes import positive_int
 from olmax.recipes import add_recipe_args, get_recipe
 from olmax.train.distributed import initialise
 
@@ -53,6 +54,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--check", type=int, default=200, help="held-out prompts answered to count exact answers")
     s.add_argument("--show", type=int, default=3, help="held-out prompts whose answers are printed")
     s.set_defaults(func=cmd_demo_sft)
+    s = stages.add_parser("rl", help="RL with verifiable rewards on a counting task after a short SFT warm start "
+                          "(recipes tiny_sft, tiny_rl); exit 1 unless held-out accuracy rose by 3 standard errors")
+    s.add_argument("--run-dir", default=argparse.SUPPRESS, help="the demo's folder (default runs/demo): its "
+                   "pre-trained run is RUN_DIR/run, trained first by `olmax demo` when it is not finished")
+    s.add_argument("--from", dest="from_run", default=None, metavar="RUN_DIR",
+                   help="start from this pre-trained tiny run instead (nothing is pre-trained)")
+    s.add_argument("--out", default=None, help="where the prompts, the warm start and the RL run go (default RUN_DIR/rl)")
+    s.add_argument("--set", dest="rl_overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="overrides of recipe tiny_rl (--set before `rl` go to the pre-training)")
+    s.add_argument("--eval-prompts", type=positive_int, default=200, help="held-out prompts measured")
+    s.add_argument("--samples", type=positive_int, default=8, help="samples per held-out prompt")
+    s.add_argument("--prompts", type=positive_int, default=3000, help="counting prompts made (20%% held out)")
+    s.add_argument("--sft-steps", type=positive_int, default=25, help="updates of the SFT warm start")
+    s.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    s.set_defaults(func=cmd_demo_rl)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -88,3 +104,11 @@ def cmd_demo_sft(args: argparse.Namespace) -> int:
     return run_demo_sft(args.run_dir, from_run=args.from_run, out=args.out, overrides=args.sft_overrides,
                         pretrain_overrides=args.overrides, corpus_mb=args.corpus_mb, synthetic=args.synthetic,
                         max_doc=args.max_doc, show=args.show, check=args.check)
+
+
+def cmd_demo_rl(args: argparse.Namespace) -> int:
+    from olmax.demo_rl import run_demo_rl
+    keep_freed_memory()
+    return run_demo_rl(args.run_dir, from_run=args.from_run, out=args.out, overrides=args.rl_overrides,
+                       pretrain_overrides=args.overrides, corpus_mb=args.corpus_mb, n_eval=args.eval_prompts,
+                       k=args.samples, n=args.prompts, sft_steps=args.sft_steps, as_json=args.json)
