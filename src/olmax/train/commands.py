@@ -39,36 +39,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--corpus-mb", type=float, default=12.0, help="megabytes of stdlib source to use")
     p.set_defaults(func=cmd_demo)
     stages = p.add_subparsers(dest="stage", metavar="STAGE")
-    s = stages.add_parser("sft", help="fine-tune the demo's model on a chat set built here (recipe tiny_sft); "
-                          "exit 1 if held-out assistant-token loss did not go down")
-    s.add_argument("--run-dir", default=argparse.SUPPRESS, help="the demo's folder (default runs/demo): its "
-                   "pre-trained run is RUN_DIR/run, trained first by `olmax demo` when it is not finished")
-    s.add_argument("--from", dest="from_run", default=None, metavar="RUN_DIR",
-                   help="start from this pre-trained tiny run instead (nothing is pre-trained)")
-    s.add_argument("--out", default=None, help="where the chat set and the SFT run go (default RUN_DIR/sft)")
-    s.add_argument("--set", dest="sft_overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="overrides of recipe tiny_sft (--set before `sft` go to the pre-training)")
+    s = _stage(stages, "sft", "fine-tune the demo's model on a chat set built here (recipe tiny_sft); exit 1 if "
+               "held-out assistant-token loss did not go down", "the chat set and the SFT run", "tiny_sft")
     s.add_argument("--synthetic", type=int, default=3000,
                    help="'last word' and 'reverse the words' conversations to generate (half each)")
     s.add_argument("--max-doc", type=int, default=None, help="at most this many docstring conversations")
     s.add_argument("--check", type=int, default=200, help="held-out prompts answered to count exact answers")
     s.add_argument("--show", type=int, default=3, help="held-out prompts whose answers are printed")
     s.set_defaults(func=cmd_demo_sft)
-    s = stages.add_parser("rl", help="RL with verifiable rewards on a counting task after a short SFT warm start "
-                          "(recipes tiny_sft, tiny_rl); exit 1 unless held-out accuracy rose by 3 standard errors")
-    s.add_argument("--run-dir", default=argparse.SUPPRESS, help="the demo's folder (default runs/demo): its "
-                   "pre-trained run is RUN_DIR/run, trained first by `olmax demo` when it is not finished")
-    s.add_argument("--from", dest="from_run", default=None, metavar="RUN_DIR",
-                   help="start from this pre-trained tiny run instead (nothing is pre-trained)")
-    s.add_argument("--out", default=None, help="where the prompts, the warm start and the RL run go (default RUN_DIR/rl)")
-    s.add_argument("--set", dest="rl_overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="overrides of recipe tiny_rl (--set before `rl` go to the pre-training)")
+    s = _stage(stages, "rl", "RL with verifiable rewards on a counting task after a short SFT warm start (recipes "
+               "tiny_sft, tiny_rl); exit 1 unless held-out accuracy rose by 3 standard errors",
+               "the prompts, the warm start and the RL run", "tiny_rl")
     s.add_argument("--eval-prompts", type=positive_int, default=200, help="held-out prompts measured")
     s.add_argument("--samples", type=positive_int, default=8, help="samples per held-out prompt")
     s.add_argument("--prompts", type=positive_int, default=3000, help="counting prompts made (20%% held out)")
     s.add_argument("--sft-steps", type=positive_int, default=25, help="updates of the SFT warm start")
     s.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     s.set_defaults(func=cmd_demo_rl)
+
+
+def _stage(stages: argparse._SubParsersAction, name: str, help: str, outputs: str, recipe: str
+           ) -> argparse.ArgumentParser:
+    """A stage of ``olmax demo`` after pre-training, with the arguments every stage takes."""
+    s = stages.add_parser(name, help=help)
+    s.add_argument("--run-dir", default=argparse.SUPPRESS, help="the demo's folder (default runs/demo): its "
+                   "pre-trained run is RUN_DIR/run, trained first by `olmax demo` when it is not finished")
+    s.add_argument("--from", dest="from_run", default=None, metavar="RUN_DIR",
+                   help="start from this pre-trained tiny run instead (nothing is pre-trained)")
+    s.add_argument("--out", default=None, help=f"where {outputs} go (default RUN_DIR/{name})")
+    s.add_argument("--set", dest="stage_overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help=f"overrides of recipe {recipe} (--set before `{name}` go to the pre-training)")
+    return s
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -101,7 +102,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_demo_sft(args: argparse.Namespace) -> int:
     from olmax.demo_sft import run_demo_sft
     keep_freed_memory()
-    return run_demo_sft(args.run_dir, from_run=args.from_run, out=args.out, overrides=args.sft_overrides,
+    return run_demo_sft(args.run_dir, from_run=args.from_run, out=args.out, overrides=args.stage_overrides,
                         pretrain_overrides=args.overrides, corpus_mb=args.corpus_mb, synthetic=args.synthetic,
                         max_doc=args.max_doc, show=args.show, check=args.check)
 
@@ -109,6 +110,6 @@ def cmd_demo_sft(args: argparse.Namespace) -> int:
 def cmd_demo_rl(args: argparse.Namespace) -> int:
     from olmax.demo_rl import run_demo_rl
     keep_freed_memory()
-    return run_demo_rl(args.run_dir, from_run=args.from_run, out=args.out, overrides=args.rl_overrides,
+    return run_demo_rl(args.run_dir, from_run=args.from_run, out=args.out, overrides=args.stage_overrides,
                        pretrain_overrides=args.overrides, corpus_mb=args.corpus_mb, n_eval=args.eval_prompts,
                        k=args.samples, n=args.prompts, sft_steps=args.sft_steps, as_json=args.json)
