@@ -23,7 +23,6 @@ from olmax.rl.rollout import max_gap, updates_per_step
 from olmax.sharding import BatchPlan, activation_mesh, batch_sharding
 
 KEYS_2D = ("input_ids", "completion_mask", "old_logps", "gen_logps", "ref_logps")
-KEYS_1D = ("advantages", "row_valid")
 
 
 def loss_options(cfg: Config) -> grpo.GrpoLoss:
@@ -68,27 +67,19 @@ class RlStep:
         batch, rollout_metrics = item
         r = self.cfg.rl
         t0 = time.perf_counter()
-        put = (lambda k, v: jax.device_put(v, batch_sharding(self.mesh, np.ndim(v))))
-        dev = {k: put(k, v) for k, v in batch.items() if k in ("input_ids", "completion_mask", "gen_logps",
-                                                                "advantages", "row_valid", "generated_mask")}
+        put = (lambda v: jax.device_put(v, batch_sharding(self.mesh, np.ndim(v))))
+        dev = {k: put(batch[k]) for k in ("input_ids", "generated_mask", *self.keys) if k in batch}
         dev["old_logps"] = self._logps(params, dev["input_ids"], dev["generated_mask"])
         gap = max_gap(np.asarray(dev["old_logps"]), batch["gen_logps"], batch["generated_mask"])
         if self.reference is not None:
             dev["ref_logps"] = self._logps(self.reference, dev["input_ids"], dev["generated_mask"])
-        n = batch["input_ids"].shape[0]
-        size = n // r.num_mini_batches
-        rows = []
-        for _ in range(r.num_epochs):
-            for k in range(r.num_mini_batches):
-                mb = {key: dev[key][k * size:(k + 1) * size] if r.num_mini_batches > 1 else dev[key]
-                      for key in self.keys}
-                params, opt_state, m = self._update(params, opt_state, mb)
-                rows.append(m)
-        rows = jax.device_get(rows)
+        params, opt_state, rows = grpo.train_on_batch(params, opt_state, {k: dev[k] for k in self.keys},
+                                                      self._update, num_mini_batches=r.num_mini_batches,
+                                                      num_epochs=r.num_epochs)
         t_train = time.perf_counter() - t0
-        last = {k: float(v) for k, v in rows[-1].items()}
-        mean = (lambda k: float(np.mean([float(x[k]) for x in rows])))
-        metrics = {**last, "loss": mean("loss"), "grad_norm": last["grad_norm"],
+        last = rows[-1]
+        mean = (lambda k: float(np.mean([x[k] for x in rows])))
+        metrics = {**last, "loss": mean("loss"),
                    "rl/clip_fraction": mean("clip_fraction"), "rl/kl": mean("kl"), "rl/ratio_mean": mean("ratio_mean"),
                    "rl/trained_tokens": float(np.sum(batch["completion_mask"])),
                    "rl/max_logprob_gap": gap, "rl/time_training_s": t_train,
@@ -98,6 +89,6 @@ class RlStep:
         for k in ("clip_fraction", "kl", "ratio_mean", "tokens"):
             metrics.pop(k, None)
         # the loop checkpoints this step's state: any update skipped or non-finite counts
-        metrics["step_skipped"] = float(max(float(x["step_skipped"]) for x in rows))
-        metrics["nonfinite"] = float(max(float(x["nonfinite"]) for x in rows))
+        metrics["step_skipped"] = max(x["step_skipped"] for x in rows)
+        metrics["nonfinite"] = max(x["nonfinite"] for x in rows)
         return params, opt_state, metrics
