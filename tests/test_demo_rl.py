@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from olmax.demo_rl import (build_task_set, heldout_accuracy, mean_se, paired_gain, prompt_record, read_prompts,
-                           rl_overrides, sample_rewards, warm_start, write_prompts)
+from olmax.demo_rl import (build_task_set, heldout_accuracy, mean_se, paired_gain, preference_record, prompt_record,
+                           read_prompts, rl_overrides, sample_rewards, warm_start, write_prompts)
 
 
 def _prompts(recs: list[dict]) -> set[str]:
@@ -52,6 +52,18 @@ def test_prompt_files(tmp_path: Path) -> None:
     for line, r in zip(lines, held):
         assert [m["role"] for m in line["messages"]] == ["system", "user"]
         assert line["ground_truth"] == r["answer"] and set(line) == {"messages", "ground_truth"}
+
+
+def test_preference_pairs_reject_a_neighbouring_count() -> None:
+    import random
+    train, _ = build_task_set(300)
+    rng = random.Random(0)
+    pairs = [preference_record(r, rng) for r in train]
+    for r, p in zip(train, pairs):
+        assert p["prompt"] == prompt_record(r)["messages"] and p["chosen"] == r["answer"]
+        assert abs(int(p["rejected"]) - int(r["answer"])) == 1 and 2 <= int(p["rejected"]) <= 6
+    # both neighbours are used where both exist
+    assert {int(p["rejected"]) - int(p["chosen"]) for p in pairs if p["chosen"] == "4"} == {-1, 1}
 
 
 def test_standard_error_over_prompts() -> None:
@@ -104,17 +116,26 @@ def test_warm_start_and_heldout_accuracy(tmp_path: Path) -> None:
     g = sample_rewards(str(r["sft"]), prompts, k=5, temperature=0)
     assert g.shape == (6, 1)
 
-    # `olmax demo rl` with an RL stage that cannot help (lr 0): same weights, same draws, no gain,
-    # exit 1, and the figures on stdout as JSON (the warm start above is reused).
+    # `olmax demo rl` (SFT -> DPO -> RL) with an RL stage that cannot help (lr 0): RL keeps the DPO
+    # stage's weights, so the same draws and no gain, exit 1, and the figures on stdout as JSON (the
+    # warm start above is reused).
     import contextlib
     import io
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = main(["demo", "--run-dir", str(demo), "rl", "--prompts", "200", "--sft-steps", "3", "--set", "optim.lr=0",
+        rc = main(["demo", "--run-dir", str(demo), "rl", "--prompts", "200", "--sft-steps", "3", "--dpo-steps", "2",
+                   "--set", "optim.lr=0",
                    "--set", "train.steps=2", "--set", "rl.prompts_per_step=2", "--set", "train.global_batch_size=16",
                    "--eval-prompts", "6", "--samples", "3", "--json"])
     out = json.loads(buf.getvalue())
     assert rc == 1 and out["improved"] is False and out["rl_steps"] == 2
-    assert out["accuracy_after"] == out["accuracy_before"]
+    assert out["accuracy_after"] == out["accuracy_after_dpo"] and out["dpo_steps"] == 2
+    dpo = demo / "rl" / "dpo"
+    assert (dpo / "checkpoints" / "2").is_dir()
+    dcfg = get_recipe(str(dpo / "config.yaml"))
+    assert dcfg.train.objective == "dpo" and dcfg.train.init_from == f"olmax:{r['sft']}"
+    rcfg = get_recipe(str(demo / "rl" / "rl_run" / "config.yaml"))
+    assert rcfg.train.init_from == f"olmax:{dpo}"                            # RL starts from the DPO run
+    assert sum(1 for _ in open(demo / "rl" / "dpo_pairs.jsonl")) == len(train)
     assert 0 <= out["max_logprob_gap"] <= 1e-5
     assert {"accuracy_before_se", "accuracy_after_se", "greedy_before", "greedy_after"} <= set(out)

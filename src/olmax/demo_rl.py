@@ -1,5 +1,5 @@
-"""``olmax demo rl``, data and warm start: a verifiable task for the demo's tiny OLMo 3, an SFT
-warm start that leaves it partly right, and held-out accuracy with a standard error.
+"""``olmax demo rl``: a verifiable task for the demo's tiny OLMo 3, an SFT warm start that leaves
+it partly right, a DPO stage, RL, and held-out accuracy with a standard error after each.
 
 The task (``count``): "How many words: w1 ... wn" -> "n", with 2 to 6 distinct Python keywords
 and builtin names (``olmax.demo_sft``'s words; 29 of the 108 are several tokens of the demo's
@@ -44,6 +44,12 @@ policy on what it tells apart best, the shortest and longest lists (right in 87%
 samples after RL, 35% and 22% before), and answers the middle counts 3 and 4 with 2 and 6 more
 often than before. From 20 updates: 0.205 -> 0.359 (6.0 standard errors), greedy 0.440 -> 0.390;
 from 40, at lr 3e-4: 0.359 -> 0.425 (2.3), at lr 1e-3: 0.359 -> 0.404 (1.6).
+
+The DPO stage (:func:`dpo_stage`, between the warm start and RL; ``olmax demo rl --dpo-steps``)
+lowers the sampled accuracy on this task (measured 2026-12-01 from the same warm start, 0.260:
+10 updates at lr 1e-4 0.226, 40 updates 0.181, a uniformly drawn wrong count rejected 0.194,
+lr 1e-5 0.254): the chosen answer's log-probability falls with the rejected one while the
+margin grows. RL from the DPO run still rises by more than 3 standard errors (0.226 -> 0.356).
 """
 
 from __future__ import annotations
@@ -67,6 +73,11 @@ SFT_STEPS = 25            # tiny_sft updates of the warm start (16 packed 256-to
 EVAL_PROMPTS = 200        # held-out prompts measured
 EVAL_K = 8                # samples per prompt (the RL group size)
 # The RL stage as measured (recipe tiny_rl; see the module doc): prompts of 64-75 tokens.
+DPO_STEPS = 10           # tiny_dpo updates between the warm start and RL (0: none)
+# The DPO stage (recipe tiny_dpo: 8 pairs a step, lr 1e-4 with 4 warm-up steps then linear decay,
+# beta 5, length-normalised): one pair a train prompt, the right count chosen and a neighbouring
+# count rejected (delta learning: the warm start's usual mistake is a neighbouring count).
+DPO_SETTINGS = ("data.sequence_length=96",)
 RL_SETTINGS = ("rl.group_size=8", "rl.prompts_per_step=16", "train.global_batch_size=128", "train.steps=30",
                "optim.lr=3e-4", "data.sequence_length=96", "rl.max_prompt_length=88", "rl.max_response_length=8")
 
@@ -338,6 +349,45 @@ def warm_start(demo_dir: str | Path, *, from_run: str | None = None, out: str | 
             "seconds": time.perf_counter() - t0}
 
 
+def preference_record(rec: dict, rng: random.Random) -> dict:
+    """A DPO pair of a count record: the prompt, the right count chosen, a neighbouring count
+    (one more or one less, within 2..6) rejected."""
+    n = int(rec["answer"])
+    wrong = [m for m in (n - 1, n + 1) if 2 <= m <= 6]
+    return {"prompt": [m for m in rec["messages"] if m["role"] != "assistant"], "chosen": rec["answer"],
+            "rejected": str(rng.choice(wrong))}
+
+
+def dpo_stage(start: dict[str, Any], *, steps: int = DPO_STEPS, overrides: Sequence[str] = ()) -> Path:
+    """DPO from the warm start (recipe ``tiny_dpo``, the warm start as policy and reference) on
+    one :func:`preference_record` per train prompt, written to ``dpo_pairs.jsonl`` and tokenised
+    with ``olmax tokenize --chat --preference`` into ``dpo_pairs/`` beside the warm start's run;
+    the run is ``dpo/`` there (resumed, or reused when done). Returns the run directory."""
+    from olmax.data.chat import summary, tokenize_chat
+    from olmax.recipes import get_recipe
+    from olmax.train.loop import train
+
+    root = Path(start["sft"]).parent
+    pairs, folder = root / "dpo_pairs.jsonl", root / "dpo_pairs"
+    if not (folder / "manifest.json").is_file():
+        rng = random.Random(SEED)
+        records = [json.loads(line) for line in (Path(start["chat"]) / "train.jsonl").read_text().splitlines()]
+        pairs.write_text("".join(json.dumps(preference_record(r, rng)) + "\n" for r in records))
+        if folder.exists():  # an interrupted build
+            import shutil
+            shutil.rmtree(folder)
+        man = tokenize_chat([pairs], folder, tokenizer=start["tokenizer"], template="olmo3", preference=True,
+                            progress=False)
+        _log("tokenize --chat --preference " + summary(man, folder))
+    cfg = get_recipe("tiny_dpo", [f"data.preference_path={folder}", f"train.init_from=olmax:{start['sft']}",
+                                  f"train.steps={steps}", *DPO_SETTINGS, *overrides])
+    run = root / "dpo"
+    _log(f"DPO: recipe tiny_dpo, {cfg.train.steps} updates of {cfg.train.global_batch_size} pairs, lr "
+         f"{cfg.optim.lr:g}, beta {cfg.dpo.beta:g} ({cfg.dpo.loss}), from the warm start; run directory {run}")
+    train(cfg, run, progress=False)
+    return run
+
+
 def report_accuracy(model: Any, heldout_prompts: str | Path | Sequence[dict], *, n: int = EVAL_PROMPTS,
                     k: int = EVAL_K, seed: int = SEED, label: str = "", **kw: Any) -> dict[str, float]:
     """Held-out accuracy of the first ``n`` prompts: ``k`` samples at temperature 1.0 and greedy,
@@ -355,10 +405,10 @@ def report_accuracy(model: Any, heldout_prompts: str | Path | Sequence[dict], *,
     return res
 
 
-def rl_overrides(start: dict[str, Any]) -> list[str]:
-    """Overrides of recipe ``tiny_rl`` for RL from :func:`warm_start`'s result: the warm start's
-    weights, its train prompts and tokenizer, and :data:`RL_SETTINGS`."""
-    return [f"train.init_from=olmax:{start['sft']}", f"rl.prompts_path={start['train_prompts']}",
+def rl_overrides(start: dict[str, Any], init: str | Path | None = None) -> list[str]:
+    """Overrides of recipe ``tiny_rl`` for RL from :func:`warm_start`'s result: the weights of
+    ``init`` (default the warm start's), its train prompts and tokenizer, and :data:`RL_SETTINGS`."""
+    return [f"train.init_from=olmax:{init or start['sft']}", f"rl.prompts_path={start['train_prompts']}",
             f"rl.tokenizer={start['tokenizer']}", *RL_SETTINGS]
 
 
@@ -367,11 +417,14 @@ def rl_overrides(start: dict[str, Any]) -> list[str]:
 
 def run_demo_rl(demo_dir: str, *, from_run: str | None = None, out: str | None = None, overrides: Sequence[str] = (),
                 pretrain_overrides: Sequence[str] = (), corpus_mb: float = 12.0, n_eval: int = EVAL_PROMPTS,
-                k: int = EVAL_K, n: int = N_PROMPTS, sft_steps: int = SFT_STEPS, as_json: bool = False) -> int:
-    """``olmax demo rl``: the warm start, held-out accuracy, RL (recipe ``tiny_rl`` with
-    :func:`rl_overrides`, then ``overrides``), held-out accuracy again. Exit status 1 unless the
-    accuracy at temperature 1 rose by more than 3 standard errors (unpaired); ``as_json`` prints
-    the figures as one JSON object on stdout."""
+                k: int = EVAL_K, n: int = N_PROMPTS, sft_steps: int = SFT_STEPS, dpo_steps: int = DPO_STEPS,
+                as_json: bool = False) -> int:
+    """``olmax demo rl``: SFT -> DPO -> RL. The warm start, held-out accuracy, DPO
+    (:func:`dpo_stage`, ``dpo_steps`` updates; none when 0) and held-out accuracy again, RL
+    (recipe ``tiny_rl`` with :func:`rl_overrides` from the DPO run, then ``overrides``), held-out
+    accuracy at the end. Exit status 1 unless RL raised the accuracy at temperature 1 over its
+    own start by more than 3 standard errors (unpaired); ``as_json`` prints the figures as one
+    JSON object on stdout (``accuracy_before`` is the SFT start, ``accuracy_after`` the RL end)."""
     from olmax import jsonout
     from olmax.recipes import get_recipe
     from olmax.train.loop import train
@@ -381,29 +434,40 @@ def run_demo_rl(demo_dir: str, *, from_run: str | None = None, out: str | None =
                     n=n, steps=sft_steps)
     before = report_accuracy(ws["sft"], ws["heldout_prompts"], n=n_eval, k=k, label="after the SFT warm start",
                              tokenizer=ws["tokenizer"])
-    cfg = get_recipe("tiny_rl", [*rl_overrides(ws), *overrides])
+    init, start = ws["sft"], before
+    dpo = None
+    if dpo_steps:
+        init = dpo_stage(ws, steps=dpo_steps)
+        dpo = start = report_accuracy(str(init), ws["heldout_prompts"], n=n_eval, k=k, label="after DPO",
+                                      tokenizer=ws["tokenizer"])
+    cfg = get_recipe("tiny_rl", [*rl_overrides(ws, init), *overrides])
     run = Path(ws["sft"]).parent / "rl_run"
     _log(f"RL: recipe tiny_rl, {cfg.train.steps} steps of {cfg.rl.prompts_per_step} prompts x {cfg.rl.group_size} "
-         f"samples, lr {cfg.optim.lr:g}, reward {cfg.rl.reward}; run directory {run}")
+         f"samples, lr {cfg.optim.lr:g}, reward {cfg.rl.reward}, from {init}; run directory {run}")
     train(cfg, run)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     gaps = [r["rl/max_logprob_gap"] for r in rows if "rl/max_logprob_gap" in r]
     after = report_accuracy(str(run), ws["heldout_prompts"], n=n_eval, k=k, label="after RL",
                             tokenizer=ws["tokenizer"])
-    gain = after["accuracy"] - before["accuracy"]
-    se = math.sqrt(before["accuracy_se"] ** 2 + after["accuracy_se"] ** 2)
+    gain = after["accuracy"] - start["accuracy"]
+    se = math.sqrt(start["accuracy_se"] ** 2 + after["accuracy_se"] ** 2)
     ok = gain > 3 * se
     res = {"accuracy_before": before["accuracy"], "accuracy_after": after["accuracy"],
            "accuracy_before_se": before["accuracy_se"], "accuracy_after_se": after["accuracy_se"],
+           "accuracy_after_dpo": dpo["accuracy"] if dpo else None,
+           "accuracy_after_dpo_se": dpo["accuracy_se"] if dpo else None,
            "gain": gain, "gain_se": se, "greedy_before": before["greedy"], "greedy_after": after["greedy"],
            "greedy_before_se": before["greedy_se"], "greedy_after_se": after["greedy_se"],
+           "greedy_after_dpo": dpo["greedy"] if dpo else None, "dpo_steps": dpo_steps,
            "max_logprob_gap": max(gaps) if gaps else None, "rl_steps": len(rows), "prompts": before["prompts"],
            "samples_per_prompt": k, "improved": ok, "seconds": time.perf_counter() - t0}
-    _log(f"held-out accuracy at temperature 1: {before['accuracy']:.3f} +- {before['accuracy_se']:.3f} after SFT, "
-         f"{after['accuracy']:.3f} +- {after['accuracy_se']:.3f} after RL: {gain:+.3f} = {gain / se if se else 0:.1f} "
-         f"standard errors ({'improved' if ok else 'NOT improved by 3 standard errors'}); greedy "
-         f"{before['greedy']:.3f} -> {after['greedy']:.3f}; largest |generation - training| log-prob "
-         f"{res['max_logprob_gap']:.1e}; {res['seconds']:.0f} s")
+    chain = (f"{before['accuracy']:.3f} +- {before['accuracy_se']:.3f} after SFT, "
+             + (f"{dpo['accuracy']:.3f} +- {dpo['accuracy_se']:.3f} after DPO, " if dpo else "")
+             + f"{after['accuracy']:.3f} +- {after['accuracy_se']:.3f} after RL")
+    _log(f"held-out accuracy at temperature 1: {chain}; RL {gain:+.3f} = {gain / se if se else 0:.1f} standard errors "
+         f"({'improved' if ok else 'NOT improved by 3 standard errors'}); greedy {before['greedy']:.3f} -> "
+         + (f"{dpo['greedy']:.3f} -> " if dpo else "") + f"{after['greedy']:.3f}; largest |generation - training| "
+         f"log-prob {res['max_logprob_gap']:.1e}; {res['seconds']:.0f} s")
     if as_json:
         print(jsonout.dumps(res, indent=2))
     return 0 if ok else 1

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from olmax import keep_freed_memory
-from olmax.argtypes import positive_int
+from olmax.argtypes import nonneg_int, positive_int
 from olmax.recipes import add_recipe_args, get_recipe
 from olmax.train.distributed import initialise
 
@@ -47,13 +47,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--check", type=int, default=200, help="held-out prompts answered to count exact answers")
     s.add_argument("--show", type=int, default=3, help="held-out prompts whose answers are printed")
     s.set_defaults(func=cmd_demo_sft)
-    s = _stage(stages, "rl", "RL with verifiable rewards on a counting task after a short SFT warm start (recipes "
-               "tiny_sft, tiny_rl); exit 1 unless held-out accuracy rose by 3 standard errors",
-               "the prompts, the warm start and the RL run", "tiny_rl")
+    s = _stage(stages, "rl", "SFT -> DPO -> RL with verifiable rewards on a counting task: a short SFT warm start, a "
+               "short DPO stage, then RL (recipes tiny_sft, tiny_dpo, tiny_rl); exit 1 unless RL raised held-out "
+               "accuracy by 3 standard errors", "the prompts, the warm start, the DPO and the RL runs", "tiny_rl")
     s.add_argument("--eval-prompts", type=positive_int, default=200, help="held-out prompts measured")
     s.add_argument("--samples", type=positive_int, default=8, help="samples per held-out prompt")
     s.add_argument("--prompts", type=positive_int, default=3000, help="counting prompts made (20%% held out)")
     s.add_argument("--sft-steps", type=positive_int, default=25, help="updates of the SFT warm start")
+    s.add_argument("--dpo-steps", type=nonneg_int, default=10,
+                   help="DPO updates between the warm start and RL (0: straight from SFT to RL)")
     s.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     s.set_defaults(func=cmd_demo_rl)
 
@@ -112,4 +114,5 @@ def cmd_demo_rl(args: argparse.Namespace) -> int:
     keep_freed_memory()
     return run_demo_rl(args.run_dir, from_run=args.from_run, out=args.out, overrides=args.stage_overrides,
                        pretrain_overrides=args.overrides, corpus_mb=args.corpus_mb, n_eval=args.eval_prompts,
-                       k=args.samples, n=args.prompts, sft_steps=args.sft_steps, as_json=args.json)
+                       k=args.samples, n=args.prompts, sft_steps=args.sft_steps, dpo_steps=args.dpo_steps,
+                       as_json=args.json)
