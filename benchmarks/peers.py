@@ -8,8 +8,14 @@ lines); the median after the warm-up steps gives tokens/s, and the ratios olmax 
 printed, with each system's model FLOP/s (OLMo-core's formula) as a share of this machine's
 fp32 matmul peak measured in the same run. Run nothing else on the machine meanwhile.
 
-    .venv/bin/python benchmarks/peers.py [--sizes tiny,small,100m] [--systems olmax,olmo-core,maxtext]
-        [--steps N] [--warmup N] [--out DIR] [--json FILE]
+    .venv/bin/python benchmarks/peers.py [--sizes tiny,small,100m,...] [--systems olmax,olmo-core,maxtext]
+        [--repeats N] [--allocator kept|glibc|both] [--steps N] [--warmup N] [--out DIR] [--json FILE]
+
+Every size is run ``--repeats`` times per system (3 by default), interleaved: round r starts
+with the r-th system, so no system always runs first or last on a warming or loaded machine.
+The table gives each system's median tokens/s over its runs with the lowest and highest, and
+each ratio of medians with the range the runs' extremes allow. Every system runs with the same
+allocator choice (``--allocator``; see ``ALLOCATORS``), or with each choice in turn (``both``).
 
 OLMo-core (``ai2-olmo-core``, torch CPU) comes with the test install. MaxText needs Python
 3.12: the first run makes a venv in ``.peers/maxtext-venv`` (ignored by git; about 3 minutes,
@@ -34,19 +40,41 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 MAXTEXT = "maxtext[tpu]==0.2.5"
 
-# name: (layers, d_model, heads (x 64), mlp, vocab, window, sequence, batch, default steps)
+# name: (layers, d_model, heads, kv heads, head dim, mlp, vocab, window, sequence, batch, default steps)
 SIZES = {
-    "tiny": (4, 256, 4, 768, 512, 64, 256, 4, 40),
-    "small": (6, 512, 8, 1536, 8192, 128, 512, 4, 20),
-    "100m": (8, 768, 12, 2048, 50304, 256, 1024, 2, 12),
+    "tiny": (4, 256, 4, 4, 64, 768, 512, 64, 256, 4, 40),
+    "small": (6, 512, 8, 8, 64, 1536, 8192, 128, 512, 4, 20),
+    "100m": (8, 768, 12, 12, 64, 2048, 50304, 256, 1024, 2, 12),
+    # the shape the honest-figures issue measured outside the first three
+    "d384": (6, 384, 6, 6, 64, 1024, 512, 128, 512, 4, 20),
+    # grouped-query attention (4 query heads per key/value head, as the 32B's 40 / 8 = 5)
+    "gqa": (6, 512, 8, 2, 64, 1536, 8192, 128, 512, 4, 20),
+    # heads of 128 (the 7B's width per head)
+    "head128": (4, 512, 4, 4, 128, 1536, 8192, 256, 512, 4, 20),
+    # OLMo 3's own vocabulary size (100,278 padded to 100,352)
+    "vocab100k": (4, 256, 4, 4, 64, 768, 100352, 64, 256, 4, 20),
 }
 EOS, PAD = 0, 1
+# The allocator choice every system runs with. glibc's tunables set, for any process, what
+# `olmax.keep_freed_memory` sets with mallopt (one arena, no mmap'd blocks, never trim, grow the
+# heap 64 MiB at a time); olmax is told to leave glibc alone (OLMAX_MALLOC=system) so that all
+# three get the same settings the same way.
+ALLOCATORS = {
+    "kept": {"GLIBC_TUNABLES": "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:"
+                               f"glibc.malloc.trim_threshold={1 << 62}:glibc.malloc.top_pad={64 << 20}"},
+    "glibc": {},  # glibc's defaults
+}
 
 
 def shape(size: str) -> dict:
-    L, d, h, mlp, vocab, window, seq, batch, steps = SIZES[size]
-    return dict(layers=L, d=d, heads=h, head_dim=64, mlp=mlp, vocab=vocab, window=window, seq=seq, batch=batch,
-                steps=steps)
+    L, d, h, kv, hd, mlp, vocab, window, seq, batch, steps = SIZES[size]
+    return dict(layers=L, d=d, heads=h, kv_heads=kv, head_dim=hd, mlp=mlp, vocab=vocab, window=window, seq=seq,
+                batch=batch, steps=steps)
+
+
+def allocator_env(allocator: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    return dict(env, OLMAX_MALLOC="system", **ALLOCATORS[allocator])
 
 
 def write_tokens(path: Path, vocab: int, n: int) -> None:
@@ -63,7 +91,7 @@ def write_tokens(path: Path, vocab: int, n: int) -> None:
 def olmax_overrides(s: dict, tokens: Path) -> list[str]:
     return [f"data.paths={tokens}", "data.dtype=uint32", f"data.eos_token_id={EOS}", f"data.pad_token_id={PAD}",
             f"model.vocab_size={s['vocab']}", f"model.padded_vocab_size={s['vocab']}", f"model.d_model={s['d']}",
-            f"model.n_layers={s['layers']}", f"model.n_heads={s['heads']}", f"model.n_kv_heads={s['heads']}",
+            f"model.n_layers={s['layers']}", f"model.n_heads={s['heads']}", f"model.n_kv_heads={s['kv_heads']}",
             f"model.head_dim={s['head_dim']}", f"model.mlp_hidden={s['mlp']}", f"model.sliding_window={s['window']}",
             f"data.sequence_length={s['seq']}", f"train.global_batch_size={s['batch']}", f"train.steps={s['steps']}",
             "train.log_interval=1", "checkpoint.interval=1000000", "eval.heldout_paths="]
@@ -81,13 +109,13 @@ def _run(cmd: list[str], log: Path, env: dict | None = None, cwd: Path | None = 
         raise PeerUnavailable(f"exited {r.returncode}; last lines of {log}:\n{tail}")
 
 
-def run_olmax(s: dict, tokens: Path, out: Path) -> list[float]:
+def run_olmax(s: dict, tokens: Path, out: Path, env: dict) -> list[float]:
     run = out / "olmax"
     shutil.rmtree(run, ignore_errors=True)
     cmd = [sys.executable, "-m", "olmax.cli", "train", "tiny", "--run-dir", str(run), "--no-progress"]
     for o in olmax_overrides(s, tokens):
         cmd += ["--set", o]
-    _run(cmd, out / "olmax.log")
+    _run(cmd, out / "olmax.log", env=env)
     tok = s["seq"] * s["batch"]
     times = {}
     for line in open(run / "metrics.jsonl"):
@@ -97,7 +125,7 @@ def run_olmax(s: dict, tokens: Path, out: Path) -> list[float]:
     return [times[k] for k in sorted(times)]
 
 
-def run_olmo_core(s: dict, tokens: Path, out: Path) -> list[float]:
+def run_olmo_core(s: dict, tokens: Path, out: Path, env: dict) -> list[float]:
     try:
         import olmo_core  # noqa: F401
     except ImportError as e:
@@ -106,7 +134,7 @@ def run_olmo_core(s: dict, tokens: Path, out: Path) -> list[float]:
     cmd = [sys.executable, __file__, "--_olmo-core-worker", json.dumps({"shape": s, "tokens": str(tokens),
                                                                          "work": str(out / "olmo_core"),
                                                                          "result": str(res)})]
-    _run(cmd, out / "olmo_core.log")
+    _run(cmd, out / "olmo_core.log", env=env)
     return json.load(open(res))
 
 
@@ -151,7 +179,7 @@ def maxtext_venv(venv: Path) -> Path:
 _MT_STEP = re.compile(r"completed step: (\d+), seconds: ([\d.]+)")
 
 
-def run_maxtext(s: dict, tokens: Path, out: Path, venv: Path) -> list[float]:
+def run_maxtext(s: dict, tokens: Path, out: Path, venv: Path, env: dict) -> list[float]:
     py = maxtext_venv(venv)
     work = out / "maxtext"
     shutil.rmtree(work, ignore_errors=True)
@@ -161,7 +189,7 @@ def run_maxtext(s: dict, tokens: Path, out: Path, venv: Path) -> list[float]:
           "read_raw_metadata_from_path\nbuild_index([(sys.argv[1], 'bench')], int(sys.argv[2]), tokenizer='none', "
           "header_reader=lambda p: read_raw_metadata_from_path(p, 'uint32')).save(sys.argv[3])",
           str(tokens), str(s["seq"]), str(index)], out / "maxtext_index.log")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", DECOUPLE_GCLOUD="TRUE", PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="1")
+    env = dict(env, JAX_PLATFORMS="cpu", DECOUPLE_GCLOUD="TRUE", PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="1")
     env.pop("PYTHONPATH", None)
     log = out / "maxtext.log"
     # MaxText's olmo3 decoder block shrunk to the shape, fp32, its own grain reader of OLMo token files.
@@ -169,7 +197,7 @@ def run_maxtext(s: dict, tokens: Path, out: Path, venv: Path) -> list[float]:
           "hardware=cpu", "skip_jax_distributed_system=true", "dataset_type=olmo_grain",
           f"olmo_index_path={index}", "olmo_apply_ngram_filter=False", "model_name=olmo3-7b-pt",
           "override_model_config=true", f"base_num_decoder_layers={s['layers']}", f"base_emb_dim={s['d']}",
-          f"base_num_query_heads={s['heads']}", f"base_num_kv_heads={s['heads']}", f"head_dim={s['head_dim']}",
+          f"base_num_query_heads={s['heads']}", f"base_num_kv_heads={s['kv_heads']}", f"head_dim={s['head_dim']}",
           f"base_mlp_dim={s['mlp']}", f"vocab_size={s['vocab']}", f"max_target_length={s['seq']}",
           f"per_device_batch_size={s['batch']}", f"steps={s['steps']}", "learning_rate=3e-4", "dtype=float32",
           "weight_dtype=float32", "remat_policy=minimal_with_context", f"sliding_window_size={s['window']}",
@@ -180,12 +208,22 @@ def run_maxtext(s: dict, tokens: Path, out: Path, venv: Path) -> list[float]:
     return [steps[k] for k in sorted(steps)]
 
 
+def _stats(tps: list[float]) -> dict:
+    med = statistics.median(tps)
+    return {"tokens_per_s": med, "runs": tps, "min": min(tps), "max": max(tps), "spread": (max(tps) - min(tps)) / med}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="tiny,small,100m", help=f"comma-separated, of {', '.join(SIZES)}")
+    ap.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
     ap.add_argument("--systems", default="olmax,olmo-core,maxtext")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default: per size)")
     ap.add_argument("--warmup", type=int, default=None, help="steps left out of the median (default: a quarter)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs per system and size, interleaved (each round starts with the next system)")
+    ap.add_argument("--allocator", choices=("kept", "glibc", "both"), default="kept",
+                    help="kept: every system with glibc tuned to keep freed memory (olmax's own choice, set the "
+                         "same way for all through GLIBC_TUNABLES); glibc: glibc's defaults for all; both: each")
     ap.add_argument("--out", default=str(REPO / "runs" / "peers"))
     ap.add_argument("--maxtext-venv", default=str(REPO / ".peers" / "maxtext-venv"))
     ap.add_argument("--json", default=None, help="also write the table here")
@@ -199,14 +237,21 @@ def main(argv: list[str] | None = None) -> int:
     bad = [x for x in sizes if x not in SIZES] + [x for x in systems if x not in ("olmax", "olmo-core", "maxtext")]
     if bad:
         ap.error(f"unknown size or system: {', '.join(bad)}")
+    if a.repeats < 1:
+        ap.error(f"--repeats {a.repeats}: at least 1")
+    allocators = ["kept", "glibc"] if a.allocator == "both" else [a.allocator]
     out_root = Path(a.out).resolve()  # the peers run in other working directories
     # Measured in a child process: a JAX runtime idling in this one would share the cores.
     peak = float(subprocess.run([sys.executable, "-c", "import olmax, sys; sys.path.insert(0, sys.argv[1]); "
                                  "from bench_train import matmul_peak; print(matmul_peak())", str(Path(__file__).parent)],
                                 capture_output=True, text=True, check=True).stdout.split()[-1])
     print(f"peers benchmark, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, fp32 matmul peak "
-          f"{peak / 1e9:.0f} GFLOP/s; load average before: {os.getloadavg()[0]:.2f}", flush=True)
-    rows = [{"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "matmul_peak_flops": peak}]
+          f"{peak / 1e9:.0f} GFLOP/s; load average before: {os.getloadavg()[0]:.2f}; {a.repeats} interleaved "
+          f"run(s) per system, allocator {' and '.join(allocators)}", flush=True)
+    rows = [{"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "matmul_peak_flops": peak,
+             "repeats": a.repeats, "allocators": allocators}]
+    from olmax.metrics.flops import flops_per_token
+    from olmax.recipes import get_recipe
     for size in sizes:
         s = shape(size)
         if a.steps:
@@ -219,46 +264,57 @@ def main(argv: list[str] | None = None) -> int:
         tokens = out / "tokens.u32"
         write_tokens(tokens, s["vocab"], max(2_000_000, 4 * s["steps"] * s["seq"] * s["batch"]))
         tok = s["seq"] * s["batch"]
-        from olmax.metrics.flops import flops_per_token
-        from olmax.recipes import get_recipe
         fl_tok = flops_per_token(get_recipe("tiny", olmax_overrides(s, tokens)).model, s["seq"])["total"]
-        desc = (f"{size}: {s['layers']} layers, d_model {s['d']}, {s['heads']} heads x 64, MLP {s['mlp']}, "
-                f"vocab {s['vocab']}, window {s['window']}, sequence {s['seq']}, batch {s['batch']} "
-                f"({tok} tokens/step), {s['steps']} steps, median after {warm}")
-        print(desc, flush=True)
-        result = {"size": size, "shape": s, "warmup": warm}
-        for name in systems:
-            t0 = time.perf_counter()
-            try:
-                if name == "olmax":
-                    times = run_olmax(s, tokens, out)
-                elif name == "olmo-core":
-                    times = run_olmo_core(s, tokens, out)
-                else:
-                    times = run_maxtext(s, tokens, out, Path(a.maxtext_venv))
-            except PeerUnavailable as e:
-                print(f"  {name:10s} cannot run: {e}", flush=True)
-                result[name] = None
-                continue
-            after = times[warm:]
-            if not after:
-                print(f"  {name:10s} reported only {len(times)} step times", flush=True)
-                result[name] = None
-                continue
-            med = statistics.median(after)
-            share = tok / med * fl_tok / peak
-            result[name] = {"median_step_s": med, "tokens_per_s": tok / med, "of_matmul_peak": share,
-                            "wall_s": time.perf_counter() - t0}
-            print(f"  {name:10s} median step {med:8.4f} s  {tok / med:10.0f} tokens/s  {share:5.2f} of peak  "
-                  f"(run {time.perf_counter() - t0:.0f} s)", flush=True)
-        if result.get("olmax"):
+        print(f"{size}: {s['layers']} layers, d_model {s['d']}, {s['heads']} heads ({s['kv_heads']} kv) x "
+              f"{s['head_dim']}, MLP {s['mlp']}, vocab {s['vocab']}, window {s['window']}, sequence {s['seq']}, "
+              f"batch {s['batch']} ({tok} tokens/step), {s['steps']} steps, median after {warm}", flush=True)
+        result: dict = {"size": size, "shape": s, "warmup": warm}
+        tps: dict[tuple[str, str], list[float]] = {(n, al): [] for n in systems for al in allocators}
+        down: dict[str, str] = {}
+        for rep in range(a.repeats):
+            k = rep % len(systems)
+            for al in allocators:
+                env = allocator_env(al)
+                for name in systems[k:] + systems[:k]:
+                    if name in down:
+                        continue
+                    t0 = time.perf_counter()
+                    try:
+                        if name == "olmax":
+                            times = run_olmax(s, tokens, out, env)
+                        elif name == "olmo-core":
+                            times = run_olmo_core(s, tokens, out, env)
+                        else:
+                            times = run_maxtext(s, tokens, out, Path(a.maxtext_venv), env)
+                        if not times[warm:]:
+                            raise PeerUnavailable(f"reported only {len(times)} step times")
+                    except PeerUnavailable as e:
+                        print(f"  {name:10s} cannot run: {e}", flush=True)
+                        down[name] = str(e)
+                        continue
+                    med = statistics.median(times[warm:])
+                    tps[(name, al)].append(tok / med)
+                    print(f"  run {rep + 1}/{a.repeats} {name:10s} [{al}] median step {med:8.4f} s  "
+                          f"{tok / med:10.0f} tokens/s  (run {time.perf_counter() - t0:.0f} s)", flush=True)
+        for al in allocators:
+            res = {n: _stats(tps[(n, al)]) if tps[(n, al)] else None for n in systems}
+            for n, r in res.items():
+                if r:
+                    r["of_matmul_peak"] = r["tokens_per_s"] * fl_tok / peak
+                    print(f"  {n:10s} [{al}] median {r['tokens_per_s']:8.0f} tokens/s over {len(r['runs'])} run(s), "
+                          f"{r['min']:.0f} to {r['max']:.0f} ({100 * r['spread']:.1f}% spread), "
+                          f"{r['of_matmul_peak']:.2f} of peak", flush=True)
+            mine = res.get("olmax")
             for peer in ("olmo-core", "maxtext"):
-                if result.get(peer):
-                    result[f"olmax/{peer}"] = result["olmax"]["tokens_per_s"] / result[peer]["tokens_per_s"]
-            ratios = "  ".join(f"olmax/{p} {result[f'olmax/{p}']:.2f}x" for p in ("olmo-core", "maxtext")
-                               if f"olmax/{p}" in result)
-            if ratios:
-                print(f"  {ratios}", flush=True)
+                other = res.get(peer)
+                if mine and other:
+                    res[f"olmax/{peer}"] = {"median": mine["tokens_per_s"] / other["tokens_per_s"],
+                                            "low": mine["min"] / other["max"], "high": mine["max"] / other["min"]}
+                    q = res[f"olmax/{peer}"]
+                    print(f"  olmax/{peer} [{al}] {q['median']:.2f}x (medians; {q['low']:.2f}x to {q['high']:.2f}x "
+                          f"over the runs' extremes)", flush=True)
+            result[al] = res
+        result["unavailable"] = down
         rows.append(result)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=2))

@@ -216,7 +216,7 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
     report: dict[str, Any] = {
         "recipe": cfg.name, "topology": topology.name, "slices": topology.slices,
         "device_kind": devices[0].device_kind, "devices": len(devices), "chips": topology.chips,
-        "mesh": sizes, "plan": dataclasses.asdict(plan), "hbm_gib": topology.family.hbm_gib,
+        "mesh": sizes, "plan": dataclasses.asdict(plan), "sequence_length": L, "hbm_gib": topology.family.hbm_gib,
         "attention": cfg.model.attention_impl, "remat": cfg.model.remat, "scan_layers": cfg.model.scan_layers,
         "logits_chunk": cfg.model.logits_chunk, "compute_dtype": cfg.model.compute_dtype,
     }
