@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from peers import maxtext_env
 
 REPO = Path(__file__).resolve().parents[1]
 GiB = 1024**3
@@ -38,7 +39,7 @@ TARGETS = [
     ("olmo3_7b_think_rl", "v5p-128"), ("olmo3_7b_instruct_rl", "v5p-128"),
 ]
 # MaxText's model configs for our recipes' models, and the rows compared with MaxText's step.
-MAXTEXT_MODEL = {"olmo3_7b_stage1": "olmo3-7b-pt", "olmo3_7b_stage2": "olmo3-7b-pt", "olmo3_32b": "olmo3-32b"}
+MAXTEXT_MODEL = {"olmo3_7b_stage1": "olmo3-7b-pt", "olmo3_32b": "olmo3-32b"}
 MAXTEXT_ROWS = [("olmo3_7b_stage1", "v5p-128"), ("olmo3_32b", "v5p-512")]
 UNBATCHED_ROWS = [("olmo3_7b_stage1", "v5p-128")]
 UNBATCHED = ["--set", "train.micro_batch_size=null", "--set", "train.max_micro_batch_size=null"]
@@ -67,14 +68,12 @@ def maxtext_compile(venv: Path, model: str, topology: str, micro_batch: int, acc
     ``seq`` tokens per chip in ``accum_steps`` micro-batches (its defaults otherwise: remat full,
     scanned layers, bf16 compute); per-chip GiB from XLA's memory analysis, counted as olmax's."""
     with tempfile.TemporaryDirectory() as out:
-        env = dict(os.environ, JAX_PLATFORMS="cpu", DECOUPLE_GCLOUD="TRUE", TF_CPP_MIN_LOG_LEVEL="1")
-        env.pop("PYTHONPATH", None)
         cmd = [str(venv / "bin" / "python"), "-m", "maxtext.trainers.pre_train.train_compile", "run_name=aot",
                f"base_output_directory={out}", f"compile_topology={topology}", "compile_topology_num_slices=1",
                f"model_name={model}", f"per_device_batch_size={micro_batch}",
                f"gradient_accumulation_steps={accum_steps}", f"max_target_length={seq}", "dataset_type=synthetic"]
         t0 = time.perf_counter()
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=out)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=maxtext_env(), cwd=out)
     m = _STATS.search(r.stdout + r.stderr)
     if r.returncode != 0 or m is None:
         raise RuntimeError(f"MaxText train_compile {model} {topology} per_device_batch_size={micro_batch} "
@@ -94,7 +93,7 @@ def maxtext_available(venv: Path) -> str | None:
     if not py.exists():
         return f"no MaxText venv at {venv} (make bench-peers installs one)"
     r = subprocess.run([str(py), "-c", "import maxtext.trainers.pre_train.train_compile"], capture_output=True,
-                       text=True, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+                       text=True, env=maxtext_env())
     return None if r.returncode == 0 else f"MaxText does not import from {venv}: {r.stderr.strip()[-300:]}"
 
 

@@ -176,6 +176,15 @@ def maxtext_venv(venv: Path) -> Path:
     return py
 
 
+def maxtext_env(base: dict | None = None) -> dict:
+    """The environment MaxText runs in, from ``base`` (default this process's): JAX on the CPU, no
+    Google Cloud lookups, and none of olmax's ``PYTHONPATH`` (MaxText has its own venv)."""
+    env = dict(os.environ if base is None else base, JAX_PLATFORMS="cpu", DECOUPLE_GCLOUD="TRUE",
+               PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="1")
+    env.pop("PYTHONPATH", None)
+    return env
+
+
 _MT_STEP = re.compile(r"completed step: (\d+), seconds: ([\d.]+)")
 
 
@@ -189,8 +198,7 @@ def run_maxtext(s: dict, tokens: Path, out: Path, venv: Path, env: dict) -> list
           "read_raw_metadata_from_path\nbuild_index([(sys.argv[1], 'bench')], int(sys.argv[2]), tokenizer='none', "
           "header_reader=lambda p: read_raw_metadata_from_path(p, 'uint32')).save(sys.argv[3])",
           str(tokens), str(s["seq"]), str(index)], out / "maxtext_index.log")
-    env = dict(env, JAX_PLATFORMS="cpu", DECOUPLE_GCLOUD="TRUE", PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="1")
-    env.pop("PYTHONPATH", None)
+    env = maxtext_env(env)
     log = out / "maxtext.log"
     # MaxText's olmo3 decoder block shrunk to the shape, fp32, its own grain reader of OLMo token files.
     _run([str(py), "-m", "maxtext.trainers.pre_train.train", "run_name=bench", f"base_output_directory={work / 'out'}",
