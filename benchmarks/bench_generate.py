@@ -65,7 +65,7 @@ def main() -> None:
 
     from olmax.checkpoint.load import load_params
     from olmax.compat.hf import random_hf_model
-    from olmax.model.decode import cache_bytes
+    from olmax.model.decode import cache_bytes, prefill
     from olmax.model.generate import Generator, Sampling, generate
     from transformers import Olmo3ForCausalLM
 
@@ -124,7 +124,7 @@ def main() -> None:
     for batch, length in ((1, 192), (8, 192), (8, 1024)):
         reported = cache_bytes(m, batch, length)
         # The arrays a prefill returns, by shape and dtype (traced, not compiled or run).
-        _, cache = jax.eval_shape(partial(gen._prefill, max_length=length), gen.prepared,
+        _, cache = jax.eval_shape(partial(prefill, cfg=m, max_length=length), gen.weights(batch),
                                   jnp.zeros((batch, PROMPT), jnp.int32), jnp.full((batch,), PROMPT, jnp.int32))
         held = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(cache))
         want = formula_bytes(m, batch, length)

@@ -14,6 +14,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from olmax.config import ModelConfig
@@ -107,3 +108,40 @@ def test_sharded_decoding_equals_one_device() -> None:
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["same"] == [True, True, True]
     assert out["lp"] <= 1e-5
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 40])
+def test_streamed_weights_equal_the_plain_matmul(rows: int) -> None:
+    """``OutIn`` (a weight stored [out, in] for the CPU's decode steps) gives x @ w for one row
+    (the plain matrix-vector layout is not used here: this checks the [out, in] contraction), a
+    few rows (multiply-and-reduce) and many (contraction of the last axes), to fp32 rounding."""
+    from olmax.model.olmo3 import OutIn
+    kx, kw = jax.random.split(jax.random.key(rows))
+    x = jax.random.normal(kx, (rows, 1, 96))
+    w = jax.random.normal(kw, (96, 40))
+    got = jax.jit(lambda x, t: OutIn(t).apply(x))(x, w.T)
+    assert got.shape == (rows, 1, 40) and got.dtype == x.dtype
+    np.testing.assert_allclose(np.asarray(got), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
+
+
+def test_streamed_decode_compiles_to_ynnpack_and_switches_layout(monkeypatch) -> None:
+    """The streamed form is fast only because XLA CPU hands its multiply-and-reduce to YNNPACK
+    (its own reduction loop ran 15x to 70x slower): if a jax upgrade stops doing so, this fails.
+    The generator keeps one copy of the weights, in the layout of the batch it runs, and the
+    tokens do not depend on it; XLA_FLAGS that set YNNPACK's fusion types keep the plain one."""
+    from olmax.model.decode import streams
+    from olmax.model.olmo3 import OutIn
+    hlo = jax.jit(lambda x, t: OutIn(t).apply(x)).lower(jnp.zeros((8, 1, 512)), jnp.zeros((1024, 512))).compile().as_text()
+    assert "__ynn_fusion" in hlo and "reduce(" in hlo
+    params = init_params(TINY, jax.random.key(0))
+    gen = Generator(params, TINY, Sampling())
+    assert not isinstance(gen.prepared["lm_head"], OutIn)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    alone = [generate(params, TINY, [p], max_new_tokens=6, generator=gen)[0].token_ids for p in prompts]
+    assert not isinstance(gen.prepared["lm_head"], OutIn)
+    together = [c.token_ids for c in generate(params, TINY, prompts, max_new_tokens=6, generator=gen)]
+    assert isinstance(gen.prepared["lm_head"], OutIn) and together == alone
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=")
+    assert streams(8) is False
+    monkeypatch.delenv("XLA_FLAGS")
+    assert streams(8) is True and streams(1) is False

@@ -57,18 +57,21 @@ def resolve_impl(requested: str, dtype: jnp.dtype | None = None, platform: str |
     return "blocked"
 
 
-def _masked_softmax_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """softmax(q k^T / sqrt(e)) v in fp32 over the keys ``mask`` [t, s] or [b, t, s] allows."""
+def _masked_softmax_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                              head_major: bool = False) -> jax.Array:
+    """softmax(q k^T / sqrt(e)) v in fp32 over the keys ``mask`` [t, s] or [b, t, s] allows.
+    Keys and values are [b, s, kv_heads, e], or [b, kv_heads, s, e] when ``head_major``."""
     b, t, h, e = q.shape
-    kv = k.shape[2]
+    kv = k.shape[1 if head_major else 2]
     g = h // kv
     qg = q.reshape(b, t, kv, g, e)
-    scores = jnp.einsum("btkge,bske->bkgts", qg, k, preferred_element_type=jnp.float32)
+    keys = "bkse" if head_major else "bske"
+    scores = jnp.einsum(f"btkge,{keys}->bkgts", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (e ** -0.5)
     mask = mask[None, None, None] if mask.ndim == 2 else mask[:, None, None]
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bske->btkge", probs, v, preferred_element_type=jnp.float32)
+    out = jnp.einsum(f"bkgts,{keys}->btkge", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, e).astype(q.dtype)
 
 
@@ -82,11 +85,12 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | 
 
 
 def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array,
-                    window: int | None) -> jax.Array:
+                    window: int | None, head_major: bool = False) -> jax.Array:
     """Queries at positions ``q_pos`` [b, t] over cached keys at ``k_pos`` [b, s] (slots in any
     order, -1 for empty ones): the decode step's attention. Exact, as ``reference_attention``;
-    the [t, s] scores are small (t is 1 while decoding)."""
-    return _masked_softmax_attention(q, k, v, position_mask(q_pos, k_pos, window))
+    the [t, s] scores are small (t is 1 while decoding). ``head_major``: keys and values are
+    [b, kv_heads, s, e] (the CPU's cache layout, ``olmax.model.decode``)."""
+    return _masked_softmax_attention(q, k, v, position_mask(q_pos, k_pos, window), head_major)
 
 
 def cpu_block_size(t: int) -> int:

@@ -15,11 +15,13 @@ nothing older (transformers keeps window - 1 per sliding layer). Slots are not i
 order, so the keys carry their positions and attention masks by position (``cache_attention``).
 Prompts are right-padded to one length with ``lengths`` per row; padding never enters a slot
 that a query can see. The cache is in the compute dtype and sharded like the activations
-(batch over the data axes, kv heads over ``tensor``).
+(batch over the data axes, kv heads over ``tensor``). On the CPU the stacks are head-major,
+[.., b, kv_heads, S, e] (``head_major``).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -28,10 +30,23 @@ import jax.numpy as jnp
 from olmax.config import ModelConfig
 from olmax.model.attention import attend, cache_attention, target_platform
 from olmax.model.layers import rms_norm
-from olmax.model.olmo3 import embed, join_projections, lm_head, rope_tables, run_layers, stack_layers
+from olmax.model.olmo3 import OutIn, embed, join_projections, lm_head, rope_tables, run_layers, stack_layers
 from olmax.sharding import constrain
 
 STACK_AXES = ("cache_stack", "batch", "length", "act_kv_heads", "head_dim")
+HEAD_MAJOR_AXES = ("cache_stack", "batch", "act_kv_heads", "length", "head_dim")
+
+
+def head_major() -> bool:
+    """Whether the cache is [.., b, kv_heads, S, e] (the CPU) rather than [.., b, S, kv_heads,
+    e]. The decode step's attention contracts each head's keys; from slot-major keys XLA CPU
+    first copied every layer's whole cache into head-major order, on every token (16 transposing
+    copies, about a third of a batch-8 decode step of the benchmark's model)."""
+    return target_platform() == "cpu"
+
+
+def _axes() -> tuple[str, ...]:
+    return HEAD_MAJOR_AXES if head_major() else STACK_AXES
 
 
 def _kind(cfg: ModelConfig, full: bool) -> str:
@@ -57,11 +72,21 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_length: int, dtype: Any = None
     return kv + 4 * batch * (sum(s.values()) + 1)
 
 
-def prepare(params: Any, cfg: ModelConfig) -> dict[str, Any]:
+def streams(rows: int) -> bool:
+    """Whether a batch of ``rows`` decodes with streamed weights (``prepare(streamed=True)``,
+    ``relayout``): on the CPU from 2 rows up (``olmax.model.olmo3.OutIn``). Its speed is
+    YNNPACK's: XLA CPU hands the multiply-and-reduce to it under jax's default fusion settings
+    (``tests/test_decode.py`` checks that it does); where ``XLA_FLAGS`` sets the YNNPACK fusion
+    types, XLA's own reduction loop ran it 15x to 70x slower, so the plain layout is kept."""
+    return rows >= 2 and target_platform() == "cpu" and "ynn_fusion_type" not in os.environ.get("XLA_FLAGS", "")
+
+
+def prepare(params: Any, cfg: ModelConfig, streamed: bool = False) -> dict[str, Any]:
     """The parameters as the decode loop reads them: layers stacked for the scan and cast to the
     compute dtype once, and on the CPU q/k/v and gate/up joined (``join_projections``): the
     training forward does both inside every step, which in a decode step would copy every weight
-    once per token."""
+    once per token. ``streamed`` (CPU only): every projection and the LM head stored ``[out,
+    in]`` as ``OutIn``, the layout a decode step of a few rows reads fastest (``streams``)."""
     cpu = target_platform() == "cpu"
     # On the CPU the layers run unrolled: inside a scan XLA CPU copies each layer's weights out of
     # the stack on every step (a 3.7x slower decode step at d 512 x 8 layers); TPUs and GPUs read
@@ -69,8 +94,28 @@ def prepare(params: Any, cfg: ModelConfig) -> dict[str, Any]:
     layers = stack_layers(params, cfg, unrolled=cpu)
     if cpu:
         layers = {part: [join_projections(layer) for layer in ls] for part, ls in layers.items()}
-    return {"embed": params["embed"], "final_norm": params["final_norm"], "lm_head": params["lm_head"],
-            "layers": layers}
+    out = {"embed": params["embed"], "final_norm": params["final_norm"], "lm_head": params["lm_head"],
+           "layers": layers}
+    return relayout(out, cfg, True) if streamed else out
+
+
+def relayout(prepared: dict, cfg: ModelConfig, streamed: bool) -> dict:
+    """CPU ``prepare``d weights in the other layout: every 2-D projection of the (joined,
+    unrolled) layers and the LM head as ``OutIn`` (``streamed``) or back to ``[in, out]``. A
+    transpose, exact either way; the LM head goes to the compute dtype, as every step casts it."""
+    if target_platform() != "cpu":
+        raise ValueError("streamed decode weights are a CPU layout")
+
+    def one(w: Any) -> Any:
+        if streamed:
+            return OutIn(w.T) if not isinstance(w, OutIn) and w.ndim == 2 else w
+        return w.t.T if isinstance(w, OutIn) else w
+
+    layers = {part: [{**layer, **{block: {n: one(w) for n, w in layer[block].items()} for block in ("attn", "mlp")}}
+                     for layer in ls] for part, ls in prepared["layers"].items()}
+    head = prepared["lm_head"]
+    head = one(head.astype(jnp.dtype(cfg.compute_dtype)) if not isinstance(head, OutIn) else head)
+    return {**prepared, "lm_head": head, "layers": layers}
 
 
 def slot_positions(lengths: jax.Array, n_slots: int) -> jax.Array:
@@ -83,7 +128,7 @@ def slot_positions(lengths: jax.Array, n_slots: int) -> jax.Array:
 
 def _update(stack: dict, index: jax.Array, entry: dict) -> dict:
     """``stack`` with layer ``index`` set to ``entry`` (in place inside the scan's carry)."""
-    return {name: constrain(jax.lax.dynamic_update_index_in_dim(stack[name], entry[name], index, 0), STACK_AXES)
+    return {name: constrain(jax.lax.dynamic_update_index_in_dim(stack[name], entry[name], index, 0), _axes())
             for name in ("k", "v")}
 
 
@@ -94,8 +139,10 @@ def empty_cache(cfg: ModelConfig, prepared: dict, batch: int, max_length: int) -
     groups = jax.tree.leaves(prepared["layers"]["groups"])[0].shape[0] if period else 0
 
     def stack(count: int, layer: int) -> dict:
-        shape = (count, batch, n[_kind(cfg, cfg.layer_window(layer) is None)], cfg.n_kv_heads, cfg.head_dim)
-        return {name: constrain(jnp.zeros(shape, dt), STACK_AXES) for name in ("k", "v")}
+        s = n[_kind(cfg, cfg.layer_window(layer) is None)]
+        shape = (count, batch, cfg.n_kv_heads, s, cfg.head_dim) if head_major() else \
+            (count, batch, s, cfg.n_kv_heads, cfg.head_dim)
+        return {name: constrain(jnp.zeros(shape, dt), _axes()) for name in ("k", "v")}
 
     return {"groups": [stack(groups, j) for j in range(period)],
             "rest": [stack(1, groups * period + i) for i in range(len(prepared["layers"]["rest"]))]}
@@ -118,8 +165,10 @@ def prefill(prepared: dict, tokens: jax.Array, lengths: jax.Array, cfg: ModelCon
             stack, index = cache
             o = attend(q, k, v, window, cfg, segment_ids)
             where = jnp.clip(pos[kind], 0, t - 1)[:, :, None, None]
-            return o, _update(stack, index, {"k": jnp.take_along_axis(k, where, axis=1),
-                                             "v": jnp.take_along_axis(v, where, axis=1)})
+            entry = {"k": jnp.take_along_axis(k, where, axis=1), "v": jnp.take_along_axis(v, where, axis=1)}
+            if head_major():
+                entry = {name: a.transpose(0, 2, 1, 3) for name, a in entry.items()}
+            return o, _update(stack, index, entry)
         return fill
 
     ops = {full: op(full, None if full else cfg.sliding_window) for full in {cfg.is_full_attention(i) for i in range(cfg.n_layers)}}
@@ -150,10 +199,14 @@ def decode_step(prepared: dict, tokens: jax.Array, cache: dict, cfg: ModelConfig
         def step(q, k, v, cache):
             stack, index = cache
             # Only the new token's b x kv_heads x e values are written, into the carried stack.
-            stack = {name: constrain(stack[name].at[index, rows, where[kind]].set(a[:, 0]), STACK_AXES)
-                     for name, a in (("k", k), ("v", v))}
+            if head_major():  # [b] rows, all heads, each row's slot: [b, kv_heads, e] written
+                stack = {name: constrain(stack[name].at[index, rows, :, where[kind]].set(a[:, 0]), _axes())
+                         for name, a in (("k", k), ("v", v))}
+            else:
+                stack = {name: constrain(stack[name].at[index, rows, where[kind]].set(a[:, 0]), _axes())
+                         for name, a in (("k", k), ("v", v))}
             keys, values = (jax.lax.dynamic_index_in_dim(stack[name], index, 0, keepdims=False) for name in ("k", "v"))
-            return cache_attention(q, keys, values, q_pos, pos[kind], window), stack
+            return cache_attention(q, keys, values, q_pos, pos[kind], window, head_major()), stack
         return step
 
     kinds = {cfg.is_full_attention(i) for i in range(cfg.n_layers)}

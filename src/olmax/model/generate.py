@@ -22,7 +22,8 @@ from jax.sharding import Mesh
 
 from olmax.config import ModelConfig
 from olmax.model.attention import resolve_impl
-from olmax.model.decode import decode_step, prefill, prepare
+from olmax.model.decode import decode_step, prefill, prepare, relayout, streams
+from olmax.model.olmo3 import OutIn
 from olmax.model.params import logical_axes
 from olmax.sharding import activation_mesh, batch_sharding, data_parallel_size, param_shardings
 
@@ -112,6 +113,7 @@ class Generator:
         sampling.check()
         self.cfg, self.sampling, self.mesh = cfg, sampling, mesh
         self._prepare = jax.jit(_on_mesh(partial(prepare, cfg=cfg), mesh))
+        self._relayout = jax.jit(_on_mesh(partial(relayout, cfg=cfg), mesh), static_argnames=("streamed",))
         self.load(params)
         self._prefill = jax.jit(_on_mesh(self._prefill_and_sample, mesh), static_argnames=("max_length", "greedy"))
         self._decode = jax.jit(_on_mesh(self._decode_and_sample, mesh), static_argnames=("max_length", "greedy"),
@@ -124,6 +126,15 @@ class Generator:
             params = jax.device_put(params, param_shardings(logical_axes(self.cfg), self.mesh))
         self.prepared = None  # the previous weights' prepared copy goes before the next is made
         self.prepared = self._prepare(params)
+
+    def weights(self, rows: int) -> dict:
+        """The prepared weights in the layout a batch of ``rows`` decodes fastest with
+        (``decode.streams``): one copy is kept, turned over when the batch size calls for the
+        other layout."""
+        streamed = streams(rows)
+        if streamed != isinstance(self.prepared["lm_head"], OutIn):
+            self.prepared = self._relayout(self.prepared, streamed=streamed)
+        return self.prepared
 
     def _prefill_and_sample(self, prepared, tokens, lengths, seed, indices, knobs, max_length, greedy):
         logits, cache = prefill(prepared, tokens, lengths, self.cfg, max_length)
@@ -151,7 +162,8 @@ class Generator:
             tokens_d = jax.device_put(tokens_d, batch_sharding(self.mesh, 2))
             lengths_d, idx_d = (jax.device_put(a, batch_sharding(self.mesh, 1)) for a in (lengths_d, idx_d))
         knobs, greedy = _knobs(sampling), sampling.greedy
-        tok, lp, cache, keys = self._prefill(self.prepared, tokens_d, lengths_d, jnp.uint32(sampling.seed), idx_d,
+        prepared = self.weights(rows)
+        tok, lp, cache, keys = self._prefill(prepared, tokens_d, lengths_d, jnp.uint32(sampling.seed), idx_d,
                                              knobs, max_length=max_length, greedy=greedy)
         out = [Completion() for _ in range(n)]
         live = set(range(n))
@@ -168,7 +180,7 @@ class Generator:
                     live.discard(r)
             if not live or step == max_new_tokens - 1:
                 break
-            tok, lp, cache = self._decode(self.prepared, tok, cache, keys, jnp.int32(step + 1), knobs,
+            tok, lp, cache = self._decode(prepared, tok, cache, keys, np.int32(step + 1), knobs,
                                           max_length=max_length, greedy=greedy)
         return out
 
