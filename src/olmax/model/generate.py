@@ -75,15 +75,21 @@ def sample(logits: jax.Array, keys: jax.Array, step: jax.Array, knobs: dict[str,
         tok = jnp.argmax(logits, axis=-1)
     else:
         z = logits / knobs["temperature"]
-        desc = -jnp.sort(-z, axis=-1)
-        k = jnp.where(knobs["top_k"] > 0, jnp.minimum(knobs["top_k"], vocab_size), vocab_size)
-        kth = jax.lax.dynamic_index_in_dim(desc, k - 1, axis=1)            # the k-th largest
-        desc = jnp.where(desc < kth, -jnp.inf, desc)
-        p = jax.nn.softmax(desc, axis=-1)
-        before = jnp.cumsum(p, axis=-1) - p                                  # mass of the more likely tokens
-        keep = (before < knobs["top_p"]) | (knobs["top_p"] >= 1)             # the smallest set reaching top_p
-        smallest = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
-        z = jnp.where(z < jnp.maximum(kth, smallest), -jnp.inf, z)
+
+        def truncate(z: jax.Array) -> jax.Array:
+            desc = -jnp.sort(-z, axis=-1)
+            k = jnp.where(knobs["top_k"] > 0, jnp.minimum(knobs["top_k"], vocab_size), vocab_size)
+            kth = jax.lax.dynamic_index_in_dim(desc, k - 1, axis=1)            # the k-th largest
+            desc = jnp.where(desc < kth, -jnp.inf, desc)
+            p = jax.nn.softmax(desc, axis=-1)
+            before = jnp.cumsum(p, axis=-1) - p                                  # mass of the more likely tokens
+            keep = (before < knobs["top_p"]) | (knobs["top_p"] >= 1)             # the smallest set reaching top_p
+            smallest = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+            return jnp.where(z < jnp.maximum(kth, smallest), -jnp.inf, z)
+
+        # Without top-k or top-p (RL's setting) the sort is skipped: it was most of a sampled step
+        # on the CPU (180 of 230 ms at 32 rows x 16,384 tokens). Exact: with both off it keeps all.
+        z = jax.lax.cond((knobs["top_k"] > 0) | (knobs["top_p"] < 1), truncate, lambda z: z, z)
         tok = jax.vmap(lambda key, zi: jax.random.categorical(jax.random.fold_in(key, step), zi))(keys, z)
     tok = tok.astype(jnp.int32)
     return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
