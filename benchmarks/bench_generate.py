@@ -14,6 +14,10 @@ its best warm call) is reported apart.
 End to end tokens/s (prefill included) at N2 are printed too. The greedy tokens of both systems
 are compared (the decoding parity tests check them exactly; here it is a sanity check).
 
+Against the memory bound: the bytes one decode step reads (every prepared weight but the
+embedding, and the whole cache) over olmax's step time, as a share of the read bandwidth numpy
+measures on this machine in the same run (a small model's decode step is a pass over memory).
+
 Also: the KV cache's bytes as ``olmax.model.decode.cache_bytes`` reports them, as the arrays a
 prefill returns hold them (their shapes and dtypes, traced), and by the formula (per layer 2 x batch x slots x kv heads x head dim x 4
 bytes, slots = the cache length for full layers and min(window, length) for sliding ones, plus
@@ -46,6 +50,18 @@ def seconds(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def read_bandwidth() -> float:
+    """GB/s of one pass over 256 MB (numpy's sum, both cores idle otherwise): the memory bound a
+    decode step of a small model runs against."""
+    a = np.ones(64 * 2**20, np.float32)
+    return a.nbytes / min(seconds(a.sum) for _ in range(5)) / 1e9
+
+
+def _leaves(tree) -> list:
+    """(top-level key, array) for every array of a prepared-weights tree."""
+    return [(name, x) for name, sub in tree.items() for x in jax.tree.leaves(sub)]
 
 
 def formula_bytes(m, batch: int, length: int, itemsize: int = 4) -> int:
@@ -81,6 +97,8 @@ def main() -> None:
           f"{m.n_heads} heads / {m.n_kv_heads} kv, MLP {m.mlp_hidden}, vocab {m.vocab_size}, fp32; prompts of "
           f"{PROMPT} tokens, greedy; torch {torch.__version__} ({torch.get_num_threads()} threads), jax {jax.__version__}",
           flush=True)
+    bandwidth = read_bandwidth()
+    print(f"  memory read bandwidth (numpy sum of 256 MB, best of 5): {bandwidth:.1f} GB/s", flush=True)
     rows = []
     for batch in (1, 8):
         prompts = rng.integers(2, m.vocab_size, (batch, PROMPT)).tolist()
@@ -114,6 +132,14 @@ def main() -> None:
         same = sum(a == b for a, b in zip(toks_ox, toks_hf))
         agree = np.mean([np.mean(np.array(a) == np.array(b)) for a, b in zip(toks_ox, toks_hf)])
         rows.append((batch, dec_ox, dec_hf, batch * N2 / t_ox[N2], batch * N2 / t_hf[N2], first - t_ox[N2]))
+        # What one decode step must read: every prepared weight but the embedding (one row per
+        # token) and the whole cache (attention reads every slot, masked or not).
+        weights = sum(x.size * x.dtype.itemsize for name, x in _leaves(gen.weights(batch)) if name != "embed")
+        step_bytes = weights + cache_bytes(m, batch, -(-(PROMPT + N2) // 64) * 64)
+        gbs = step_bytes / (batch / dec_ox) / 1e9
+        print(f"  batch {batch}: one olmax decode step reads {step_bytes / 1e6:.0f} MB (weights {weights / 1e6:.0f}, "
+              f"cache {(step_bytes - weights) / 1e6:.0f}): {gbs:.1f} GB/s, {gbs / bandwidth:.0%} of the "
+              f"{bandwidth:.1f} GB/s this machine reads", flush=True)
         print(f"  batch {batch}: decode olmax {dec_ox:8.1f} tok/s  transformers {dec_hf:8.1f} tok/s  "
               f"ratio {dec_ox / dec_hf:5.2f}x | end to end ({N2} new) olmax {batch * N2 / t_ox[N2]:8.1f}  "
               f"transformers {batch * N2 / t_hf[N2]:8.1f}  ratio {t_hf[N2] / t_ox[N2]:5.2f}x | olmax compile "

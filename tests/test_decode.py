@@ -126,7 +126,7 @@ def test_streamed_weights_equal_the_plain_matmul(rows: int) -> None:
 
 def test_streamed_decode_compiles_to_ynnpack_and_switches_layout(monkeypatch) -> None:
     """The streamed form is fast only because XLA CPU hands its multiply-and-reduce to YNNPACK
-    (its own reduction loop ran 15x to 70x slower): if a jax upgrade stops doing so, this fails.
+    (its own reduction loop ran 13x to 72x slower): if a jax upgrade stops doing so, this fails.
     The generator keeps one copy of the weights, in the layout of the batch it runs, and the
     tokens do not depend on it; XLA_FLAGS that set YNNPACK's fusion types keep the plain one."""
     from olmax.model.decode import streams

@@ -77,7 +77,7 @@ def streams(rows: int) -> bool:
     ``relayout``): on the CPU from 2 rows up (``olmax.model.olmo3.OutIn``). Its speed is
     YNNPACK's: XLA CPU hands the multiply-and-reduce to it under jax's default fusion settings
     (``tests/test_decode.py`` checks that it does); where ``XLA_FLAGS`` sets the YNNPACK fusion
-    types, XLA's own reduction loop ran it 15x to 70x slower, so the plain layout is kept."""
+    types, XLA's own reduction loop ran it 13x to 72x slower, so the plain layout is kept."""
     return rows >= 2 and target_platform() == "cpu" and "ynn_fusion_type" not in os.environ.get("XLA_FLAGS", "")
 
 

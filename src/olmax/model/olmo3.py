@@ -61,7 +61,7 @@ def remat_policy(name: str) -> Callable | None:
 
 
 # Streamed (``OutIn``) weights use the multiply-and-reduce form up to this many rows; above it
-# XLA's matmul is as fast (measured at 64 rows: 1.2x; at 512: equal).
+# the last axes of both are contracted (as fast as the plain matmul at 512 rows).
 STREAM_ROWS = 32
 
 
