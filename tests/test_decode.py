@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -145,3 +146,16 @@ def test_streamed_decode_compiles_to_ynnpack_and_switches_layout(monkeypatch) ->
     assert streams(8) is False
     monkeypatch.delenv("XLA_FLAGS")
     assert streams(8) is True and streams(1) is False
+    # Inside the whole decode step too (a neighbour fused into the reduction would take it off
+    # YNNPACK): every layer's four projections and the LM head.
+    rows, length = 4, 64
+    prepared = gen.weights(rows)
+    _, cache = jax.eval_shape(partial(prefill, cfg=TINY, max_length=length), prepared,
+                              jax.ShapeDtypeStruct((rows, 8), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32))
+    step = gen._decode.lower(prepared, jnp.zeros((rows,), jnp.int32), cache, jax.random.split(jax.random.key(0), rows),
+                             np.int32(1), {"temperature": jnp.float32(1), "top_k": jnp.int32(0), "top_p": jnp.float32(1)},
+                             max_length=length, greedy=True).compile().as_text()
+    entry = step[step.index("ENTRY"):]
+    called = re.findall(r"calls=(%[\w.\-]+), [^\n]*__ynn_fusion", entry)
+    bodies = {m.group(1): m.group(2) for m in re.finditer(r"^(%[\w.\-]+) \([^\n]*\{\n(.*?)\n\}", step, re.M | re.S)}
+    assert sum(" reduce(" in bodies.get(name, "") for name in called) == 4 * TINY.n_layers + 1
