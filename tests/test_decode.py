@@ -142,6 +142,8 @@ def test_streamed_decode_compiles_to_ynnpack_and_switches_layout(monkeypatch) ->
     assert not isinstance(gen.prepared["lm_head"], OutIn)
     together = [c.token_ids for c in generate(params, TINY, prompts, max_new_tokens=6, generator=gen)]
     assert isinstance(gen.prepared["lm_head"], OutIn) and together == alone
+    gen.load(params)  # RL after an update: the new weights come in the layout in use
+    assert isinstance(gen.prepared["lm_head"], OutIn)
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=")
     assert streams(8) is False
     monkeypatch.delenv("XLA_FLAGS")

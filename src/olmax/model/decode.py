@@ -41,7 +41,7 @@ def head_major() -> bool:
     """Whether the cache is [.., b, kv_heads, S, e] (the CPU) rather than [.., b, S, kv_heads,
     e]. The decode step's attention contracts each head's keys; from slot-major keys XLA CPU
     first copied every layer's whole cache into head-major order, on every token (16 transposing
-    copies, about a third of a batch-8 decode step of the benchmark's model)."""
+    copies, a quarter to a third of a batch-8 decode step of the benchmark's model)."""
     return target_platform() == "cpu"
 
 

@@ -118,7 +118,7 @@ class Generator:
     def __init__(self, params: Any, cfg: ModelConfig, sampling: Sampling = Sampling(), mesh: Mesh | None = None):
         sampling.check()
         self.cfg, self.sampling, self.mesh = cfg, sampling, mesh
-        self._prepare = jax.jit(_on_mesh(partial(prepare, cfg=cfg), mesh))
+        self._prepare = jax.jit(_on_mesh(partial(prepare, cfg=cfg), mesh), static_argnames=("streamed",))
         self._relayout = jax.jit(_on_mesh(partial(relayout, cfg=cfg), mesh), static_argnames=("streamed",))
         self.load(params)
         self._prefill = jax.jit(_on_mesh(self._prefill_and_sample, mesh), static_argnames=("max_length", "greedy"))
@@ -127,11 +127,12 @@ class Generator:
 
     def load(self, params: Any) -> None:
         """Decode with these weights from now on (RL: the trainer's, after each update); the
-        compiled programs are kept."""
+        compiled programs are kept, and so is the layout of the weights (``weights``)."""
         if self.mesh is not None:
             params = jax.device_put(params, param_shardings(logical_axes(self.cfg), self.mesh))
+        streamed = getattr(self, "prepared", None) is not None and isinstance(self.prepared["lm_head"], OutIn)
         self.prepared = None  # the previous weights' prepared copy goes before the next is made
-        self.prepared = self._prepare(params)
+        self.prepared = self._prepare(params, streamed=streamed)
 
     def weights(self, rows: int) -> dict:
         """The prepared weights in the layout a batch of ``rows`` decodes fastest with
