@@ -62,11 +62,6 @@ def read_bandwidth() -> float:
     return a.nbytes / min(seconds(lambda: total(a).block_until_ready()) for _ in range(5)) / 1e9
 
 
-def _leaves(tree) -> list:
-    """(top-level key, array) for every array of a prepared-weights tree."""
-    return [(name, x) for name, sub in tree.items() for x in jax.tree.leaves(sub)]
-
-
 def formula_bytes(m, batch: int, length: int, itemsize: int = 4) -> int:
     full = sum(m.is_full_attention(i) for i in range(m.n_layers))
     sliding = m.n_layers - full
@@ -84,8 +79,8 @@ def main() -> None:
 
     from olmax.checkpoint.load import load_params
     from olmax.compat.hf import random_hf_model
-    from olmax.model.decode import cache_bytes, prefill
-    from olmax.model.generate import Generator, Sampling, generate
+    from olmax.model.decode import cache_bytes, prefill, step_weight_bytes
+    from olmax.model.generate import Generator, Sampling, cache_length, generate
     from transformers import Olmo3ForCausalLM
 
     tmp = tempfile.mkdtemp(prefix="bench_generate_")
@@ -137,8 +132,8 @@ def main() -> None:
         rows.append((batch, dec_ox, dec_hf, batch * N2 / t_ox[N2], batch * N2 / t_hf[N2], first - t_ox[N2]))
         # What one decode step must read: every prepared weight but the embedding (one row per
         # token) and the whole cache (attention reads every slot, masked or not).
-        weights = sum(x.size * x.dtype.itemsize for name, x in _leaves(gen.weights(batch)) if name != "embed")
-        step_bytes = weights + cache_bytes(m, batch, -(-(PROMPT + N2) // 64) * 64)
+        weights = step_weight_bytes(gen.weights(batch))
+        step_bytes = weights + cache_bytes(m, batch, cache_length(PROMPT, N2))
         gbs = step_bytes / (batch / dec_ox) / 1e9
         print(f"  batch {batch}: one olmax decode step reads {step_bytes / 1e6:.0f} MB (weights {weights / 1e6:.0f}, "
               f"cache {(step_bytes - weights) / 1e6:.0f}): {gbs:.1f} GB/s, {gbs / bandwidth:.0%} of the "

@@ -238,8 +238,8 @@ class Check:
                 "ce_loss_last": ce, "finite": bool(np.isfinite(ce)), **memory()}
 
     def decode(self) -> dict:
-        from olmax.model.decode import cache_bytes
-        from olmax.model.generate import Generator, Sampling
+        from olmax.model.decode import cache_bytes, step_weight_bytes
+        from olmax.model.generate import Generator, Sampling, cache_length
         from olmax.model.params import init_params
         cfg = self.config(1).model
         params = jax.jit(lambda k: init_params(cfg, k))(jax.random.key(0))
@@ -247,9 +247,9 @@ class Check:
         del params
         # Every step reads these whole (the embedding only b rows), in the dtype prepare left them.
         parts = {k: jax.tree.leaves(v) for k, v in gen.prepared.items() if k != "embed"}
-        weight_bytes = sum(x.nbytes for xs in parts.values() for x in xs)
+        weight_bytes = step_weight_bytes(gen.prepared)
         P, N = self.shape["prompt"], self.shape["new_tokens"]
-        max_length = -(-(P + N) // 64) * 64
+        max_length = cache_length(P, N)
         rng = np.random.default_rng(0)
         res: dict[str, Any] = {"layers": cfg.n_layers, "d_model": cfg.d_model, "prompt": P, "new_tokens": N,
                                "max_length": max_length, "weight_bytes_per_step": weight_bytes,

@@ -20,7 +20,7 @@ import pytest
 
 from olmax.config import ModelConfig
 from olmax.model.decode import cache_bytes, prefill, prepare
-from olmax.model.generate import Generator, Sampling, generate
+from olmax.model.generate import Generator, Sampling, _knobs, generate
 from olmax.model.params import init_params
 from olmax.recipes.olmo3 import olmo3_7b_model
 
@@ -155,8 +155,7 @@ def test_streamed_decode_compiles_to_ynnpack_and_switches_layout(monkeypatch) ->
     _, cache = jax.eval_shape(partial(prefill, cfg=TINY, max_length=length), prepared,
                               jax.ShapeDtypeStruct((rows, 8), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32))
     step = gen._decode.lower(prepared, jnp.zeros((rows,), jnp.int32), cache, jax.random.split(jax.random.key(0), rows),
-                             np.int32(1), {"temperature": jnp.float32(1), "top_k": jnp.int32(0), "top_p": jnp.float32(1)},
-                             max_length=length, greedy=True).compile().as_text()
+                             np.int32(1), _knobs(Sampling()), max_length=length, greedy=True).compile().as_text()
     entry = step[step.index("ENTRY"):]
     called = re.findall(r"calls=(%[\w.\-]+), [^\n]*__ynn_fusion", entry)
     bodies = {m.group(1): m.group(2) for m in re.finditer(r"^(%[\w.\-]+) \([^\n]*\{\n(.*?)\n\}", step, re.M | re.S)}

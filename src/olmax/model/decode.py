@@ -114,8 +114,15 @@ def relayout(prepared: dict, cfg: ModelConfig, streamed: bool) -> dict:
     layers = {part: [{**layer, **{block: {n: one(w) for n, w in layer[block].items()} for block in ("attn", "mlp")}}
                      for layer in ls] for part, ls in prepared["layers"].items()}
     head = prepared["lm_head"]
-    head = one(head.astype(jnp.dtype(cfg.compute_dtype)) if not isinstance(head, OutIn) else head)
-    return {**prepared, "lm_head": head, "layers": layers}
+    if not isinstance(head, OutIn):
+        head = head.astype(jnp.dtype(cfg.compute_dtype))
+    return {**prepared, "lm_head": one(head), "layers": layers}
+
+
+def step_weight_bytes(prepared: dict) -> int:
+    """Bytes of the ``prepare``d weights one decode step reads whole: all but the embedding (of
+    which it reads one row per token)."""
+    return sum(x.nbytes for name, part in prepared.items() if name != "embed" for x in jax.tree.leaves(part))
 
 
 def slot_positions(lengths: jax.Array, n_slots: int) -> jax.Array:
@@ -199,12 +206,9 @@ def decode_step(prepared: dict, tokens: jax.Array, cache: dict, cfg: ModelConfig
         def step(q, k, v, cache):
             stack, index = cache
             # Only the new token's b x kv_heads x e values are written, into the carried stack.
-            if head_major():  # [b] rows, all heads, each row's slot: [b, kv_heads, e] written
-                stack = {name: constrain(stack[name].at[index, rows, :, where[kind]].set(a[:, 0]), _axes())
-                         for name, a in (("k", k), ("v", v))}
-            else:
-                stack = {name: constrain(stack[name].at[index, rows, where[kind]].set(a[:, 0]), _axes())
-                         for name, a in (("k", k), ("v", v))}
+            # Row r's slot in every head: [b, kv_heads, e] written, whichever layout.
+            at = (index, rows, slice(None), where[kind]) if head_major() else (index, rows, where[kind])
+            stack = {name: constrain(stack[name].at[at].set(a[:, 0]), _axes()) for name, a in (("k", k), ("v", v))}
             keys, values = (jax.lax.dynamic_index_in_dim(stack[name], index, 0, keepdims=False) for name in ("k", "v"))
             return cache_attention(q, keys, values, q_pos, pos[kind], window, head_major()), stack
         return step

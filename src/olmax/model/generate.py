@@ -64,6 +64,11 @@ def _bucket(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (n - 1).bit_length())
 
 
+def cache_length(prompt_len: int, max_new_tokens: int) -> int:
+    """The cache a call holds: its prompt bucket plus the new tokens, rounded up to 64."""
+    return -(-(prompt_len + max_new_tokens) // 64) * 64
+
+
 def sample(logits: jax.Array, keys: jax.Array, step: jax.Array, knobs: dict[str, jax.Array], greedy: bool,
            vocab_size: int) -> tuple[jax.Array, jax.Array]:
     """Next tokens [b] and their log-probabilities [b] from fp32 logits [b, V] (padded vocabulary
@@ -120,6 +125,7 @@ class Generator:
         self.cfg, self.sampling, self.mesh = cfg, sampling, mesh
         self._prepare = jax.jit(_on_mesh(partial(prepare, cfg=cfg), mesh), static_argnames=("streamed",))
         self._relayout = jax.jit(_on_mesh(partial(relayout, cfg=cfg), mesh), static_argnames=("streamed",))
+        self.prepared: dict | None = None
         self.load(params)
         self._prefill = jax.jit(_on_mesh(self._prefill_and_sample, mesh), static_argnames=("max_length", "greedy"))
         self._decode = jax.jit(_on_mesh(self._decode_and_sample, mesh), static_argnames=("max_length", "greedy"),
@@ -130,7 +136,7 @@ class Generator:
         compiled programs are kept, and so is the layout of the weights (``weights``)."""
         if self.mesh is not None:
             params = jax.device_put(params, param_shardings(logical_axes(self.cfg), self.mesh))
-        streamed = getattr(self, "prepared", None) is not None and isinstance(self.prepared["lm_head"], OutIn)
+        streamed = self.prepared is not None and isinstance(self.prepared["lm_head"], OutIn)
         self.prepared = None  # the previous weights' prepared copy goes before the next is made
         self.prepared = self._prepare(params, streamed=streamed)
 
@@ -223,7 +229,7 @@ def generate(params: Any, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
     with activation_mesh(gen.mesh):  # splash attention (TPU) tiles the prompt in blocks of 128 or more
         splash = resolve_impl(cfg.attention_impl, jnp.dtype(cfg.compute_dtype)) == "splash"
     prompt_len = _bucket(max(len(p) for p in prompts), lo=128 if splash else 16)
-    max_length = -(-(prompt_len + max_new_tokens) // 64) * 64
+    max_length = cache_length(prompt_len, max_new_tokens)
     rows = min(batch_size, _bucket(len(prompts), lo=1))
     if gen.mesh is not None:  # whole rows per data-parallel shard
         dp = data_parallel_size(dict(gen.mesh.shape))

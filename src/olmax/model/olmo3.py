@@ -88,10 +88,6 @@ class OutIn:
     def tree_unflatten(cls, aux: None, children: tuple) -> "OutIn":
         return cls(*children)
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.t.shape[::-1]
-
     def apply(self, x: jax.Array) -> jax.Array:
         """``x [..., in] @ w`` -> ``[..., out]`` in ``x``'s dtype (fp32 accumulation)."""
         rows = x.reshape(-1, x.shape[-1])
