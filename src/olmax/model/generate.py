@@ -181,6 +181,13 @@ class Generator:
         out = [Completion() for _ in range(n)]
         live = set(range(n))
         for step in range(max_new_tokens):
+            # The next step is dispatched before this one's tokens are read, so the host's work
+            # (copying tokens out, stop checks, streaming, the next dispatch) overlaps the device's
+            # step instead of adding to it; when every row has stopped, that one step is wasted.
+            ahead = None
+            if step < max_new_tokens - 1:
+                ahead = self._decode(prepared, tok, cache, keys, np.int32(step + 1), knobs,
+                                     max_length=max_length, greedy=greedy)
             tok_h, lp_h = np.asarray(tok), np.asarray(lp)
             for r in sorted(live):
                 c = out[r]
@@ -191,10 +198,9 @@ class Generator:
                 if int(tok_h[r]) in eos_ids or (stop is not None and stop(indices[r], c.token_ids)):
                     c.finish_reason = "stop"
                     live.discard(r)
-            if not live or step == max_new_tokens - 1:
+            if not live or ahead is None:
                 break
-            tok, lp, cache = self._decode(prepared, tok, cache, keys, np.int32(step + 1), knobs,
-                                          max_length=max_length, greedy=greedy)
+            tok, lp, cache = ahead
         return out
 
 
