@@ -176,3 +176,27 @@ def test_sampled_logprobs_are_untempered_and_tokens_obey_top_k_top_p(model: dict
             probs = np.exp(top - top.max())
             probs /= probs.sum()
             assert probs[:rank].sum() < SAMPLING.top_p + 1e-6, (rank, probs[:rank + 1])
+
+
+def test_sample_draws_what_jax_categorical_draws_and_never_a_nan_or_padded_token() -> None:
+    """``sample`` finds the Gumbel maximum in two passes (fast on the CPU): the tokens must be
+    ``jax.random.categorical``'s with the same keys, row by row; padded vocabulary rows and NaN
+    logits are never drawn, and an all-NaN row still gives a token id inside the vocabulary."""
+    from olmax.model.generate import _knobs, sample
+
+    rows, padded, vocab = 64, 512, 500
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(rows, padded)).astype(np.float32) * 3)
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(7), i))(jnp.arange(rows))
+    for step in (0, 5):
+        for temperature in (1.0, 0.7):
+            tok, _ = sample(logits, keys, jnp.int32(step), _knobs(Sampling(temperature=temperature)), False, vocab)
+            z = jnp.where(jnp.arange(padded) < vocab, logits, -jnp.inf) / temperature
+            want = jax.vmap(lambda k, zi: jax.random.categorical(jax.random.fold_in(k, step), zi))(keys, z)
+            np.testing.assert_array_equal(np.asarray(tok), np.asarray(want))
+            assert int(tok.max()) < vocab
+    # NaNs: a NaN entry is never drawn; a row of NaNs gives some id in range, not out of it.
+    bad = logits.at[:, :vocab // 2].set(jnp.nan).at[0].set(jnp.nan)
+    tok, _ = sample(bad, keys, jnp.int32(1), _knobs(Sampling(temperature=1.0)), False, vocab)
+    tok = np.asarray(tok)
+    assert 0 <= tok[0] < vocab
+    assert (tok[1:] >= vocab // 2).all() and (tok[1:] < vocab).all()

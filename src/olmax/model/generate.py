@@ -95,7 +95,14 @@ def sample(logits: jax.Array, keys: jax.Array, step: jax.Array, knobs: dict[str,
         # Without top-k or top-p (RL's setting) the sort is skipped: it was most of a sampled step
         # on the CPU (180 of 230 ms at 32 rows x 16,384 tokens). Exact: with both off it keeps all.
         z = jax.lax.cond((knobs["top_k"] > 0) | (knobs["top_p"] < 1), truncate, lambda z: z, z)
-        tok = jax.vmap(lambda key, zi: jax.random.categorical(jax.random.fold_in(key, step), zi))(keys, z)
+        # Gumbel-max, as ``jax.random.categorical`` draws (the same tokens), but the first index of
+        # the maximum found in two passes: XLA CPU's fused argmax over noise + logits took 11 ms at
+        # 32 rows x 16,384 tokens, the two passes 3 ms. NaN logits count as -inf (never drawn).
+        noise = jax.vmap(lambda key: jax.random.gumbel(jax.random.fold_in(key, step), z.shape[1:], z.dtype))(keys)
+        s = noise + z
+        s = jnp.where(jnp.isnan(s), -jnp.inf, s)
+        first = jnp.where(s == jnp.max(s, axis=-1, keepdims=True), jnp.arange(s.shape[-1]), s.shape[-1])
+        tok = jnp.min(first, axis=-1)
     tok = tok.astype(jnp.int32)
     return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
