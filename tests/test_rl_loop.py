@@ -74,7 +74,11 @@ def test_rl_run_reports_its_metrics_and_samples_from_its_own_weights(straight: P
         assert np.isfinite(r["optim/total grad norm"])
     # the rewards vary (a test whose groups were all flat would train nothing)
     assert any(r["rl/groups_trained"] > 0 for r in got)
-    assert any(r["rl/clip_fraction"] > 0 or r["rl/ratio_mean"] != 1.0 for r in got)   # several updates per batch
+    # Several updates per batch: after the first, the policy has moved, so every step clips some
+    # tokens and its mean ratio is away from 1 by far more than the generator's rounding (1e-5).
+    # (Measured: clip fractions 0.09 to 0.33, mean ratios 1.0095 to 1.040.)
+    assert all(r["rl/clip_fraction"] > 0 and abs(r["rl/ratio_mean"] - 1) > 1e-3 for r in got), \
+        [(r["rl/clip_fraction"], r["rl/ratio_mean"]) for r in got]
 
 
 def test_rl_resume_is_bitwise(rl_data: Path, straight: Path, tmp_path: Path):
