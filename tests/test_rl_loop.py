@@ -163,6 +163,13 @@ def test_rl_bad_input_names_the_culprit(rl_data: Path, tmp_path: Path):
     bad.write_text('{"prompt": "a cat", "ground_truth": "e"}\nnot json\n')
     with pytest.raises(PromptDataError, match=r"bad.jsonl:2: not JSON"):
         RlData(rl_cfg(rl_data, f"rl.prompts_path={bad}"), 0, None, False, None, tmp_path)
+    bad.write_text('{"prompt": "a cat", "ground_truth": "e"}\n{"text": "a dog", "ground_truth": "e"}\n')
+    with pytest.raises(PromptDataError, match=r"bad.jsonl:2: needs messages \(a chat\) or prompt"):
+        RlData(rl_cfg(rl_data, f"rl.prompts_path={bad}"), 0, None, False, None, tmp_path)
+    bad.write_text('{"prompt": "a cat", "ground_truth": "e"}\n'
+                   '{"messages": [{"role": "robot", "content": "hi"}], "ground_truth": "e"}\n')
+    with pytest.raises(PromptDataError, match=r"bad.jsonl:2: message 0 has role 'robot'"):
+        RlData(rl_cfg(rl_data, f"rl.prompts_path={bad}"), 0, None, False, None, tmp_path)
     with pytest.raises(PromptDataError, match="no usable prompt"):
         RlData(rl_cfg(rl_data, "rl.max_prompt_length=1", "data.sequence_length=56"), 0, None, False, None, tmp_path)
     state = RlData(rl_cfg(rl_data), 0, None, False, None, tmp_path).state(2).to_dict()

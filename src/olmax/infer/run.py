@@ -19,7 +19,7 @@ from typing import Any, Callable, TextIO
 
 from olmax import jsonout
 from olmax.config import ConfigError
-from olmax.infer.text import IM_END, TextCodec, check_messages, find_tokenizer
+from olmax.infer.text import IM_END, TextCodec, find_tokenizer, prompt_record
 
 DTYPES = ("float32", "bfloat16")
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -222,12 +222,9 @@ def read_prompts(path: str) -> list[str | list[dict]]:
     out: list[str | list[dict]] = []
     for n, line in _lines(path):
         v = _json_line(path, n, line)
-        if isinstance(v, dict) and "messages" in v:
-            out.append(check_messages(v["messages"], f"{path} line {n}"))
-        elif isinstance(v, dict) and isinstance(v.get("prompt"), str):
-            out.append(v["prompt"])
-        elif isinstance(v, str):
-            out.append(v)
+        prompt = v if isinstance(v, str) else prompt_record(v, f"{path} line {n}")
+        if prompt is not None:
+            out.append(prompt)
         else:
             raise ValueError(f"{path} line {n}: expected a JSON string, {{\"prompt\": TEXT}} or "
                              f"{{\"messages\": [...]}}, got {line.strip()[:60]}")

@@ -242,6 +242,17 @@ def check_messages(messages: Any, where: str) -> list[dict]:
     return out
 
 
+def prompt_record(rec: Any, where: str) -> str | list[dict] | None:
+    """The prompt of one JSONL record: ``{"messages": [...]}`` (a conversation, checked) or
+    ``{"prompt": TEXT}``; None for any other value. ``olmax generate --prompts`` and RL's
+    ``rl.prompts_path`` read records this way."""
+    if isinstance(rec, dict) and "messages" in rec:
+        return check_messages(rec["messages"], where)
+    if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+        return rec["prompt"]
+    return None
+
+
 @dataclass
 class TextCodec:
     """A ``tokenizers.Tokenizer`` with the special-token roles, BOS rule and chat template that

@@ -85,7 +85,7 @@ def load_codec(cfg: Config) -> Any:
 def read_prompts(path: str, codec: Any, max_prompt_length: int) -> tuple[list[Prompt], int]:
     """Prompts of ``rl.prompts_path`` and how many were left out as longer than
     ``max_prompt_length`` tokens."""
-    from olmax.infer.text import check_messages
+    from olmax.infer.text import prompt_record
     p = Path(path)
     if not p.is_file():
         raise PromptDataError(f"rl.prompts_path {p}: no such file (JSONL of prompts with ground_truth)")
@@ -107,14 +107,12 @@ def read_prompts(path: str, codec: Any, max_prompt_length: int) -> tuple[list[Pr
                 gold = gold[0]
             if not isinstance(gold, (str, int, float)):
                 raise PromptDataError(f"{p}:{n}: ground_truth must be a string, got {type(gold).__name__}")
-            if "messages" in rec:
-                try:
-                    text = codec.render_chat(check_messages(rec["messages"], f"{p}:{n}"))
-                except ValueError as e:
-                    raise PromptDataError(str(e)) from None
-            elif isinstance(rec.get("prompt"), str):
-                text = rec["prompt"]
-            else:
+            try:
+                prompt = prompt_record(rec, f"{p}:{n}")
+                text = codec.render_chat(prompt) if isinstance(prompt, list) else prompt
+            except ValueError as e:
+                raise PromptDataError(str(e)) from None
+            if text is None:
                 raise PromptDataError(f"{p}:{n}: needs messages (a chat) or prompt (a string)")
             ids = codec.encode(text)
             if not ids:
