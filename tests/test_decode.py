@@ -160,3 +160,22 @@ def test_streamed_decode_compiles_to_ynnpack_and_switches_layout(monkeypatch) ->
     called = re.findall(r"calls=(%[\w.\-]+), [^\n]*__ynn_fusion", entry)
     bodies = {m.group(1): m.group(2) for m in re.finditer(r"^(%[\w.\-]+) \([^\n]*\{\n(.*?)\n\}", step, re.M | re.S)}
     assert sum(" reduce(" in bodies.get(name, "") for name in called) == 4 * TINY.n_layers + 1
+
+
+def test_one_row_decode_step_copies_no_cache() -> None:
+    """At batch 1 XLA CPU used to copy every layer's key cache four times per token (a fused
+    second write of the new key into the attention's read; ``decode_step``): no instruction of
+    the compiled step may copy a whole cache array, and the tokens are those of the uncompiled
+    model (``tests/test_generate.py`` checks them against transformers)."""
+    length = 64
+    params = init_params(TINY, jax.random.key(0))
+    gen = Generator(params, TINY, Sampling())
+    prepared = gen.weights(1)
+    _, cache = jax.eval_shape(partial(prefill, cfg=TINY, max_length=length), prepared,
+                              jax.ShapeDtypeStruct((1, 8), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
+    step = gen._decode.lower(prepared, jnp.zeros((1,), jnp.int32), cache, jax.random.split(jax.random.key(0), 1),
+                             np.int32(1), _knobs(Sampling()), max_length=length, greedy=True).compile().as_text()
+    entry = step[step.index("ENTRY"):]
+    shapes = {"f32[" + ",".join(map(str, x.shape)) + "]" for x in jax.tree.leaves(cache["kv"])}
+    copies = [line for line in entry.splitlines() if " copy(" in line and any(s in line.split("=")[1] for s in shapes)]
+    assert not copies, copies

@@ -124,11 +124,20 @@ def _head_major(x: jax.Array, groups: int) -> jax.Array:
     b, t, h, e = x.shape
     mesh = current_mesh()
     if mesh is None or mesh.size == 1:
-        corner = jax.lax.stop_gradient(x[0, 0, 0, 0])
+        corner = x[0, 0, 0, 0]
     else:
-        corner = jax.lax.stop_gradient(x[:, 0, :, 0]).reshape(b, h // groups, groups, 1, 1)
-    one = jnp.where(jnp.isfinite(corner), 1 + 0 * corner, 1).astype(x.dtype)
-    return x.reshape(b, t, h // groups, groups, e).transpose(0, 2, 3, 1, 4) / one
+        corner = x[:, 0, :, 0].reshape(b, h // groups, groups, 1, 1)
+    return x.reshape(b, t, h // groups, groups, e).transpose(0, 2, 3, 1, 4) / opaque_one(corner)
+
+
+def opaque_one(x: jax.Array) -> jax.Array:
+    """Ones shaped as ``x``, in its dtype, that XLA cannot prove constant: made from ``x``'s
+    values, without a gradient. ``y / opaque_one(..)`` or ``y * opaque_one(..)`` is ``y``
+    exactly (subnormals read as zero, as in every XLA CPU operation) but an operation XLA keeps,
+    which stops it fusing ``y``'s producer into several consumers (``_head_major``,
+    ``olmax.model.decode.decode_step``)."""
+    x = jax.lax.stop_gradient(x)
+    return jnp.where(jnp.isfinite(x), 1 + 0 * x, 1).astype(x.dtype)
 
 
 def _block_scores(qh: jax.Array, kh: jax.Array, span: tuple[int, int, int], window: int | None,

@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from olmax.config import ModelConfig
-from olmax.model.attention import attend, cache_attention, target_platform
+from olmax.model.attention import attend, cache_attention, opaque_one, target_platform
 from olmax.model.layers import rms_norm
 from olmax.model.olmo3 import OutIn, embed, join_projections, lm_head, rope_tables, run_layers, stack_layers
-from olmax.sharding import constrain
+from olmax.sharding import constrain, current_mesh
 
 STACK_AXES = ("cache_stack", "batch", "length", "act_kv_heads", "head_dim")
 HEAD_MAJOR_AXES = ("cache_stack", "batch", "act_kv_heads", "length", "head_dim")
@@ -43,6 +43,11 @@ def head_major() -> bool:
     first copied every layer's whole cache into head-major order, on every token (16 transposing
     copies, a quarter to a third of a batch-8 decode step of the benchmark's model)."""
     return target_platform() == "cpu"
+
+
+def single_device() -> bool:
+    mesh = current_mesh()
+    return mesh is None or mesh.size == 1
 
 
 def _axes() -> tuple[str, ...]:
@@ -210,6 +215,13 @@ def decode_step(prepared: dict, tokens: jax.Array, cache: dict, cfg: ModelConfig
             at = (index, rows, slice(None), where[kind]) if head_major() else (index, rows, where[kind])
             stack = {name: constrain(stack[name].at[at].set(a[:, 0]), _axes()) for name, a in (("k", k), ("v", v))}
             keys, values = (jax.lax.dynamic_index_in_dim(stack[name], index, 0, keepdims=False) for name in ("k", "v"))
+            if b == 1 and head_major() and single_device():
+                # One row: XLA CPU writes the new key with a dynamic-update-slice and fuses a second
+                # copy of that write into the attention's read of the keys (a bitcast to its dot),
+                # and then copies the layer's key cache four times to give each write its own
+                # buffer (1 of 7 ms per step of the decode benchmark's model). Times an opaque one,
+                # the read is its own fusion over the written cache: the same keys, no copies.
+                keys = keys * opaque_one(q[0, 0, 0, 0])
             return cache_attention(q, keys, values, q_pos, pos[kind], window, head_major()), stack
         return step
 
