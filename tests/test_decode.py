@@ -165,8 +165,8 @@ def test_streamed_decode_compiles_to_ynnpack_and_switches_layout(monkeypatch) ->
 def test_one_row_decode_step_copies_no_cache() -> None:
     """At batch 1 XLA CPU used to copy every layer's key cache four times per token (a fused
     second write of the new key into the attention's read; ``decode_step``): no instruction of
-    the compiled step may copy a whole cache array, and the tokens are those of the uncompiled
-    model (``tests/test_generate.py`` checks them against transformers)."""
+    the compiled step may copy a whole cache array. (That the tokens stay transformers' is
+    ``tests/test_generate.py``'s.)"""
     length = 64
     params = init_params(TINY, jax.random.key(0))
     gen = Generator(params, TINY, Sampling())

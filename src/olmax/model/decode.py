@@ -46,6 +46,7 @@ def head_major() -> bool:
 
 
 def single_device() -> bool:
+    """Whether the step is traced for one device (no mesh, or a mesh of one)."""
     mesh = current_mesh()
     return mesh is None or mesh.size == 1
 
