@@ -177,12 +177,18 @@ def current_mesh() -> Mesh | None:
     return _ACTIVATION_MESH.get()
 
 
+def single_device() -> bool:
+    """Whether the program is traced for one device: no ``activation_mesh``, or a mesh of one."""
+    mesh = _ACTIVATION_MESH.get()
+    return mesh is None or mesh.size == 1
+
+
 def constrain(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """Sharding constraint by logical activation axes; a no-op outside ``activation_mesh`` (one
     device, tests). Without these XLA may pick an FSDP layout that gathers activations."""
-    mesh = _ACTIVATION_MESH.get()
-    if mesh is None or mesh.size == 1:
+    if single_device():
         return x
+    mesh = _ACTIVATION_MESH.get()
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, activation_spec(axes, mesh)))
 
 

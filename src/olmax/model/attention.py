@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from olmax.config import ConfigError, ModelConfig
 from olmax.model.layers import attention_mask, position_mask, segment_mask
-from olmax.sharding import activation_spec, current_mesh
+from olmax.sharding import activation_spec, current_mesh, single_device
 
 
 def target_platform() -> str:
@@ -122,8 +122,7 @@ def _head_major(x: jax.Array, groups: int) -> jax.Array:
     shard (one element of the whole array lives on one device: every other one would receive it,
     a collective per layer on a batch-sharded mesh)."""
     b, t, h, e = x.shape
-    mesh = current_mesh()
-    if mesh is None or mesh.size == 1:
+    if single_device():
         corner = x[0, 0, 0, 0]
     else:
         corner = x[:, 0, :, 0].reshape(b, h // groups, groups, 1, 1)

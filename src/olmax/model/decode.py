@@ -31,7 +31,7 @@ from olmax.config import ModelConfig
 from olmax.model.attention import attend, cache_attention, opaque_one, target_platform
 from olmax.model.layers import rms_norm
 from olmax.model.olmo3 import OutIn, embed, join_projections, lm_head, rope_tables, run_layers, stack_layers
-from olmax.sharding import constrain, current_mesh
+from olmax.sharding import constrain, single_device
 
 STACK_AXES = ("cache_stack", "batch", "length", "act_kv_heads", "head_dim")
 HEAD_MAJOR_AXES = ("cache_stack", "batch", "act_kv_heads", "length", "head_dim")
@@ -43,12 +43,6 @@ def head_major() -> bool:
     first copied every layer's whole cache into head-major order, on every token (16 transposing
     copies, a quarter to a third of a batch-8 decode step of the benchmark's model)."""
     return target_platform() == "cpu"
-
-
-def single_device() -> bool:
-    """Whether the step is traced for one device (no mesh, or a mesh of one)."""
-    mesh = current_mesh()
-    return mesh is None or mesh.size == 1
 
 
 def _axes() -> tuple[str, ...]:
