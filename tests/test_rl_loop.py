@@ -4,7 +4,6 @@ log-prob gap between generation and training, resume, the prompt stream, and bad
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import jax
@@ -15,39 +14,13 @@ from olmax.config import ConfigError
 from olmax.recipes import get_recipe
 from olmax.rl.rollout import PromptDataError, RlData, completion_text
 from olmax.train.loop import train
-
-WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "fast", "blue", "sky", "is", "and", "we", "see"]
+from trainlib import rl_cfg, write_rl_data
 
 
 @pytest.fixture(scope="module")
 def rl_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small BPE (``tokenizer.json``, 300 tokens) and 12 prompts whose gold answer is the letter "a"."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    d = tmp_path_factory.mktemp("rl_data")
-    rnd = random.Random(0)
-    corpus = [" ".join(rnd.choices(WORDS, k=rnd.randint(4, 12))) + "." for _ in range(300)]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|pad|>"],
-                                                        show_progress=False,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(d / "tokenizer.json"))
-    with open(d / "prompts.jsonl", "w") as f:
-        for i in range(12):
-            f.write(json.dumps({"prompt": " ".join(rnd.choices(WORDS, k=4)), "ground_truth": "a"}) + "\n")
-    return d
-
-
-def rl_cfg(data: Path, *extra: str):
-    # operator.contains(completion, "a"): 8 random tokens of this BPE hold an "a" 39% of the time. The
-    # model's vocabulary is the BPE's, padded to 384 rows (the sampler and the loss leave the padding out).
-    return get_recipe("tiny_rl", ["model.vocab_size=300", "model.padded_vocab_size=384",
-                                  f"rl.prompts_path={data / 'prompts.jsonl'}", f"rl.tokenizer={data}",
-                                  "rl.reward=operator:contains", "rl.group_size=4", "rl.prompts_per_step=2",
-                                  "train.global_batch_size=8", "rl.max_response_length=8",
-                                  "data.sequence_length=56", "model.compute_dtype=float32",
-                                  "model.param_dtype=float32", "checkpoint.interval=2", *extra])
+    """A small BPE and 12 prompts whose gold answer is the letter "a" (``trainlib.write_rl_data``)."""
+    return write_rl_data(tmp_path_factory.mktemp("rl_data"))
 
 
 def rows(run: Path) -> list[dict]:

@@ -36,3 +36,43 @@ def write_corpus(root: Path, n_files: int = 2, tokens_per_file: int = 4000, voca
 
 def small_overrides(paths: list[str], *extra: str) -> list[str]:
     return SMALL + [f"data.paths={','.join(paths)}", *extra]
+
+
+RL_WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "fast", "blue", "sky", "is", "and", "we", "see"]
+
+
+def write_rl_data(d: Path) -> Path:
+    """A small BPE (``tokenizer.json``, 300 tokens) and 12 prompts whose gold answer is the letter
+    "a", in ``d``."""
+    import json
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    rnd = random.Random(0)
+    corpus = [" ".join(rnd.choices(RL_WORDS, k=rnd.randint(4, 12))) + "." for _ in range(300)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|pad|>"],
+                                                        show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(d / "tokenizer.json"))
+    with open(d / "prompts.jsonl", "w") as f:
+        for _ in range(12):
+            f.write(json.dumps({"prompt": " ".join(rnd.choices(RL_WORDS, k=4)), "ground_truth": "a"}) + "\n")
+    return d
+
+
+def rl_overrides(data: Path, *extra: str) -> list[str]:
+    """``tiny_rl`` on ``write_rl_data``'s prompts: operator.contains(completion, "a") (8 random
+    tokens of this BPE hold an "a" 39% of the time); the model's vocabulary is the BPE's, padded to
+    384 rows (the sampler and the loss leave the padding out)."""
+    return ["model.vocab_size=300", "model.padded_vocab_size=384", f"rl.prompts_path={data / 'prompts.jsonl'}",
+            f"rl.tokenizer={data}", "rl.reward=operator:contains", "rl.group_size=4", "rl.prompts_per_step=2",
+            "train.global_batch_size=8", "rl.max_response_length=8", "data.sequence_length=56",
+            "model.compute_dtype=float32", "model.param_dtype=float32", "checkpoint.interval=2", *extra]
+
+
+def rl_cfg(data: Path, *extra: str):
+    from olmax.recipes import get_recipe
+    return get_recipe("tiny_rl", rl_overrides(data, *extra))

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from olmax.config import ModelConfig
 from olmax.model.attention import resolve_impl
@@ -156,14 +156,25 @@ class Generator:
             self.prepared = self._relayout(self.prepared, streamed=streamed)
         return self.prepared
 
+    def _host_readable(self, tok: jax.Array, lp: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The sampled tokens and their log-probs, which the host loop reads every step. On a
+        mesh that spans processes each process holds only its own rows: the two [b] vectors are
+        gathered onto every device (a few bytes per row), so that every process reads the whole
+        batch and takes the same stop decisions. Elsewhere they are left as they are."""
+        if self.mesh is None or jax.process_count() == 1:
+            return tok, lp
+        everywhere = NamedSharding(self.mesh, PartitionSpec())
+        return tuple(jax.lax.with_sharding_constraint(a, everywhere) for a in (tok, lp))
+
     def _prefill_and_sample(self, prepared, tokens, lengths, seed, indices, knobs, max_length, greedy):
         logits, cache = prefill(prepared, tokens, lengths, self.cfg, max_length)
         keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(indices)
-        return (*sample(logits, keys, jnp.int32(0), knobs, greedy, self.cfg.vocab_size), cache, keys)
+        tok, lp = sample(logits, keys, jnp.int32(0), knobs, greedy, self.cfg.vocab_size)
+        return (*self._host_readable(tok, lp), cache, keys)
 
     def _decode_and_sample(self, prepared, tok, cache, keys, step, knobs, max_length, greedy):
         logits, cache = decode_step(prepared, tok, cache, self.cfg, max_length)
-        return (*sample(logits, keys, step, knobs, greedy, self.cfg.vocab_size), cache)
+        return (*self._host_readable(*sample(logits, keys, step, knobs, greedy, self.cfg.vocab_size)), cache)
 
     def run(self, prompts: Sequence[Sequence[int]], indices: Sequence[int], rows: int, prompt_len: int,
             max_length: int, max_new_tokens: int, eos_ids: set[int], stop: Callable | None,
@@ -177,10 +188,11 @@ class Generator:
             p = prompts[r] if r < n else prompts[0]
             tokens[r, :len(p)], lengths[r] = p, len(p)
         idx = np.asarray([*indices, *[indices[0]] * (rows - n)], np.int32)
-        tokens_d, lengths_d, idx_d = jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(idx)
-        if self.mesh is not None:
-            tokens_d = jax.device_put(tokens_d, batch_sharding(self.mesh, 2))
-            lengths_d, idx_d = (jax.device_put(a, batch_sharding(self.mesh, 1)) for a in (lengths_d, idx_d))
+        if self.mesh is not None:  # from the host arrays, which every process holds whole
+            tokens_d = jax.device_put(tokens, batch_sharding(self.mesh, 2))
+            lengths_d, idx_d = (jax.device_put(a, batch_sharding(self.mesh, 1)) for a in (lengths, idx))
+        else:
+            tokens_d, lengths_d, idx_d = jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(idx)
         knobs, greedy = _knobs(sampling), sampling.greedy
         prepared = self.weights(rows)
         tok, lp, cache, keys = self._prefill(prepared, tokens_d, lengths_d, jnp.uint32(sampling.seed), idx_d,

@@ -21,7 +21,11 @@ What a step does (``RlData.rollouts(step, params)``):
    ``rl.filter_zero_std`` stay in the batch as rows with no trained token (``row_valid`` False)
    so that the step compiles once; they add nothing to the loss or to any count.
 
-Multi-process runs are refused for now: the generator reads each step's tokens on the host.
+Several processes (a multi-host slice): every process runs the same loop on the whole batch. The
+generator's sampled tokens are gathered onto every device each step, so every process sees the same
+completions and stops; process 0 alone scores them (a verifier with a timeout could answer
+differently on another host) and sends its rewards to the others; the training batch is the same
+host array everywhere, and each process puts its own rows on its devices.
 """
 
 from __future__ import annotations
@@ -155,9 +159,6 @@ class RlData:
 
     def __init__(self, cfg: Config, start_step: int, data_state: dict | None, allow_fingerprint_mismatch: bool,
                  mesh: Any, run_dir: Path):
-        if jax.process_count() > 1:
-            raise ConfigError("train.objective=grpo runs in one process for now (the generator reads each "
-                              f"step's tokens on the host); this run has {jax.process_count()} processes")
         r = cfg.rl
         if not r.prompts_path:
             raise ConfigError("train.objective=grpo needs rl.prompts_path (a JSONL of prompts with ground_truth, "
@@ -192,7 +193,7 @@ class RlData:
         self._perm: tuple[int, np.ndarray] | None = None
         self.trace = None
         if cfg.train.trace_instance_ids:
-            self.trace = open(Path(run_dir) / "instance_ids.p0.jsonl", "a")
+            self.trace = open(Path(run_dir) / f"instance_ids.p{jax.process_index()}.jsonl", "a")
 
     # -- the prompt stream ----------------------------------------------------------------------
 
@@ -239,6 +240,16 @@ class RlData:
                         eos_ids=self.eos_ids, batch_size=r.generation_batch or len(rows), stop=stop,
                         generator=self.generator)
 
+    def _score(self, texts: list[str], golds: list[str]) -> np.ndarray:
+        """Rewards of the completions; with several processes, process 0's, sent to the rest (so
+        that a verifier timing out on one host cannot make the hosts train different batches)."""
+        if jax.process_count() == 1:
+            return np.asarray(self.reward.batch(texts, golds), np.float32)
+        from jax.experimental import multihost_utils
+        mine = np.asarray(self.reward.batch(texts, golds) if jax.process_index() == 0 else np.zeros(len(texts)),
+                          np.float32)
+        return np.asarray(multihost_utils.broadcast_one_to_all(mine), np.float32)
+
     def rollouts(self, step: int, params: Any) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         """Step ``step``'s training batch (host arrays) and its rollout metrics."""
         r = self.cfg.rl
@@ -254,7 +265,7 @@ class RlData:
             rounds += 1
             texts = [completion_text(self.codec, c.token_ids, r.stop_strings) for c in comps]
             golds = [self.prompts[i].gold for i in ids for _ in range(G)]
-            rewards = np.asarray(self.reward.batch(texts, golds), np.float32)
+            rewards = self._score(texts, golds)
             flat = grpo.zero_std_groups(rewards, G)
             for g, i in enumerate(ids):
                 group = (i, comps[g * G:(g + 1) * G], rewards[g * G:(g + 1) * G])

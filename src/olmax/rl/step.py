@@ -55,6 +55,7 @@ class RlStep:
                                                    mesh=mesh),
                                in_shardings=(pshard, oshard, bshard), out_shardings=(pshard, oshard, None),
                                donate_argnums=(0, 1))
+        self._bshard = bshard
         s2 = batch_sharding(mesh, 2)
 
         def logps(p, t, m):
@@ -63,6 +64,12 @@ class RlStep:
 
         self._logps = jax.jit(logps, in_shardings=(pshard, s2, s2), out_shardings=s2)
 
+    def _update_resharded(self, params: Any, opt_state: Any, mb: dict[str, jax.Array]):
+        """One update on a mini-batch: a row block sliced from the batch on the device, which
+        comes out of the slice laid out as XLA chose, put back in the update's batch layout
+        (a no-op where it already is; jit takes no other layout for an array on a mesh)."""
+        return self._update(params, opt_state, {k: jax.device_put(v, self._bshard[k]) for k, v in mb.items()})
+
     def __call__(self, params: Any, opt_state: Any, item: tuple[dict[str, np.ndarray], dict[str, float]]):
         batch, rollout_metrics = item
         r = self.cfg.rl
@@ -70,16 +77,16 @@ class RlStep:
         put = (lambda v: jax.device_put(v, batch_sharding(self.mesh, np.ndim(v))))
         dev = {k: put(batch[k]) for k in ("input_ids", "generated_mask", *self.keys) if k in batch}
         dev["old_logps"] = self._logps(params, dev["input_ids"], dev["generated_mask"])
-        gap = max_gap(np.asarray(dev["old_logps"]), batch["gen_logps"], batch["generated_mask"])
+        gap = max_gap(_whole(dev["old_logps"]), batch["gen_logps"], batch["generated_mask"])
         if self.reference is not None:
             dev["ref_logps"] = self._logps(self.reference, dev["input_ids"], dev["generated_mask"])
         params, opt_state, rows = grpo.train_on_batch(params, opt_state, {k: dev[k] for k in self.keys},
-                                                      self._update, num_mini_batches=r.num_mini_batches,
+                                                      self._update_resharded, num_mini_batches=r.num_mini_batches,
                                                       num_epochs=r.num_epochs)
         t_train = time.perf_counter() - t0
         last = rows[-1]
         mean = (lambda k: float(np.mean([x[k] for x in rows])))
-        metrics = {**last, "loss": mean("loss"),
+        metrics = {**last, "loss": mean("loss"), "rl/loss": mean("loss"),
                    "rl/clip_fraction": mean("clip_fraction"), "rl/kl": mean("kl"), "rl/ratio_mean": mean("ratio_mean"),
                    "rl/trained_tokens": float(np.sum(batch["completion_mask"])),
                    "rl/max_logprob_gap": gap, "rl/time_training_s": t_train,
@@ -92,3 +99,11 @@ class RlStep:
         metrics["step_skipped"] = max(x["step_skipped"] for x in rows)
         metrics["nonfinite"] = max(x["nonfinite"] for x in rows)
         return params, opt_state, metrics
+
+
+def _whole(x: jax.Array) -> np.ndarray:
+    """``x`` on the host, whole, on every process (each process's devices hold only its rows)."""
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
