@@ -128,6 +128,15 @@ def test_bad_paths_are_errors_naming_them(tmp_path):
     cfg = _cfg(tmp_path, f"dpo.reference=hf:{tmp_path / 'no_ref'}")
     with pytest.raises(ConfigError, match="no_ref"):
         train(cfg, tmp_path / "run3", progress=False)
+    # Pairs from a tokenizer larger than the model: refused before any step, naming the file and
+    # pair (an id past the embedding reads as NaN, and every update would be skipped).
+    cfg = _cfg(tmp_path, "model.vocab_size=256", "model.padded_vocab_size=256")
+    big = int(np.max(PairSet(cfg.data.preference_path, 64, 1).tokens))
+    assert big >= 256
+    with pytest.raises(ConfigError, match=r"pairs_token_ids\.npy: token id \d+ \(pair \d+\) is outside the "
+                                          r"model's vocabulary of 256 \(model.vocab_size\)"):
+        train(cfg, tmp_path / "run4", progress=False)
+    assert not (tmp_path / "run4" / "checkpoints").exists() or not any((tmp_path / "run4" / "checkpoints").iterdir())
 
 
 def test_tiny_dpo_run_resumes_bit_for_bit(tmp_path):

@@ -128,7 +128,7 @@ def write_pairs(folder: str | os.PathLike, pairs: list[tuple[list[int], list[boo
 class PairSet:
     """Preference pairs as fixed-length rows: pair i -> ([2, L] tokens, [2, L] label mask)."""
 
-    def __init__(self, folder: str | os.PathLike, seq_len: int, pad_id: int):
+    def __init__(self, folder: str | os.PathLike, seq_len: int, pad_id: int, vocab_size: int | None = None):
         self.folder = Path(folder)
         self.tokens, self.mask, self.index = read_pairs(folder)
         self.L, self.pad = seq_len, pad_id
@@ -143,6 +143,14 @@ class PairSet:
         if (idx < 0).any() or int(ends.max()) > self.tokens.shape[0]:
             raise PreferenceDataError(f"{self.folder / 'pairs_index.npy'}: offsets point past the "
                                       f"{self.tokens.shape[0]} tokens of pairs_token_ids.npy")
+        if vocab_size is not None and self.tokens.size and int(self.tokens.max()) >= vocab_size:
+            # An id past the embedding reads as NaN: every step would be skipped as non-finite.
+            at = int(np.argmax(np.asarray(self.tokens) >= vocab_size))
+            pair = int(np.argmax((idx[:, 0] <= at) & (at < idx[:, 0] + idx[:, 1])
+                                 | (idx[:, 2] <= at) & (at < idx[:, 2] + idx[:, 3])))
+            raise PreferenceDataError(f"{self.folder / 'pairs_token_ids.npy'}: token id {int(self.tokens[at])} (pair {pair}) "
+                                      f"is outside the model's vocabulary of {vocab_size} (model.vocab_size); "
+                                      "pairs from another tokenizer?")
         self.n = int(idx.shape[0])
         self.truncated = int((idx[:, 1] > seq_len).sum() + (idx[:, 3] > seq_len).sum())
         self.fingerprint = self._fingerprint()
@@ -485,7 +493,8 @@ class DpoData:
         if not cfg.data.preference_path:
             raise ConfigError("train.objective=dpo needs data.preference_path (a folder of preference pairs, "
                               "e.g. --set data.preference_path=DIR)")
-        self.pairs = PairSet(cfg.data.preference_path, cfg.data.sequence_length, cfg.data.pad_token_id)
+        self.pairs = PairSet(cfg.data.preference_path, cfg.data.sequence_length, cfg.data.pad_token_id,
+                             cfg.model.vocab_size)
         self.fingerprint = self.pairs.fingerprint
         self.B = cfg.train.global_batch_size
         step_pairs(self.pairs.n, cfg.data.seed, self.B, 0)  # enough pairs for one batch
