@@ -1,6 +1,7 @@
 """Two processes on localhost, each with 2 CPU devices (gloo collectives): train, checkpoint,
 resume; each process reads only its own share; losses equal a 1-process run. The same for the RL
-loop (``train.objective=grpo``), whose rollouts every process samples and reads whole."""
+loop (``train.objective=grpo``), whose rollouts every process samples and reads whole, and for
+DPO, whose reference log-probs the processes compute in shares and gather."""
 
 from __future__ import annotations
 
@@ -103,3 +104,32 @@ def test_two_processes_run_rl_resume_and_match_one_process(tmp_path):
     # Both processes drew the same prompts, and so did the 1-process run.
     traces = [(tmp_path / d / f"instance_ids.p{r}.jsonl").read_text() for d, r in (("mp", 0), ("mp", 1), ("one", 0))]
     assert traces[0] == traces[1] == traces[2] and len(traces[0].splitlines()) == 3
+
+
+def test_two_processes_run_dpo_resume_and_match_one_process(tmp_path):
+    """DPO over 2 processes x 2 devices (each computes its share of the reference log-probs, then
+    all gather them), interrupted after step 2 and resumed by a new pair, against one process with
+    4 devices: the same pairs each step, the same losses and rewards, grad norms within 1e-5."""
+    from olmax.train.dpo import write_pairs
+    from olmax.verify.trl import PARITY_OVERRIDES, make_pairs
+    pairs = write_pairs(tmp_path / "pairs", make_pairs(16, 512, 64, 0, eos=0, pad=1))
+    ov = [*(o for o in PARITY_OVERRIDES if not o.startswith(("optim.", "dpo."))), f"data.preference_path={pairs}",
+          "train.steps=4", "checkpoint.interval=2", "checkpoint.async_save=false", "train.trace_instance_ids=true"]
+    _launch(tmp_path / "mp", ov, 2, 2, max_steps=2, recipe="tiny_dpo")
+    _launch(tmp_path / "mp", ov, 2, 2, recipe="tiny_dpo")
+    _launch(tmp_path / "one", ov, 1, 4, recipe="tiny_dpo")
+    mp, one = _rows(tmp_path / "mp"), _rows(tmp_path / "one")
+    assert sorted(mp) == sorted(one) == [1, 2, 3, 4]
+    assert one[4]["dpo/loss"] != one[1]["dpo/loss"]  # it trained
+    for s in one:
+        for k in ("dpo/loss", "dpo/rewards/chosen", "dpo/rewards/rejected"):
+            assert abs(mp[s][k] - one[s][k]) <= 1e-5, (s, k, mp[s][k], one[s][k])
+        g, g1 = mp[s]["optim/total grad norm"], one[s]["optim/total grad norm"]
+        assert abs(g - g1) <= 1e-5 * g1, (s, g, g1)
+    # Process r read pairs r::2 of each step's, and no more; the 1-process run read them all.
+    ids = {r: [json.loads(l) for l in (tmp_path / "mp" / f"instance_ids.p{r}.jsonl").read_text().splitlines()]
+           for r in (0, 1)}
+    whole = [json.loads(l) for l in (tmp_path / "one" / "instance_ids.p0.jsonl").read_text().splitlines()]
+    assert [w["step"] for w in whole] == [x["step"] for x in ids[0]] == [x["step"] for x in ids[1]] == [0, 1, 2, 3]
+    for a, b, w in zip(ids[0], ids[1], whole):
+        assert a["instance_ids"] == w["instance_ids"][0::2] and b["instance_ids"] == w["instance_ids"][1::2]

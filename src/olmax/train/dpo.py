@@ -532,7 +532,8 @@ class DpoData:
         local = ids[r::R] if R > 1 else ids
         toks, mask = self.pairs.rows(local)
         if self.trace is not None:
-            self.trace.write(json.dumps({"step": step, "instance_ids": ids.tolist()}) + "\n")
+            # what this process read (its share of the step's pairs), as pre-training's trace does
+            self.trace.write(json.dumps({"step": step, "instance_ids": local.tolist()}) + "\n")
             self.trace.flush()
         from olmax.data.loader import global_batch_to_device
         return global_batch_to_device({"input_ids": toks, "label_mask": mask,
