@@ -130,10 +130,12 @@ def test_bad_paths_are_errors_naming_them(tmp_path):
         train(cfg, tmp_path / "run3", progress=False)
     # Pairs from a tokenizer larger than the model: refused before any step, naming the file and
     # pair (an id past the embedding reads as NaN, and every update would be skipped).
-    cfg = _cfg(tmp_path, "model.vocab_size=256", "model.padded_vocab_size=256")
-    big = int(np.max(PairSet(cfg.data.preference_path, 64, 1).tokens))
-    assert big >= 256
-    with pytest.raises(ConfigError, match=r"pairs_token_ids\.npy: token id \d+ \(pair \d+\) is outside the "
+    pairs = make_pairs(16, 256, 64, 0, eos=0, pad=1)
+    c, cm, r, rm = pairs[5]
+    pairs[5] = (c, cm, r[:3] + [300] + r[4:], rm)        # one id past the vocabulary, in pair 5's rejected
+    cfg = get_recipe("tiny_dpo", [*SMALL, "model.vocab_size=256", "model.padded_vocab_size=256",
+                                  f"data.preference_path={write_pairs(tmp_path / 'big_ids', pairs)}"])
+    with pytest.raises(ConfigError, match=r"big_ids/pairs_token_ids\.npy: token id 300 \(pair 5\) is outside the "
                                           r"model's vocabulary of 256 \(model.vocab_size\)"):
         train(cfg, tmp_path / "run4", progress=False)
     assert not (tmp_path / "run4" / "checkpoints").exists() or not any((tmp_path / "run4" / "checkpoints").iterdir())

@@ -84,7 +84,7 @@ def test_two_processes_run_rl_resume_and_match_one_process(tmp_path):
     prompts, the same sampled completions (rewards and lengths equal exactly), the same losses;
     the gradient norms and ratios differ only by the all-reduce's summation order (gloo across
     processes, XLA's own within one)."""
-    data = write_rl_data((tmp_path / "data").mkdir() or tmp_path / "data")
+    data = write_rl_data(tmp_path / "data")
     ov = rl_overrides(data, "train.steps=3", "rl.num_mini_batches=2", "train.trace_instance_ids=true")
     _launch(tmp_path / "mp", ov, 2, 2, max_steps=2, recipe="tiny_rl")
     _launch(tmp_path / "mp", ov, 2, 2, recipe="tiny_rl")
@@ -100,7 +100,8 @@ def test_two_processes_run_rl_resume_and_match_one_process(tmp_path):
         assert abs(g - g1) <= 1e-5 * g1, (s, g, g1)
         # every process reads the generator's log-probs whole, and they are the trainer's own
         assert 0 <= mp[s]["rl/max_logprob_gap"] <= 1e-5
-        assert mp[s]["rl/reward_std"] > 0 or s > 1  # the rewards vary: there is something to train on
+    # the rewards varied: some groups were trained on (a run whose groups were all flat trains nothing)
+    assert any(one[s]["rl/groups_trained"] > 0 for s in one)
     # Both processes drew the same prompts, and so did the 1-process run.
     traces = [(tmp_path / d / f"instance_ids.p{r}.jsonl").read_text() for d, r in (("mp", 0), ("mp", 1), ("one", 0))]
     assert traces[0] == traces[1] == traces[2] and len(traces[0].splitlines()) == 3

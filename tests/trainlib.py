@@ -43,11 +43,12 @@ RL_WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "fast", "blue",
 
 def write_rl_data(d: Path) -> Path:
     """A small BPE (``tokenizer.json``, 300 tokens) and 12 prompts whose gold answer is the letter
-    "a", in ``d``."""
+    "a", in ``d`` (made if missing)."""
     import json
     import random
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    d.mkdir(parents=True, exist_ok=True)
     rnd = random.Random(0)
     corpus = [" ".join(rnd.choices(RL_WORDS, k=rnd.randint(4, 12))) + "." for _ in range(300)]
     tok = Tokenizer(models.BPE())

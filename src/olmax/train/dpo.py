@@ -146,8 +146,7 @@ class PairSet:
         if vocab_size is not None and self.tokens.size and int(self.tokens.max()) >= vocab_size:
             # An id past the embedding reads as NaN: every step would be skipped as non-finite.
             at = int(np.argmax(np.asarray(self.tokens) >= vocab_size))
-            pair = int(np.argmax((idx[:, 0] <= at) & (at < idx[:, 0] + idx[:, 1])
-                                 | (idx[:, 2] <= at) & (at < idx[:, 2] + idx[:, 3])))
+            pair = int(np.searchsorted(idx[:, 0], at, side="right")) - 1  # pairs lie back to back (read_pairs)
             raise PreferenceDataError(f"{self.folder / 'pairs_token_ids.npy'}: token id {int(self.tokens[at])} (pair {pair}) "
                                       f"is outside the model's vocabulary of {vocab_size} (model.vocab_size); "
                                       "pairs from another tokenizer?")
