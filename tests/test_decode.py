@@ -72,6 +72,33 @@ def test_bucketed_shapes_compile_once() -> None:
     assert gen._decode._cache_size() == 1
 
 
+def test_repeated_prompts_are_prefilled_once(monkeypatch) -> None:
+    """Rows that repeat a prompt (GRPO's group of completions of one prompt) share one prefill:
+    8 rows of 2 distinct prompts prefill 2 rows, and every row draws the tokens it draws run
+    alone (same key, same cache contents), sampled and greedy."""
+    import olmax.model.generate as g
+    traced = []
+    real = g.prefill
+
+    def spy(prepared, tokens, *args, **kwargs):
+        traced.append(tokens.shape[0])
+        return real(prepared, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(g, "prefill", spy)
+    params = init_params(TINY, jax.random.key(0))
+    prompts = [[5, 6, 7, 8]] * 4 + [list(range(2, 21))] * 4
+    for sampling in (Sampling(temperature=1.0, seed=3), Sampling()):
+        traced.clear()
+        together = generate(params, TINY, prompts, max_new_tokens=10, batch_size=8, sampling=sampling)
+        assert traced == [2]
+        alone = generate(params, TINY, prompts, max_new_tokens=10, batch_size=1, sampling=sampling)
+        assert traced == [2, 1]
+        assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+        assert max(abs(p - q) for a, b in zip(together, alone) for p, q in zip(a.logprobs, b.logprobs)) <= 1e-5
+    sampled = generate(params, TINY, prompts, max_new_tokens=10, batch_size=8, sampling=Sampling(temperature=1.0))
+    assert len({tuple(c.token_ids) for c in sampled[:4]}) > 1  # a group's rows draw their own tokens
+
+
 def test_bad_requests_name_the_problem() -> None:
     params = init_params(TINY, jax.random.key(0))
     with pytest.raises(ValueError, match="prompt 1 is empty"):
@@ -86,7 +113,8 @@ def test_bad_requests_name_the_problem() -> None:
 
 def test_sharded_decoding_equals_one_device() -> None:
     """On 4 CPU devices (fsdp 2 x tensor 2: rows over fsdp, kv heads over tensor) greedy tokens
-    equal the one-device run and log-probs agree to fp32 rounding."""
+    equal the one-device run and log-probs agree to fp32 rounding, with distinct prompts and
+    with repeated ones (prefilled once each and copied to their rows across the devices)."""
     code = textwrap.dedent("""
         import json, jax
         from olmax.config import MeshConfig
@@ -99,6 +127,11 @@ def test_sharded_decoding_equals_one_device() -> None:
         one = generate(params, TINY, prompts, max_new_tokens=12)
         mesh = make_mesh(MeshConfig(fsdp=2, tensor=2))
         sharded = generate(params, TINY, prompts, max_new_tokens=12, mesh=mesh)
+        # repeated prompts: each fsdp shard prefills its 2 distinct prompts once and copies them to its rows
+        groups = [prompts[0]] * 3 + [prompts[2]] * 3
+        alone = generate(params, TINY, groups, max_new_tokens=12, batch_size=1)
+        shared = generate(params, TINY, groups, max_new_tokens=12, mesh=mesh)
+        one, sharded = one + alone, sharded + shared
         print(json.dumps({"same": [a.token_ids == b.token_ids for a, b in zip(one, sharded)],
                           "lp": max(abs(p - q) for a, b in zip(one, sharded) for p, q in zip(a.logprobs, b.logprobs))}))
     """)
@@ -107,8 +140,51 @@ def test_sharded_decoding_equals_one_device() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["same"] == [True, True, True]
+    assert out["same"] == [True] * 9
     assert out["lp"] <= 1e-5
+
+
+def test_shared_prefill_copies_rows_within_each_shard() -> None:
+    """``expand_rows`` on a 4-device mesh (rows over fsdp): every row gets its block's prefilled
+    row, and the compiled copy has no collective: each device copies from its own shard (a
+    gather from the whole batch would first bring every prompt's cache to every device)."""
+    code = textwrap.dedent("""
+        import json, jax, jax.numpy as jnp, numpy as np
+        from olmax.config import MeshConfig
+        from olmax.model.decode import expand_rows
+        from olmax.sharding import activation_mesh, batch_sharding, make_mesh
+        mesh = make_mesh(MeshConfig(fsdp=4))
+        rng = np.random.default_rng(0)
+        fill, per = 8, 4                                    # 2 prefilled rows per shard, 4 rows each
+        logits = rng.standard_normal((fill, 128)).astype(np.float32)
+        k = rng.standard_normal((1, fill, 2, 32, 16)).astype(np.float32)   # [layers, b, kv, S, e]
+        pos = rng.integers(0, 99, (fill, 32)).astype(np.int32)
+        length = np.arange(fill, dtype=np.int32)
+        source = rng.integers(0, 2, (4, per)).astype(np.int32)
+        put = lambda a, axis=0: jax.device_put(a, batch_sharding(mesh, a.ndim) if axis == 0 else
+                                               jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, ("slice", "data", "fsdp"))))
+        cache = {"kv": {"groups": [], "rest": [{"k": put(k, 1), "v": put(-k, 1)}]}, "pos": {"full": put(pos)},
+                 "length": put(length)}
+        def fn(logits, cache, source):
+            with activation_mesh(mesh):
+                return expand_rows(logits, cache, source)
+        compiled = jax.jit(fn).lower(put(logits), cache, put(source)).compile()
+        text = compiled.as_text()
+        out_logits, out = compiled(put(logits), cache, put(source))
+        want = (np.arange(4)[:, None] * 2 + source).reshape(-1)   # the prefilled row of each row
+        print(json.dumps({
+            "collectives": [c for c in ("all-gather", "all-reduce", "all-to-all", "collective-permute") if c in text],
+            "logits": bool(np.array_equal(np.asarray(out_logits), logits[want])),
+            "k": bool(np.array_equal(np.asarray(out["kv"]["rest"][0]["k"]), k[:, want])),
+            "v": bool(np.array_equal(np.asarray(out["kv"]["rest"][0]["v"]), -k[:, want])),
+            "pos": bool(np.array_equal(np.asarray(out["pos"]["full"]), pos[want])),
+            "length": bool(np.array_equal(np.asarray(out["length"]), length[want]))}))
+    """)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {"collectives": [], "logits": True, "k": True, "v": True, "pos": True, "length": True}
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 40])

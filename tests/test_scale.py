@@ -537,8 +537,9 @@ def test_compile_generate_for_a_tpu_slice():
 
 def test_compile_an_rl_recipe_counts_generation_beside_the_optimizer_state():
     """`olmax compile` of a grpo recipe compiles the GRPO update for one mini-batch and the
-    rollouts' prefill + decode at rl.generation_batch, with Adam's moments resident during
-    sampling (the slow test below: a generation batch too large for the chip is named)."""
+    rollouts' prefill + decode at rl.generation_batch in the shapes the run's generator uses,
+    with Adam's moments resident during sampling (the slow test below: a generation batch too
+    large for the chip is named)."""
     args = ("tiny_rl", "--topology", "v5p:2x2x1", "--no-eval", "--set", "model.compute_dtype=bfloat16",
             "--set", "rl.num_mini_batches=2", "--json")
     r = _compile(*args)
@@ -546,7 +547,10 @@ def test_compile_an_rl_recipe_counts_generation_beside_the_optimizer_state():
     out = json.loads(r.stdout)
     assert out["plan"]["global_batch"] == 8          # 16 completions in 2 mini-batches
     g = out["generate"]
-    assert g["batch"] == 16 and g["max_length"] == 64 and g["fits"] is True
+    # what the run's generator decodes with: prompts of up to 48 tokens padded to splash's 128,
+    # a cache of 128 + 16 new tokens rounded up to 64, the 4 prompts of the 16 rows prefilled once
+    assert g["batch"] == 16 and g["prompt_len"] == 128 and g["max_length"] == 192 and g["prompt_rows"] == 4
+    assert g["fits"] is True
     assert g["resident_gib"] > 0 and g["per_device_gib"] > g["resident_gib"]
 
 

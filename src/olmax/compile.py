@@ -257,10 +257,12 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
         report["fits"] = report["fits"] and report["eval"]["fits"]
     if rl:  # sampling runs between updates: the optimizer state stays resident beside it
         gb = min(cfg.rl.generation_batch or cfg.train.global_batch_size, cfg.train.global_batch_size)
-        g = compile_generate(cfg, topology, gb, L, progress=progress)
+        shapes = rl_generation_shapes(cfg, topology, gb)
+        g = compile_generate(cfg, topology, gb, shapes["max_length"], prompt_len=shapes["prompt_len"],
+                             prompt_rows=shapes["prompt_rows"], progress=progress)
         resident = per_device_gib(abstract["opt_state"])
         need = g["per_device_gib"] + resident
-        report["generate"] = {"batch": gb, "max_length": L, "per_device_gib": need, "resident_gib": resident,
+        report["generate"] = {"batch": gb, **shapes, "per_device_gib": need, "resident_gib": resident,
                               "prefill_gib": g["prefill"]["need"], "decode_gib": g.get("decode", {}).get("need"),
                               "cache_gib_total": g["cache_gib_total"],
                               "fits": bool(g["fits"]) and need <= topology.family.hbm_gib,
@@ -272,13 +274,34 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
     return report
 
 
-def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: int, *, progress: bool = True) -> dict:
+def rl_generation_shapes(cfg: Config, topology: Topology, batch: int) -> dict:
+    """The shapes an RL run's rollouts decode with (``olmax.model.generate``'s bucketing): prompts
+    padded to the bucket of ``rl.max_prompt_length``, a cache of that plus
+    ``rl.max_response_length`` tokens, and each generation batch's distinct prompts (groups of
+    ``rl.group_size`` rows) prefilled once (``prompt_rows``; None where that saves no row)."""
+    from olmax.model.attention import resolve_impl
+    from olmax.model.generate import cache_length, prompt_bucket, shared_prefill_rows
+
+    mesh = make_mesh(cfg.mesh, abstract_devices(topology))
+    with activation_mesh(mesh):
+        splash = resolve_impl(cfg.model.attention_impl, jnp.dtype(cfg.model.compute_dtype)) == "splash"
+    r = cfg.rl
+    prompt_len = prompt_bucket(r.max_prompt_length, splash)
+    return {"max_length": cache_length(prompt_len, r.max_response_length), "prompt_len": prompt_len,
+            "prompt_rows": shared_prefill_rows(batch, r.group_size, data_parallel_size(dict(mesh.shape)))}
+
+
+def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: int, *, prompt_len: int | None = None,
+                     prompt_rows: int | None = None, progress: bool = True) -> dict:
     """Lower and compile KV-cache decoding of ``cfg``'s model for ``topology``: the prefill of
-    ``batch`` prompts of ``max_length`` tokens (the longest a cache of that length takes) and one
-    decode step against that full cache, with the parameters sharded as in training and the
-    stacked compute-dtype copy (``decode.prepare``) made once beside them. Allocates nothing."""
+    ``batch`` prompts of ``prompt_len`` tokens (default ``max_length``, the longest a cache of
+    that length takes) and one decode step against the full cache, with the parameters sharded
+    as in training and the stacked compute-dtype copy (``decode.prepare``) made once beside
+    them. With ``prompt_rows`` the prefill runs that many distinct prompts and copies their
+    cache to the ``batch`` rows (``decode.expand_rows``, as GRPO's groups share a prompt).
+    Allocates nothing."""
     from olmax.checkpoint.state import abstract_train_state, shardings
-    from olmax.model.decode import cache_bytes, decode_step, prefill, prepare
+    from olmax.model.decode import cache_bytes, decode_step, expand_rows, prefill, prepare
 
     devices = abstract_devices(topology)
     mesh = make_mesh(cfg.mesh, devices)
@@ -291,27 +314,39 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
     rows = batch_sharding(mesh, 1)
     report: dict[str, Any] = {"recipe": cfg.name, "topology": topology.name, "devices": len(devices),
                               "mesh": dict(mesh.shape), "batch": batch, "max_length": max_length,
+                              "prompt_len": prompt_len or max_length, "prompt_rows": prompt_rows or batch,
                               "compute_dtype": m.compute_dtype, "attention": m.attention_impl,
                               "hbm_gib": topology.family.hbm_gib,
                               "cache_gib_total": cache_bytes(m, batch, max_length) / GiB}
     if progress:
         print(f"compiling prefill + decode of {cfg.name} for {topology.name} ({len(devices)} devices, mesh "
-              f"{dict(mesh.shape)}), batch {batch} x {max_length} tokens...", file=sys.stderr, flush=True)
+              f"{dict(mesh.shape)}), batch {batch} x {max_length} tokens"
+              + (f" ({prompt_rows} distinct prompts of {prompt_len} prefilled once)" if prompt_rows else "") + "...",
+              file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     with activation_mesh(mesh):
         prep = jax.jit(partial(prepare, cfg=m), in_shardings=(shardings(params),)).lower(params).compile()
         prepared = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                                 jax.eval_shape(partial(prepare, cfg=m), params), prep.output_shardings)
-        tokens = jax.ShapeDtypeStruct((batch, max_length), jnp.int32, sharding=bshard)
-        lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
-        pre = _compiled_memory(jax.jit(partial(prefill, cfg=m, max_length=max_length)).lower(prepared, tokens, lengths))
+        filled = prompt_rows or batch
+        tokens = jax.ShapeDtypeStruct((filled, prompt_len or max_length), jnp.int32, sharding=bshard)
+        lengths = jax.ShapeDtypeStruct((filled,), jnp.int32, sharding=rows)
+        args = (prepared, tokens, lengths)
+        if prompt_rows:
+            def fill(prepared, tokens, lengths, source):
+                return expand_rows(*prefill(prepared, tokens, lengths, m, max_length), source)
+            dp = data_parallel_size(dict(mesh.shape))
+            args += (jax.ShapeDtypeStruct((dp, batch // dp), jnp.int32, sharding=bshard),)
+        else:
+            fill = partial(prefill, cfg=m, max_length=max_length)
+        pre = _compiled_memory(jax.jit(fill).lower(*args))
         if "oom" in pre:
             report.update(prefill=pre, compile_seconds=time.perf_counter() - t0,
                           **memory_verdict(need=pre["need"], hbm=pre["hbm"]))
             return report
         cache_shard = pre.pop("compiled").output_shardings[1]
         cache = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                             jax.eval_shape(partial(prefill, cfg=m, max_length=max_length), prepared, tokens, lengths)[1],
+                             jax.eval_shape(fill, *args)[1],
                              cache_shard)
         tok = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
         dec = _compiled_memory(jax.jit(partial(decode_step, cfg=m, max_length=max_length), donate_argnums=(2,)).lower(
@@ -386,7 +421,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
             g = r["generate"]
             print(f"generation     {g['per_device_gib']:.2f} GiB per device at {g['batch']} completions x "
                   f"{g['max_length']} tokens (KV cache {g['cache_gib_total']:.1f} GiB in all; with the optimizer "
-                  f"state that stays resident, {g['resident_gib']:.2f})")
+                  f"state that stays resident, {g['resident_gib']:.2f}); prompts of {g['prompt_len']} tokens"
+                  + (f", {g['prompt_rows']} distinct ones prefilled once" if g["prompt_rows"] else ""))
         if "eval" in r:
             print(f"eval step      {r['eval']['per_device_gib']:.2f} GiB per device at batch {r['eval']['batch_size']} "
                   f"(with the optimizer state that stays resident, {r['eval']['resident_gib']:.2f})")

@@ -186,6 +186,27 @@ def prefill(prepared: dict, tokens: jax.Array, lengths: jax.Array, cfg: ModelCon
     return logits, {"kv": kv, "pos": pos, "length": lengths}
 
 
+def expand_rows(logits: jax.Array, cache: dict, source: jax.Array) -> tuple[jax.Array, dict]:
+    """A ``prefill``'s last-token logits and cache copied to the rows of a larger batch: a prompt
+    that several rows share (GRPO's group of completions of one prompt) is prefilled once and its
+    keys, values and positions copied to each of its rows. ``source`` [dp, per]: the prefill's
+    rows are dp blocks, one per data-parallel shard, and row j of shard d takes row
+    ``source[d, j]`` of block d. Each shard copies from its own block, so on a mesh no row
+    crosses devices (a gather from the whole batch would gather it onto every device first)."""
+    def take(a: jax.Array, axis: int) -> jax.Array:
+        dp, per = source.shape
+        shape = a.shape
+        blocks = a.reshape(*shape[:axis], dp, shape[axis] // dp, *shape[axis + 1:])
+        out = jax.vmap(lambda block, idx: jnp.take(block, idx, axis=axis), in_axes=(axis, 0), out_axes=axis)(
+            blocks, source)
+        return out.reshape(*shape[:axis], dp * per, *shape[axis + 1:])
+
+    kv = jax.tree.map(lambda a: constrain(take(a, 1), _axes()), cache["kv"])
+    pos = {kind: constrain(take(p, 0), ("batch", "length")) for kind, p in cache["pos"].items()}
+    return (constrain(take(logits, 0), ("batch", "act_vocab")),
+            {"kv": kv, "pos": pos, "length": constrain(take(cache["length"], 0), ("batch",))})
+
+
 def decode_step(prepared: dict, tokens: jax.Array, cache: dict, cfg: ModelConfig, max_length: int
                 ) -> tuple[jax.Array, dict]:
     """One new token per row (``tokens`` [b]) at position ``cache["length"]`` (below

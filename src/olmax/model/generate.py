@@ -4,9 +4,12 @@ top-p sampling, EOS and caller-defined stops, per-token log-probabilities.
 Shapes are bucketed so a run compiles once per (batch rows, prompt bucket, cache length):
 prompts are right-padded to a power of two (at least 16; 128 for splash attention) that fits the longest prompt of the
 whole call, the cache holds that plus ``max_new_tokens`` rounded up to 64, and a short last
-batch is padded with copies of its first prompt. Sampling draws from a key per prompt (the seed
-folded with the prompt's index, then with the step), so a prompt's tokens do not depend on the
-batch it ran in.
+batch is padded with copies of its first prompt. A prompt that several rows of a batch share
+(GRPO samples a group of completions of each prompt) is prefilled once per data-parallel shard,
+in a block of the shard's distinct prompts (a power of two as well), and its cache copied to each
+of its rows.
+Sampling draws from a key per prompt (the seed folded with the prompt's index, then with the
+step), so a prompt's tokens do not depend on the batch it ran in.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from olmax.config import ModelConfig
 from olmax.model.attention import resolve_impl
-from olmax.model.decode import decode_step, prefill, prepare, relayout, streams
+from olmax.model.decode import decode_step, expand_rows, prefill, prepare, relayout, streams
 from olmax.model.olmo3 import OutIn
 from olmax.model.params import logical_axes
 from olmax.sharding import activation_mesh, batch_sharding, data_parallel_size, param_shardings
@@ -62,6 +65,46 @@ class Completion:
 
 def _bucket(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (n - 1).bit_length())
+
+
+def prompt_bucket(longest: int, splash: bool) -> int:
+    """The padded prompt length of a call whose longest prompt has ``longest`` tokens: a power of
+    two, at least 16 (128 under splash attention, which tiles the prompt in blocks of 128)."""
+    return _bucket(longest, lo=128 if splash else 16)
+
+
+def shared_prefill(prompts: Sequence[Sequence[int]], data_parallel: int = 1) -> tuple[list[int], np.ndarray] | None:
+    """How a batch of rows ``prompts`` (a multiple of ``data_parallel`` rows, split into that
+    many consecutive shards) prefills each distinct prompt once (``decode.expand_rows``): the
+    rows to prefill (indices into ``prompts``: each shard's distinct prompts, every shard's
+    block padded with its first to one power-of-two width) and, per shard, the block row each of
+    its rows copies ([data_parallel, rows / data_parallel]). None where that saves no row."""
+    per = len(prompts) // data_parallel
+    blocks, source = [], np.zeros((data_parallel, per), np.int32)
+    for d in range(data_parallel):
+        first: dict[tuple[int, ...], int] = {}  # a prompt -> its row in the shard's block
+        block: list[int] = []
+        for j in range(per):
+            key = tuple(int(t) for t in prompts[d * per + j])
+            if key not in first:
+                first[key] = len(block)
+                block.append(d * per + j)
+            source[d, j] = first[key]
+        blocks.append(block)
+    width = _bucket(max(map(len, blocks)), lo=1)
+    if width * data_parallel >= len(prompts):
+        return None
+    return [r for b in blocks for r in [*b, *[b[0]] * (width - len(b))]], source
+
+
+def shared_prefill_rows(rows: int, group: int, data_parallel: int = 1) -> int | None:
+    """``shared_prefill``'s row count, at most, for ``rows`` rows cut from consecutive groups of
+    ``group`` rows that share a prompt (RL's rollouts; ``olmax compile``); None where sharing
+    saves no row."""
+    per = rows // data_parallel
+    distinct = min(per, -(-per // group) + (per % group != 0 or rows % group != 0))
+    width = _bucket(distinct, lo=1)
+    return width * data_parallel if width * data_parallel < rows else None
 
 
 def cache_length(prompt_len: int, max_new_tokens: int) -> int:
@@ -166,8 +209,10 @@ class Generator:
         everywhere = NamedSharding(self.mesh, PartitionSpec())
         return tuple(jax.lax.with_sharding_constraint(a, everywhere) for a in (tok, lp))
 
-    def _prefill_and_sample(self, prepared, tokens, lengths, seed, indices, knobs, max_length, greedy):
+    def _prefill_and_sample(self, prepared, tokens, lengths, seed, indices, knobs, max_length, greedy, source=None):
         logits, cache = prefill(prepared, tokens, lengths, self.cfg, max_length)
+        if source is not None:  # the distinct prompts were prefilled: each row takes its prompt's cache
+            logits, cache = expand_rows(logits, cache, source)
         keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(indices)
         tok, lp = sample(logits, keys, jnp.int32(0), knobs, greedy, self.cfg.vocab_size)
         return (*self._host_readable(tok, lp), cache, keys)
@@ -182,21 +227,33 @@ class Generator:
         """One batch: ``prompts`` (global ``indices``), padded to ``rows`` x ``prompt_len``."""
         sampling = sampling or self.sampling
         n = len(prompts)
-        tokens = np.zeros((rows, prompt_len), np.int32)
-        lengths = np.zeros(rows, np.int32)
-        for r in range(rows):
-            p = prompts[r] if r < n else prompts[0]
+        # Rows that repeat a prompt of the batch (a GRPO group) share its prefill: each
+        # data-parallel shard's distinct prompts are prefilled in a block of their own (a power
+        # of two) and the cache is copied to the shard's rows (``shared_prefill``). Padding rows
+        # (copies of the first prompt) alone do not count, so an unrepeated batch keeps its one
+        # program.
+        filled, source = [*prompts, *[prompts[0]] * (rows - n)], None
+        if len({tuple(int(t) for t in p) for p in prompts}) < n:
+            dp = data_parallel_size(dict(self.mesh.shape)) if self.mesh is not None else 1
+            shared = shared_prefill(filled, dp)
+            if shared is not None:
+                filled, source = [filled[r] for r in shared[0]], shared[1]
+        tokens = np.zeros((len(filled), prompt_len), np.int32)
+        lengths = np.zeros(len(filled), np.int32)
+        for r, p in enumerate(filled):
             tokens[r, :len(p)], lengths[r] = p, len(p)
         idx = np.asarray([*indices, *[indices[0]] * (rows - n)], np.int32)
         if self.mesh is not None:  # from the host arrays, which every process holds whole
             tokens_d = jax.device_put(tokens, batch_sharding(self.mesh, 2))
             lengths_d, idx_d = (jax.device_put(a, batch_sharding(self.mesh, 1)) for a in (lengths, idx))
+            source_d = None if source is None else jax.device_put(source, batch_sharding(self.mesh, 2))
         else:
             tokens_d, lengths_d, idx_d = jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(idx)
+            source_d = None if source is None else jnp.asarray(source)
         knobs, greedy = _knobs(sampling), sampling.greedy
         prepared = self.weights(rows)
         tok, lp, cache, keys = self._prefill(prepared, tokens_d, lengths_d, jnp.uint32(sampling.seed), idx_d,
-                                             knobs, max_length=max_length, greedy=greedy)
+                                             knobs, max_length=max_length, greedy=greedy, source=source_d)
         out = [Completion() for _ in range(n)]
         live = set(range(n))
         for step in range(max_new_tokens):
@@ -253,7 +310,7 @@ def generate(params: Any, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
     sampling = sampling or gen.sampling
     with activation_mesh(gen.mesh):  # splash attention (TPU) tiles the prompt in blocks of 128 or more
         splash = resolve_impl(cfg.attention_impl, jnp.dtype(cfg.compute_dtype)) == "splash"
-    prompt_len = _bucket(max(len(p) for p in prompts), lo=128 if splash else 16)
+    prompt_len = prompt_bucket(max(len(p) for p in prompts), splash)
     max_length = cache_length(prompt_len, max_new_tokens)
     rows = min(batch_size, _bucket(len(prompts), lo=1))
     if gen.mesh is not None:  # whole rows per data-parallel shard
