@@ -67,7 +67,7 @@ def olmo3_7b_think_rl() -> Config:
                   max_prompt_length=MAX_PROMPT, max_response_length=32768, reward="math", reward_multiplier=10.0,
                   advantage="centered", clip_low=0.2, clip_high=0.272, kl_beta=0.0, aggregation="microbatch_mean",
                   filter_zero_std=True, active_sampling=False, num_mini_batches=1, num_epochs=1, tis_cap=2.0,
-                  mask_truncated=False, generation_batch=None)   # all 512 at once: 74.7 GiB a v5p chip
+                  mask_truncated=False, generation_batch=None)   # all 512 at once: 50.9 GiB a v5p chip
     return _olmo3_7b_rl("olmo3_7b_think_rl", 32768, rl, steps=1000)
 
 
