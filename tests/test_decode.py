@@ -99,6 +99,39 @@ def test_repeated_prompts_are_prefilled_once(monkeypatch) -> None:
     assert len({tuple(c.token_ids) for c in sampled[:4]}) > 1  # a group's rows draw their own tokens
 
 
+def test_the_rl_compile_prefills_what_the_run_prefills(monkeypatch) -> None:
+    """``olmax compile`` of an RL recipe predicts the generator's shapes from the generator's own
+    rules: on one step's rows (4 groups of 3, generation batches of 8 that cut a group in two)
+    the rows each batch prefills, the prompt bucket and the cache length are what the rollouts'
+    ``generate`` call traces."""
+    import olmax.model.generate as g
+    from olmax.compile import rl_generation_shapes
+    from olmax.recipes import get_recipe
+    from olmax.sharding import make_mesh
+    traced = []
+    real = g.prefill
+
+    def spy(prepared, tokens, lengths, cfg, max_length):
+        traced.append((*tokens.shape, max_length))
+        return real(prepared, tokens, lengths, cfg, max_length)
+
+    monkeypatch.setattr(g, "prefill", spy)
+    cfg = get_recipe("tiny_rl", ["rl.prompts_per_step=4", "rl.group_size=3", "rl.generation_batch=8",
+                                 "train.global_batch_size=12", "rl.num_mini_batches=1"])
+    cfg = replace(cfg, model=TINY)
+    r = cfg.rl
+    mesh = make_mesh(cfg.mesh, jax.devices()[:1])
+    shapes = rl_generation_shapes(cfg, mesh)
+    assert shapes["batch"] == 8 and shapes["prompt_rows"] == 4    # the first batch: 3 groups in a block of 4
+    prompts = [[(p * 7 + i) % 90 + 1 for i in range(r.max_prompt_length)] for p in range(r.prompts_per_step)]
+    rows = [p for p in prompts for _ in range(r.group_size)]       # as the rollouts lay them out
+    gen = Generator(init_params(TINY, jax.random.key(0)), TINY, Sampling(temperature=1.0), mesh)
+    generate(None, TINY, rows, max_new_tokens=r.max_response_length, batch_size=r.generation_batch,
+             sampling=Sampling(temperature=1.0), generator=gen)
+    assert traced == [(4, shapes["prompt_len"], shapes["max_length"]), (2, shapes["prompt_len"], shapes["max_length"])]
+    assert max(t[0] for t in traced) == shapes["prompt_rows"]
+
+
 def test_bad_requests_name_the_problem() -> None:
     params = init_params(TINY, jax.random.key(0))
     with pytest.raises(ValueError, match="prompt 1 is empty"):

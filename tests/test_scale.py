@@ -530,6 +530,7 @@ def test_compile_generate_for_a_tpu_slice():
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert out["fits"] is True and out["mesh"] == {"slice": 1, "data": 1, "fsdp": 2, "tensor": 2}
+    assert out["prompt_rows"] is None and out["devices"] == 4  # every row prefilled: nothing shared
     # At least each device's share of the cache comes back in the input's buffers (not a copy).
     assert out["decode"]["alias"] >= out["cache_gib_total"] / out["devices"]
     assert out["cache_gib_total"] > 0 and out["prefill"]["need"] < out["hbm_gib"]

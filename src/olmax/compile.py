@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from olmax import jsonout
 from olmax.config import Config, ConfigError
@@ -222,7 +223,7 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
     }
     if progress:
         what = f"{plan.per_device} pairs of 2 x {L}" if dpo else f"{plan.per_device} x {L}"
-        print(f"compiling the {cfg.name} train step for {topology.name} ({len(devices)} devices, mesh "
+        print(f"compiling the {cfg.name} train step for {topology.name} ({mesh.size} devices, mesh "
               f"{sizes}, {what} tokens per device in {plan.accum_steps} micro-batch(es))...",
               file=sys.stderr, flush=True)
     t0 = time.perf_counter()
@@ -256,10 +257,10 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
                                   f"({report['eval']['per_device_gib']:.1f} GiB): lower eval.batch_size")
         report["fits"] = report["fits"] and report["eval"]["fits"]
     if rl:  # sampling runs between updates: the optimizer state stays resident beside it
-        gb = min(cfg.rl.generation_batch or cfg.train.global_batch_size, cfg.train.global_batch_size)
-        shapes = rl_generation_shapes(cfg, topology, gb)
+        shapes = rl_generation_shapes(cfg, mesh)
+        gb = shapes.pop("batch")
         g = compile_generate(cfg, topology, gb, shapes["max_length"], prompt_len=shapes["prompt_len"],
-                             prompt_rows=shapes["prompt_rows"], progress=progress)
+                             prompt_rows=shapes["prompt_rows"], progress=progress, mesh=mesh)
         resident = per_device_gib(abstract["opt_state"])
         need = g["per_device_gib"] + resident
         report["generate"] = {"batch": gb, **shapes, "per_device_gib": need, "resident_gib": resident,
@@ -274,37 +275,38 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
     return report
 
 
-def rl_generation_shapes(cfg: Config, topology: Topology, batch: int) -> dict:
-    """The shapes an RL run's rollouts decode with (``olmax.model.generate``'s bucketing): prompts
-    padded to the bucket of ``rl.max_prompt_length``, a cache of that plus
-    ``rl.max_response_length`` tokens, and each generation batch's distinct prompts (groups of
-    ``rl.group_size`` rows) prefilled once (``prompt_rows``; None where that saves no row)."""
-    from olmax.model.attention import resolve_impl
-    from olmax.model.generate import cache_length, prompt_bucket, shared_prefill_rows
+def rl_generation_shapes(cfg: Config, mesh: Mesh) -> dict:
+    """The shapes an RL run's rollouts decode with on ``mesh``, from ``olmax.model.generate``'s
+    own bucketing applied to one step's rows (``rl.prompts_per_step`` groups of
+    ``rl.group_size`` rows that share a prompt): ``batch``, the rows of each generation batch;
+    ``prompt_len``, the bucket of ``rl.max_prompt_length``; ``max_length``, the cache of that
+    plus ``rl.max_response_length`` tokens; ``prompt_rows``, the most rows a batch prefills
+    (each shard's distinct prompts), None where no batch saves a row."""
+    from olmax.model.generate import batch_rows, cache_length, prefill_rows, prompt_bucket
 
-    mesh = make_mesh(cfg.mesh, abstract_devices(topology))
-    with activation_mesh(mesh):
-        splash = resolve_impl(cfg.model.attention_impl, jnp.dtype(cfg.model.compute_dtype)) == "splash"
     r = cfg.rl
-    prompt_len = prompt_bucket(r.max_prompt_length, splash)
-    return {"max_length": cache_length(prompt_len, r.max_response_length), "prompt_len": prompt_len,
-            "prompt_rows": shared_prefill_rows(batch, r.group_size, data_parallel_size(dict(mesh.shape)))}
+    dp = data_parallel_size(dict(mesh.shape))
+    step = [[g] for g in range(r.prompts_per_step) for _ in range(r.group_size)]  # a prompt per group
+    rows = batch_rows(len(step), r.generation_batch or len(step), dp)
+    prefilled = max(len(prefill_rows(step[s:s + rows], rows, dp)[0]) for s in range(0, len(step), rows))
+    prompt_len = prompt_bucket(r.max_prompt_length, cfg.model, mesh)
+    return {"batch": rows, "max_length": cache_length(prompt_len, r.max_response_length), "prompt_len": prompt_len,
+            "prompt_rows": prefilled if prefilled < rows else None}
 
 
 def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: int, *, prompt_len: int | None = None,
-                     prompt_rows: int | None = None, progress: bool = True) -> dict:
+                     prompt_rows: int | None = None, progress: bool = True, mesh: Mesh | None = None) -> dict:
     """Lower and compile KV-cache decoding of ``cfg``'s model for ``topology``: the prefill of
     ``batch`` prompts of ``prompt_len`` tokens (default ``max_length``, the longest a cache of
     that length takes) and one decode step against the full cache, with the parameters sharded
     as in training and the stacked compute-dtype copy (``decode.prepare``) made once beside
     them. With ``prompt_rows`` the prefill runs that many distinct prompts and copies their
     cache to the ``batch`` rows (``decode.expand_rows``, as GRPO's groups share a prompt).
-    Allocates nothing."""
+    ``mesh``: the abstract mesh of ``topology`` when the caller has built it. Allocates nothing."""
     from olmax.checkpoint.state import abstract_train_state, shardings
     from olmax.model.decode import cache_bytes, decode_step, expand_rows, prefill, prepare
 
-    devices = abstract_devices(topology)
-    mesh = make_mesh(cfg.mesh, devices)
+    mesh = mesh if mesh is not None else make_mesh(cfg.mesh, abstract_devices(topology))
     m = cfg.model
     if batch % data_parallel_size(dict(mesh.shape)):
         raise ConfigError(f"--batch-size {batch} does not divide over the {data_parallel_size(dict(mesh.shape))} "
@@ -312,14 +314,14 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
     params = abstract_train_state(cfg, mesh)["params"]
     bshard = batch_sharding(mesh)
     rows = batch_sharding(mesh, 1)
-    report: dict[str, Any] = {"recipe": cfg.name, "topology": topology.name, "devices": len(devices),
+    report: dict[str, Any] = {"recipe": cfg.name, "topology": topology.name, "devices": mesh.size,
                               "mesh": dict(mesh.shape), "batch": batch, "max_length": max_length,
-                              "prompt_len": prompt_len or max_length, "prompt_rows": prompt_rows or batch,
+                              "prompt_len": prompt_len or max_length, "prompt_rows": prompt_rows,
                               "compute_dtype": m.compute_dtype, "attention": m.attention_impl,
                               "hbm_gib": topology.family.hbm_gib,
                               "cache_gib_total": cache_bytes(m, batch, max_length) / GiB}
     if progress:
-        print(f"compiling prefill + decode of {cfg.name} for {topology.name} ({len(devices)} devices, mesh "
+        print(f"compiling prefill + decode of {cfg.name} for {topology.name} ({mesh.size} devices, mesh "
               f"{dict(mesh.shape)}), batch {batch} x {max_length} tokens"
               + (f" ({prompt_rows} distinct prompts of {prompt_len} prefilled once)" if prompt_rows else "") + "...",
               file=sys.stderr, flush=True)

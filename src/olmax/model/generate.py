@@ -67,44 +67,61 @@ def _bucket(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (n - 1).bit_length())
 
 
-def prompt_bucket(longest: int, splash: bool) -> int:
+def prompt_bucket(longest: int, cfg: ModelConfig, mesh: Mesh | None = None) -> int:
     """The padded prompt length of a call whose longest prompt has ``longest`` tokens: a power of
-    two, at least 16 (128 under splash attention, which tiles the prompt in blocks of 128)."""
+    two, at least 16, or 128 where ``cfg``'s attention resolves to splash under ``mesh`` (TPU:
+    it tiles the prompt in blocks of 128)."""
+    with activation_mesh(mesh):
+        splash = resolve_impl(cfg.attention_impl, jnp.dtype(cfg.compute_dtype)) == "splash"
     return _bucket(longest, lo=128 if splash else 16)
 
 
-def shared_prefill(prompts: Sequence[Sequence[int]], data_parallel: int = 1) -> tuple[list[int], np.ndarray] | None:
-    """How a batch of rows ``prompts`` (a multiple of ``data_parallel`` rows, split into that
-    many consecutive shards) prefills each distinct prompt once (``decode.expand_rows``): the
-    rows to prefill (indices into ``prompts``: each shard's distinct prompts, every shard's
-    block padded with its first to one power-of-two width) and, per shard, the block row each of
-    its rows copies ([data_parallel, rows / data_parallel]). None where that saves no row."""
-    per = len(prompts) // data_parallel
+def batch_rows(prompts: int, batch_size: int, data_parallel: int = 1) -> int:
+    """The rows every batch of a call of ``prompts`` prompts runs with: ``batch_size`` at most,
+    fewer (a power of two) for a smaller call, whole rows per data-parallel shard."""
+    rows = min(batch_size, _bucket(prompts, lo=1))
+    return -(-rows // data_parallel) * data_parallel
+
+
+def _share(keys: Sequence[tuple], data_parallel: int) -> tuple[list[int], np.ndarray] | None:
+    """``prefill_rows``' plan for the padded batch's rows (as hashable ``keys``): the rows to
+    prefill (each shard's distinct prompts, every shard's block padded with its first to one
+    power-of-two width) and, per shard, the block row each of its rows copies; None where that
+    saves no row."""
+    per = len(keys) // data_parallel
     blocks, source = [], np.zeros((data_parallel, per), np.int32)
     for d in range(data_parallel):
-        first: dict[tuple[int, ...], int] = {}  # a prompt -> its row in the shard's block
+        first: dict[tuple, int] = {}  # a prompt -> its row in the shard's block
         block: list[int] = []
         for j in range(per):
-            key = tuple(int(t) for t in prompts[d * per + j])
+            key = keys[d * per + j]
             if key not in first:
                 first[key] = len(block)
                 block.append(d * per + j)
             source[d, j] = first[key]
         blocks.append(block)
     width = _bucket(max(map(len, blocks)), lo=1)
-    if width * data_parallel >= len(prompts):
+    if width * data_parallel >= len(keys):
         return None
     return [r for b in blocks for r in [*b, *[b[0]] * (width - len(b))]], source
 
 
-def shared_prefill_rows(rows: int, group: int, data_parallel: int = 1) -> int | None:
-    """``shared_prefill``'s row count, at most, for ``rows`` rows cut from consecutive groups of
-    ``group`` rows that share a prompt (RL's rollouts; ``olmax compile``); None where sharing
-    saves no row."""
-    per = rows // data_parallel
-    distinct = min(per, -(-per // group) + (per % group != 0 or rows % group != 0))
-    width = _bucket(distinct, lo=1)
-    return width * data_parallel if width * data_parallel < rows else None
+def prefill_rows(prompts: Sequence[Sequence[int]], rows: int,
+                 data_parallel: int = 1) -> tuple[list[Sequence[int]], np.ndarray | None]:
+    """What one batch prefills: ``prompts`` padded to ``rows`` with copies of the first. Where
+    real rows repeat a prompt (a GRPO group), each of the ``data_parallel`` shards (consecutive
+    rows) prefills its distinct prompts once and ``decode.expand_rows`` copies their cache to its
+    rows: then the prefilled prompts and, per shard, the block row each row copies
+    ([data_parallel, rows / data_parallel]); otherwise the padded rows and None. Padding alone
+    never shares, so a batch of distinct prompts keeps its one program."""
+    filled = [*prompts, *[prompts[0]] * (rows - len(prompts))]
+    keys = [tuple(int(t) for t in p) for p in filled]
+    if len(set(keys[:len(prompts)])) == len(prompts):
+        return filled, None
+    shared = _share(keys, data_parallel)
+    if shared is None:
+        return filled, None
+    return [filled[r] for r in shared[0]], shared[1]
 
 
 def cache_length(prompt_len: int, max_new_tokens: int) -> int:
@@ -227,17 +244,9 @@ class Generator:
         """One batch: ``prompts`` (global ``indices``), padded to ``rows`` x ``prompt_len``."""
         sampling = sampling or self.sampling
         n = len(prompts)
-        # Rows that repeat a prompt of the batch (a GRPO group) share its prefill: each
-        # data-parallel shard's distinct prompts are prefilled in a block of their own (a power
-        # of two) and the cache is copied to the shard's rows (``shared_prefill``). Padding rows
-        # (copies of the first prompt) alone do not count, so an unrepeated batch keeps its one
-        # program.
-        filled, source = [*prompts, *[prompts[0]] * (rows - n)], None
-        if len({tuple(int(t) for t in p) for p in prompts}) < n:
-            dp = data_parallel_size(dict(self.mesh.shape)) if self.mesh is not None else 1
-            shared = shared_prefill(filled, dp)
-            if shared is not None:
-                filled, source = [filled[r] for r in shared[0]], shared[1]
+        # Rows that repeat a prompt (a GRPO group) share its prefill (``prefill_rows``).
+        dp = data_parallel_size(dict(self.mesh.shape)) if self.mesh is not None else 1
+        filled, source = prefill_rows(prompts, rows, dp)
         tokens = np.zeros((len(filled), prompt_len), np.int32)
         lengths = np.zeros(len(filled), np.int32)
         for r, p in enumerate(filled):
@@ -308,14 +317,10 @@ def generate(params: Any, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
         sampling.check()
     gen = generator or Generator(params, cfg, sampling or Sampling(), mesh)
     sampling = sampling or gen.sampling
-    with activation_mesh(gen.mesh):  # splash attention (TPU) tiles the prompt in blocks of 128 or more
-        splash = resolve_impl(cfg.attention_impl, jnp.dtype(cfg.compute_dtype)) == "splash"
-    prompt_len = prompt_bucket(max(len(p) for p in prompts), splash)
+    prompt_len = prompt_bucket(max(len(p) for p in prompts), cfg, gen.mesh)
     max_length = cache_length(prompt_len, max_new_tokens)
-    rows = min(batch_size, _bucket(len(prompts), lo=1))
-    if gen.mesh is not None:  # whole rows per data-parallel shard
-        dp = data_parallel_size(dict(gen.mesh.shape))
-        rows = -(-rows // dp) * dp
+    rows = batch_rows(len(prompts), batch_size,
+                      data_parallel_size(dict(gen.mesh.shape)) if gen.mesh is not None else 1)
     eos = {int(e) for e in eos_ids}
     results: list[Completion] = []
     for start in range(0, len(prompts), rows):
