@@ -117,6 +117,28 @@ def test_reference_cache_resumes_and_refuses_other_inputs(tmp_path):
         ReferenceCache(tmp_path / "a", ps2, cfg)
 
 
+def test_reference_run_directory_is_named_by_its_newest_checkpoint(tmp_path):
+    """A reference that is a run directory is identified by its newest checkpoint's files: opening
+    the run again (its lock, metrics, TensorBoard events) keeps the cache valid; a newer
+    checkpoint does not."""
+    from olmax.train.dpo import reference_identity
+    from olmax.train.loop import train
+    cfg = _cfg(tmp_path, "train.steps=3")
+    run = tmp_path / "ref_run"
+    train(cfg, run, progress=False)
+    ref = _cfg(tmp_path, f"dpo.reference=olmax:{run}")
+    before = reference_identity(ref)
+    assert before["files"] and all(f.startswith("checkpoints/3/") for f in before["files"]), before["files"]
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write("{}\n")
+    (run / "tensorboard" / "events.out.tfevents.new").write_bytes(b"x" * 99)
+    (run / ".olmax-train.lock").write_text('{"pid": 123456789}')
+    assert reference_identity(ref) == before
+    train(_cfg(tmp_path, "train.steps=6"), run, progress=False)  # resumed: a newer checkpoint
+    after = reference_identity(ref)
+    assert after != before and all(f.startswith("checkpoints/6/") for f in after["files"])
+
+
 def test_bad_paths_are_errors_naming_them(tmp_path):
     from olmax.train.loop import train
     cfg = get_recipe("tiny_dpo", [*SMALL, f"data.preference_path={tmp_path / 'nope'}"])

@@ -334,10 +334,31 @@ def reference_identity(cfg: Config) -> dict[str, Any]:
     files: dict[str, int] = {}
     p = Path(local)
     if not src.startswith("random-init") and p.exists():
-        items = [p] if p.is_file() else sorted(q for q in p.rglob("*") if q.is_file())
-        for q in items[:2000]:
+        for q in _weight_files(p, hf=kind == "hf")[:2000]:
             files[str(q.relative_to(p)) if q != p else q.name] = q.stat().st_size
     return {"reference": ref, "source": src, "files": files, "model": _model_identity(cfg)}
+
+
+def _weight_files(p: Path, hf: bool) -> list[Path]:
+    """The files that hold the reference's weights: a file, every file of an HF or olmax weights
+    directory, and of a run directory only its newest committed checkpoint (of a checkpoint
+    directory, that one). A run directory's other files (its lock, metrics, TensorBoard events,
+    order cache) change whenever the run is opened again, not its weights: counting them made a
+    DPO run refuse its own cache after the reference run was resumed or the demo rerun."""
+    if p.is_file():
+        return [p]
+    from olmax.checkpoint.load import resolve_checkpoint
+    from olmax.checkpoint.store import CHECKPOINT_DIR
+    from olmax.model.weights_io import is_weights_dir
+    root = p
+    if not hf and not is_weights_dir(p):
+        try:
+            run, step = resolve_checkpoint(p)
+        except ConfigError:
+            pass  # not a run: every file counts
+        else:
+            root = Path(run) / CHECKPOINT_DIR / str(step)
+    return sorted(q for q in root.rglob("*") if q.is_file())
 
 
 def reference_params(cfg: Config, mesh: Mesh, pshard: Any) -> Any:
