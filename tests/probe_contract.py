@@ -6,7 +6,10 @@
    each must exit 2 with one ``error:`` line naming the field, or exit 0 for a value the field
    accepts (listed, to be judged by reading).
 2. Flags of the CLI with nonsense values (0, -1, nan, inf, words) and bad paths, each with and
-   without ``--json``: exit 2, one line, no traceback, and strict ``{"error": ...}`` JSON.
+   without ``--json``: exit 2, one line, no traceback, and strict ``{"error": ...}`` JSON. The
+   pre-training commands' flags and, since 2026-12-03, those of generation, ``parity``,
+   ``eval kl``, ``compile --step generate``, ``verify trl`` and ``demo rl``, and missing files of
+   generation and of the SFT, DPO and RL recipes.
 3. ``--kills N``: N trainings of the tiny recipe killed with SIGKILL at random points and resumed;
    each resumed run's metrics must equal an uninterrupted run's (volatile throughput excepted).
 Prints the counts as JSON.
@@ -129,9 +132,35 @@ FLAG_CASES = [
 ]
 
 
-def probe_flags(counts: dict, accepted: list) -> None:
-    for argv, flag in FLAG_CASES:
+def post_training_flag_cases(tmp: Path) -> list[tuple[list[str], str]]:
+    """The flags of generation and of the tools that take seeds, on a random 2-layer HF model made
+    here (an accepted value decodes for real)."""
+    from olmax.compat.hf import random_hf_model
+    hf = tmp / "hf"
+    random_hf_model(hf, seed=0, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, sliding_window=16,
+                    eos_token_id=0, pad_token_id=1, bos_token_id=None)
+    ids = tmp / "ids.jsonl"
+    ids.write_text("[3, 4, 5]\n")
+    gen = ["generate", "--checkpoint", f"hf:{hf}", "--prompt-ids", str(ids), "--max-new-tokens", "2"]
+    cases = [(gen + [f], f) for f in ("--max-new-tokens", "--temperature", "--top-p", "--top-k", "--seed",
+                                      "--batch-size")]
+    cases += [(["parity", "--hf", str(hf), f], f) for f in ("--seed", "--seq-len", "--batch-size")]
+    cases += [(["eval", "kl", f"hf:{hf}", f"hf:{hf}", f], f) for f in ("--seed", "--seq-len", "--batch-size")]
+    cases += [(["compile", "tiny", "--topology", "v5p-8", "--step", "generate", f], f)
+              for f in ("--batch-size", "--max-length")]
+    cases += [(["verify", "trl", "--grpo", f], f) for f in ("--steps", "--seed")]
+    cases += [(["demo", "rl", f], f) for f in ("--prompts", "--samples", "--sft-steps", "--dpo-steps")]
+    return cases
+
+
+def probe_flags(counts: dict, accepted: list, tmp: Path) -> None:
+    for argv, flag in [*FLAG_CASES, *post_training_flag_cases(tmp)]:
+        if argv[:2] == ["demo", "rl"]:
+            argv = ["demo", "--run-dir", str(tmp / "no-demo"), "rl", flag]  # nothing may be trained
         for v in ("0", "-1", "nan", "inf", "banana"):
+            if v == "0" and (argv[:2] == ["verify", "trl"] or flag == "--dpo-steps"):
+                continue  # valid (a seed; RL straight from SFT) and would run for minutes
             if flag == "--tol" and v == "0":
                 continue  # 0 is bitwise, the default
             if flag in ("--workers",) and v == "0":
@@ -156,6 +185,13 @@ def probe_paths(counts: dict, accepted: list, tmp: Path) -> None:
         (["launch", "status", "--run-dir", str(bad)], str(bad)),
         (["convert", "hf-to-olmax", "--hf", str(bad), "--out", str(tmp / "o")], str(bad)),
         (["data", "audit", str(bad) + ".yaml"], str(bad)),
+        (["generate", "--checkpoint", str(bad), "--prompt", "hi"], str(bad)),
+        (["generate", "--checkpoint", f"hf:{tmp / 'hf'}", "--prompt-ids", str(bad)], str(bad)),
+        (["chat", "--checkpoint", str(bad)], str(bad)),
+        (["train", "tiny_rl", "--run-dir", str(tmp / "r3"), "--set", f"rl.prompts_path={bad}"], str(bad)),
+        (["train", "tiny_dpo", "--run-dir", str(tmp / "r4"), "--set", f"data.preference_path={bad}"], str(bad)),
+        (["train", "tiny_sft", "--run-dir", str(tmp / "r5"), "--set", f"data.paths={bad}"], str(bad)),
+        (["demo", "--run-dir", str(tmp / "no-demo"), "rl", "--from", str(bad)], str(bad)),
     ]
     for argv, name in cases:
         judge(argv, name, counts, accepted)
@@ -199,7 +235,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         probe_config(counts, notes)
-        probe_flags(counts, notes)
+        probe_flags(counts, notes, tmp)
         probe_paths(counts, notes, tmp)
         if args.kills:
             probe_kills(args.kills, tmp, counts, notes)

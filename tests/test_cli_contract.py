@@ -158,3 +158,89 @@ def test_launch_status_of_a_missing_run_dir_is_an_error(tmp_path, capsys):  # P1
     (tmp_path / "run").mkdir()
     rc, out, _ = run(["launch", "status", "--run-dir", str(tmp_path / "run"), "--json"], capsys)
     assert rc == 0 and strict_loads(out)["checkpoint"] is None
+
+
+# Flags whose plain int/float type is checked after parsing, with a message naming the flag.
+CHECKED_LATER = {("generate", "--temperature"), ("generate", "--top-p"), ("chat", "--temperature"),
+                 ("chat", "--top-p"), ("compare", "--threshold"), ("compare", "--heldout-fraction"),
+                 ("eval", "lm-eval", "--limit")}
+
+
+def _numeric_flags(parser: argparse.ArgumentParser, path: tuple[str, ...]):
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for name, sub in a.choices.items():
+                yield from _numeric_flags(sub, path + (name,))
+        elif a.option_strings and a.type in (int, float):
+            yield path + (a.option_strings[0],)
+
+
+def _checked_flags(parser: argparse.ArgumentParser, path: tuple[str, ...]):
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for name, sub in a.choices.items():
+                yield from _checked_flags(sub, path + (name,))
+        elif a.option_strings and a.type is not None and a.type not in (int, float, str) and not a.choices:
+            yield path, a
+
+
+def test_every_checked_flag_refuses_nonsense_while_parsing(capsys):
+    """Each flag with a checking type refuses -1, NaN, inf and a word, and 0 where it must be
+    positive: exit 2, one line naming the flag, strict JSON where the command has --json. The
+    values are refused while parsing, before any required argument is missing or any work runs."""
+    from olmax import argtypes
+    cases = 0
+    for path, a in _checked_flags(cli.build_parser(), ()):
+        flag = a.option_strings[0]
+        values = ["-1", "nan", "inf", "banana", "1e999"]
+        if a.type in (argtypes.positive_int, argtypes.positive_float):
+            values.append("0")
+        for v in values:
+            rc, out, err = run([*path, flag, v], capsys)
+            assert rc == 2 and flag in err and "Traceback" not in err, (path, flag, v, rc, err)
+            assert len([ln for ln in err.splitlines() if "error:" in ln]) == 1, (path, flag, v, err)
+            cases += 1
+    assert cases >= 150, cases
+
+
+def test_every_numeric_flag_is_checked():
+    """A numeric flag takes a checking type from ``olmax.argtypes`` (refused while parsing: 0 where
+    it must be positive, -1, NaN, inf), or is listed here with the check that follows parsing.
+    Plain ``type=int`` let ``generate --seed -1`` end in an OverflowError traceback and
+    ``compile --step generate --batch-size 0`` report that a batch of nothing fits."""
+    unchecked = set(_numeric_flags(cli.build_parser(), ()))
+    assert unchecked <= CHECKED_LATER, sorted(unchecked - CHECKED_LATER)
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["generate", "--checkpoint", "x", "--prompt", "hi", "--seed", "-1"], "--seed"),
+    (["generate", "--checkpoint", "x", "--prompt", "hi", "--seed", str(2**32)], "--seed"),
+    (["generate", "--checkpoint", "x", "--prompt", "hi", "--temperature", "inf"], "--temperature"),
+    (["generate", "--checkpoint", "x", "--prompt", "hi", "--batch-size", "0"], "--batch-size"),
+    (["parity", "--hf", "x", "--seed", "-1"], "--seed"),
+    (["eval", "kl", "x", "y", "--seed", "-1"], "--seed"),
+    (["verify", "trl", "--grpo", "--seed", "-1"], "--seed"),
+    (["compile", "tiny", "--topology", "v5p-8", "--step", "generate", "--batch-size", "0"], "--batch-size"),
+    (["compile", "tiny", "--topology", "v5p-8", "--step", "generate", "--max-length", "-1"], "--max-length"),
+    (["demo", "--corpus-mb", "nan"], "--corpus-mb"),
+    (["convert", "hf-to-olmax", "--hf", "x", "--out", "y", "--pad-vocab-to", "0"], "--pad-vocab-to")])
+def test_post_training_and_tool_flags_refuse_nonsense(argv, flag, capsys):
+    rc, out, err = run(argv, capsys)
+    assert rc == 2 and flag in err and "Traceback" not in err, (rc, err)
+
+
+def test_sampling_refuses_a_seed_the_decoder_cannot_hold():
+    from olmax.model.generate import Sampling
+    for bad in (Sampling(seed=-1), Sampling(seed=2**32), Sampling(temperature=math.inf),
+                Sampling(temperature=math.nan)):
+        with pytest.raises(ValueError):
+            bad.check()
+    Sampling(seed=2**32 - 1, temperature=0.5).check()
+
+
+@pytest.mark.parametrize("stage,override", [("rl", "rl.group_size=0"), ("rl", "rl.nope=3"),
+                                            ("sft", "optim.lr=nan")])
+def test_demo_stages_check_their_overrides_before_any_stage_runs(stage, override, tmp_path, capsys):
+    rc, out, err = run(["demo", "--run-dir", str(tmp_path / "demo"), stage, "--set", override], capsys)
+    assert rc == 2 and override.split("=")[0] in err and "Traceback" not in err, err
+    assert not (tmp_path / "demo").exists()  # nothing pre-trained, built or written

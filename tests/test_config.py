@@ -65,6 +65,9 @@ def test_validation_errors_name_fields():
         get_recipe("tiny", ["data.eos_token_id=99999"])
     with pytest.raises(ConfigError, match="padded_vocab_size"):
         get_recipe("tiny", ["model.padded_vocab_size=10"])
+    for bad in ("0", "-1"):  # no signal to learn from, or a reward turned into a penalty
+        with pytest.raises(ConfigError, match="rl.reward_multiplier must be > 0"):
+            get_recipe("tiny_rl", [f"rl.reward_multiplier={bad}"])
 
 
 def test_unknown_recipe_suggests():

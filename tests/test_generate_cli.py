@@ -270,7 +270,7 @@ def test_errors_are_one_line(ids_model: Path, text_model: Path, tmp_path: Path, 
         (ck + ["--prompt-ids", str(ok), "--chat"], "--chat"),
         (ck + ["--prompt-ids", str(ok), "--top-p", "0.9"], "--temperature"),
         (ck + ["--prompt-ids", str(ok), "--temperature", "-1"], "--temperature"),
-        (ck + ["--prompt-ids", str(ok), "--max-new-tokens", "0"], "--max-new-tokens"),
+        (ck + ["--prompt-ids", str(ok), "--temperature", "inf"], "--temperature"),
         (ck + ["--prompt-ids", str(ok), "--stop", "x"], "ships no tokenizer"),
         (ck + ["--prompt-ids", str(ok), "--tokenizer", str(tmp_path / "no.json")], "--tokenizer"),
         (ck + ["--prompt-ids", str(ok), "--max-new-tokens", "300"], "max_position_embeddings"),
@@ -281,6 +281,12 @@ def test_errors_are_one_line(ids_model: Path, text_model: Path, tmp_path: Path, 
         assert rc == 2, (argv, out, err)
         assert msg in err and err.count("\n") == 1 and "Traceback" not in err, (argv, err)
         assert msg in json.loads(out)["error"]
+    # Refused while parsing (argparse's usage, then one error line naming the flag).
+    for flag, value in (("--max-new-tokens", "0"), ("--seed", "-1")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(ck + ["--prompt-ids", str(ok), flag, value, "--json"])
+        out, err = capsys.readouterr()
+        assert e.value.code == 2 and flag in json.loads(out)["error"] and "Traceback" not in err, (flag, err)
     (tmp_path / "big.jsonl").write_text("[1, 999]\n")
     rc, _, err = run(ck + ["--prompt-ids", str(tmp_path / "big.jsonl"), "--max-new-tokens", "4"], capsys)
     assert rc == 2 and "999" in err and "vocabulary" in err

@@ -241,8 +241,10 @@ def test_suite_arguments(hf_dir: Path) -> None:
         parse(["--checkpoint", "x", "--suite", "nope"])
     with pytest.raises(SystemExit):
         parse(["--tasks", "piqa"])  # --checkpoint is required
+    with pytest.raises(SystemExit):
+        parse(["--checkpoint", "x", "--batch-size", "0"])  # refused while parsing
     bad = {("--tasks", "piqa,,boolq"): "empty task name", ("--limit", "1.5"): "--limit", ("--limit", "0"): "--limit",
-           ("--batch-size", "0"): "--batch-size", ("--include-path", "no/such/dir"): "--include-path",
+           ("--include-path", "no/such/dir"): "--include-path",
            ("--tokenizer", "no/such/tokenizer.json"): "--tokenizer"}
     for extra, msg in bad.items():
         a = parse(["--checkpoint", f"hf:{hf_dir}", *extra])

@@ -169,6 +169,10 @@ def test_parity_input_errors(models: dict[str, Path], tmp_path: Path) -> None:
         run_parity(models["mha_plain_rope_3_layers"], tokens=tmp_path / "bad.npy")
     with pytest.raises(ConfigError, match="expected integer ids"):   # floats are not silently truncated
         run_parity(models["mha_plain_rope_3_layers"], tokens=np.array([[1.5, 2.0]]))
+    # Past the model's positions: refused before transformers builds a [b, 1, t, t] mask (at
+    # 100,000 tokens an 80 GB allocation, which failed with a RuntimeError traceback).
+    with pytest.raises(ConfigError, match=r"--seq-len 100000 .*max_position_embeddings"):
+        run_parity(models["mha_plain_rope_3_layers"], seq_len=100_000)
 
 
 @pytest.mark.parametrize("name", ["gqa_yarn_legacy_5_layers", "head_dim_32_mqa_nested_yarn_6_layers"])

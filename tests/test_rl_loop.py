@@ -129,6 +129,10 @@ def test_rl_bad_input_names_the_culprit(rl_data: Path, tmp_path: Path):
         get_recipe("tiny_rl", ["rl.temperature=0"])
     with pytest.raises(ConfigError, match="needs rl.prompts_path"):
         RlData(get_recipe("tiny_rl"), 0, None, False, None, tmp_path)
+    # A missing prompt file is named first, not the tokenizer a recipe without one also lacks.
+    with pytest.raises(PromptDataError, match=r"rl.prompts_path .*missing.jsonl: no such file"):
+        RlData(get_recipe("tiny_rl", [f"rl.prompts_path={tmp_path / 'missing.jsonl'}"]), 0, None, False, None,
+               tmp_path)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a cat", "ground_truth": "e"}\n{"prompt": "no gold"}\n')
     with pytest.raises(PromptDataError, match=r"bad.jsonl:2: no ground_truth"):

@@ -64,3 +64,8 @@ def int_in(lo: int, hi: int):
             raise argparse.ArgumentTypeError(f"must be an integer in {lo}..{hi}, got {v}")
         return v
     return check
+
+
+# A seed flag: the range of ``train.seed`` (numpy's generators refuse negatives with a message
+# that names nothing).
+seed = int_in(0, 2**63 - 1)

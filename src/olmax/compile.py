@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from olmax import jsonout
+from olmax.argtypes import positive_int
 from olmax.config import Config, ConfigError
 from olmax.recipes import add_recipe_args, get_recipe
 from olmax.sharding import activation_mesh, batch_sharding, data_parallel_size, make_mesh, plan_batch
@@ -371,12 +372,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                                        "fits or not (needs the libtpu wheel, not a TPU)")
     add_recipe_args(p)
     p.add_argument("--topology", required=True, help="v5p-128, v6e-256, tpu7x-128, v5e-256 or v5p:4x4x4")
-    p.add_argument("--slices", type=int, default=1, help="number of slices (multi-slice data parallelism over DCN)")
+    p.add_argument("--slices", type=positive_int, default=1, help="number of slices (multi-slice data parallelism over DCN)")
     p.add_argument("--no-eval", action="store_true", help="compile the train step only")
     p.add_argument("--step", choices=("train", "generate"), default="train",
                    help="train (default): the train and eval steps; generate: KV-cache prefill + one decode step")
-    p.add_argument("--batch-size", type=int, default=32, help="--step generate: prompts per batch")
-    p.add_argument("--max-length", type=int, default=None,
+    p.add_argument("--batch-size", type=positive_int, default=32, help="--step generate: prompts per batch")
+    p.add_argument("--max-length", type=positive_int, default=None,
                    help="--step generate: cache length = prompt length (default: data.sequence_length)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_compile)

@@ -524,6 +524,10 @@ def _validate_rl(cfg: Config) -> None:
         raise ConfigError(f"rl.kl_beta must be >= 0, got {r.kl_beta!r}")
     if r.tis_cap is not None and not r.tis_cap > 0:
         raise ConfigError(f"rl.tis_cap must be > 0 or null, got {r.tis_cap!r}")
+    if not r.reward_multiplier > 0:
+        # 0 makes every group's rewards equal (nothing to learn); a negative one trains the policy
+        # away from what the verifier accepts.
+        raise ConfigError(f"rl.reward_multiplier must be > 0, got {r.reward_multiplier!r}")
     if not r.reward_timeout_s > 0:
         raise ConfigError(f"rl.reward_timeout_s must be > 0, got {r.reward_timeout_s!r}")
     if r.retire_pass_rate is not None and not 0 < r.retire_pass_rate <= 1:

@@ -430,6 +430,9 @@ def run_demo_rl(demo_dir: str, *, from_run: str | None = None, out: str | None =
     from olmax.train.loop import train
 
     t0 = time.perf_counter()
+    # The RL stage's overrides are checked before any stage runs: a bad key or value would
+    # otherwise be found only after pre-training, the warm start and DPO.
+    get_recipe("tiny_rl", [*RL_SETTINGS, *overrides])
     ws = warm_start(demo_dir, from_run=from_run, out=out, pretrain_overrides=pretrain_overrides, corpus_mb=corpus_mb,
                     n=n, steps=sft_steps)
     before = report_accuracy(ws["sft"], ws["heldout_prompts"], n=n_eval, k=k, label="after the SFT warm start",

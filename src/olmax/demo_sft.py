@@ -279,6 +279,7 @@ def run_demo_sft(demo_dir: str, *, from_run: str | None = None, out: str | None 
     from olmax.train.loop import train
 
     t0 = time.perf_counter()
+    get_recipe("tiny_sft", list(overrides))  # a bad override is an error before pre-training, not after
     demo = Path(demo_dir)
     pre = pretrained_run(demo, from_run, list(pretrain_overrides), corpus_mb)
     pre_params, pre_cfg = load_params(str(pre))

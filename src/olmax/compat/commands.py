@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from olmax.argtypes import positive_int
 from olmax.compat.hf import ConversionError, hf_to_olmax, olmax_to_hf, write_hf
 from olmax.config import ConfigError
 from olmax.model.weights_io import DEFAULT_SHARD_BYTES, flatten_tree, is_weights_dir
@@ -60,14 +61,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     a.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
     a.add_argument("--out", required=True, help="new olmax weights directory (must not exist or be empty)")
     a.add_argument("--dtype", choices=dtypes, default=None, help="cast weights (default: keep the stored dtype)")
-    a.add_argument("--pad-vocab-to", type=int, default=None, metavar="N",
+    a.add_argument("--pad-vocab-to", type=positive_int, default=None, metavar="N",
                    help="embedding/LM-head rows (default: vocab size rounded up to a multiple of 128)")
-    a.add_argument("--shard-bytes", type=int, default=DEFAULT_SHARD_BYTES, help=argparse.SUPPRESS)
+    a.add_argument("--shard-bytes", type=positive_int, default=DEFAULT_SHARD_BYTES, help=argparse.SUPPRESS)
     a.set_defaults(func=_hf_to_olmax)
 
     b = sub.add_parser("olmax-to-hf", help="olmax weights directory -> HF Olmo3ForCausalLM directory")
     b.add_argument("--checkpoint", required=True, help="olmax weights directory")
     b.add_argument("--out", required=True, help="new HF model directory (must not exist or be empty)")
     b.add_argument("--dtype", choices=dtypes, default=None, help="cast weights (default: keep the stored dtype)")
-    b.add_argument("--shard-bytes", type=int, default=DEFAULT_SHARD_BYTES, help=argparse.SUPPRESS)
+    b.add_argument("--shard-bytes", type=positive_int, default=DEFAULT_SHARD_BYTES, help=argparse.SUPPRESS)
     b.set_defaults(func=_olmax_to_hf)

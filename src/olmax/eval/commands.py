@@ -26,7 +26,7 @@ import sys
 from typing import Any
 
 from olmax import jsonout
-from olmax.argtypes import TOKEN_DTYPES
+from olmax.argtypes import TOKEN_DTYPES, nonneg_int, positive_int, seed as seed_flag
 from olmax.eval import suite
 from olmax.eval.alarm import AlarmConfig
 
@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--domain", action="append", required=True, metavar="SPEC",
                    help="NAME=PATH[,PATH...]:BYTES (raw UTF-8 bytes of the text), or a YAML file "
                         "{NAME: {paths: [...], bytes: N}} (repeatable)")
-    _window_args(p, batches_help="batches per domain (default eval.batches of the checkpoint; 0 = all)")
+    _window_args(p, batches_help="batches per domain (default eval.batches of the checkpoint; 0 = all)", all_batches=True)
     p.set_defaults(func=cmd_domains)
 
     p = esub.add_parser("kl", help="token-level KL(A || B), top-1/top-10 agreement on identical inputs")
@@ -58,11 +58,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--tokens", default=None, metavar="FILE.npy", help="token ids saved with numpy.save, [T] or [B, T]")
     src.add_argument("--data", nargs="+", default=None, metavar="FILE",
                      help="raw token files: the first --batch-size windows")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=2, help="windows (default 2)")
-    p.add_argument("--batch", dest="batch_size", type=int, default=argparse.SUPPRESS,
+    p.add_argument("--seq-len", type=positive_int, default=128)
+    p.add_argument("--batch-size", type=positive_int, default=2, help="windows (default 2)")
+    p.add_argument("--batch", dest="batch_size", type=positive_int, default=argparse.SUPPRESS,
                    help=argparse.SUPPRESS)  # the old spelling, kept until the next release
-    p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (without --tokens/--data)")
+    p.add_argument("--seed", type=seed_flag, default=0, help="seed of the random tokens (without --tokens/--data)")
     p.add_argument("--token-dtype", choices=TOKEN_DTYPES, default=None,
                    help="dtype of --data files (default: A's data.dtype)")
     _dtype_arg(p, "cast both models' weights (default: as stored)")
@@ -79,13 +79,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reference-label", default="reference")
     p.add_argument("--labels", nargs="+", default=None, help="one label per input")
     p.add_argument("--out", default="compare-report", metavar="DIR", help="output folder (default: compare-report)")
-    p.add_argument("--bins", type=int, default=50, help="step bins of the gap panel (default 50)")
-    p.add_argument("--smooth", type=int, default=5, help="bins in the gap's moving average (default 5)")
+    p.add_argument("--bins", type=positive_int, default=50, help="step bins of the gap panel (default 50)")
+    p.add_argument("--smooth", type=positive_int, default=5, help="bins in the gap's moving average (default 5)")
     p.add_argument("--threshold", type=float, default=d.threshold,
                    help=f"alarm: train gap below -T nats counts as improvement (default {d.threshold})")
     p.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction,
                    help="alarm: held-out must keep this share of the train gain (default %(default)s)")
-    p.add_argument("--window", type=int, default=None, help="alarm/milestone window in steps (default: bin width)")
+    p.add_argument("--window", type=positive_int, default=None, help="alarm/milestone window in steps (default: bin width)")
     p.add_argument("--heldout-metric", default=None, help="held-out metric for the alarm (default eval/heldout/CE loss)")
     p.add_argument("--fail-on-alarm", action="store_true", help="exit 1 when the memorisation alarm fires")
     p.add_argument("--json", action="store_true")
@@ -105,10 +105,12 @@ def _dtype_arg(p: argparse.ArgumentParser, help: str) -> None:
                    help=argparse.SUPPRESS)  # the old spelling, kept until the next release
 
 
-def _window_args(p: argparse.ArgumentParser, batches_help: str = "batches (default eval.batches of the checkpoint)") -> None:
-    p.add_argument("--seq-len", type=int, default=None, help="window length (default data.sequence_length)")
-    p.add_argument("--batches", type=int, default=None, help=batches_help)
-    p.add_argument("--batch-size", type=int, default=None, help="windows per batch (default eval.batch_size)")
+def _window_args(p: argparse.ArgumentParser, batches_help: str = "batches (default eval.batches of the checkpoint)",
+                 all_batches: bool = False) -> None:
+    """``all_batches``: ``--batches 0`` means every whole batch."""
+    p.add_argument("--seq-len", type=positive_int, default=None, help="window length (default data.sequence_length)")
+    p.add_argument("--batches", type=nonneg_int if all_batches else positive_int, default=None, help=batches_help)
+    p.add_argument("--batch-size", type=positive_int, default=None, help="windows per batch (default eval.batch_size)")
     p.add_argument("--token-dtype", choices=TOKEN_DTYPES, default=None,
                    help="token file dtype (default data.dtype of the checkpoint)")
 

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import argparse
 
+from olmax.argtypes import int_in, positive_int
+
+# The sampling seed is a uint32 inside the compiled decoder (``jax.random.key``).
+SEED_MAX = 2**32 - 1
+
 
 def _common(p: argparse.ArgumentParser, max_new_default: int) -> None:
     p.add_argument("--checkpoint", required=True, metavar="PATH",
@@ -17,14 +22,14 @@ def _common(p: argparse.ArgumentParser, max_new_default: int) -> None:
                    help="tokenizer.json or a folder holding it (default: the checkpoint's, or the one "
                         "olmax tokenize wrote beside the run's training data)")
     p.add_argument("--system", default=None, metavar="TEXT", help="a system message for chat prompts")
-    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+    p.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
                    help=f"tokens to generate at most per prompt (default {max_new_default}, or fewer when the "
                         "model's positions end sooner)")
     p.add_argument("--temperature", type=float, default=None, metavar="T",
                    help="sample at this temperature (default: greedy; 0 is greedy too)")
     p.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling: keep the top P of the mass")
-    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample from the K most likely tokens")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--top-k", type=positive_int, default=None, metavar="K", help="sample from the K most likely tokens")
+    p.add_argument("--seed", type=int_in(0, SEED_MAX), default=0, help=f"sampling seed, 0..{SEED_MAX} (default 0)")
     p.add_argument("--stop", action="extend", nargs="+", default=None, metavar="STR",
                    help="stop when the text contains STR (repeatable); the text is cut before it")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
@@ -54,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true",
                    help="wrap each prompt as a user turn in the chat template (the checkpoint's, else OLMo 3 "
                         "Instruct's ChatML); also stop at <|im_end|>")
-    p.add_argument("--batch-size", type=int, default=8, metavar="B", help="prompts decoded together (default 8)")
+    p.add_argument("--batch-size", type=positive_int, default=8, metavar="B", help="prompts decoded together (default 8)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per prompt: token_ids, text, logprobs, finish_reason")
     _common(p, 256)

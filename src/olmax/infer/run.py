@@ -11,6 +11,7 @@ each token's log-probability under the model before temperature, top-p and top-k
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import replace
@@ -44,8 +45,8 @@ def unsafe_tail(text: str, stops: list[str]) -> int:
 
 
 def validate_sampling(temperature: float | None, top_p: float | None, top_k: int | None) -> None:
-    if temperature is not None and not temperature >= 0:
-        raise ValueError(f"--temperature must be >= 0 (0 or none: greedy), got {temperature}")
+    if temperature is not None and not 0 <= temperature < math.inf:
+        raise ValueError(f"--temperature must be a finite number >= 0 (0 or none: greedy), got {temperature}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {top_p}")
     if top_k is not None and top_k < 1:

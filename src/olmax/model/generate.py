@@ -14,6 +14,7 @@ step), so a prompt's tokens do not depend on the batch it ran in.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Iterable, Sequence
@@ -45,12 +46,14 @@ class Sampling:
         return not self.temperature
 
     def check(self) -> None:
-        if self.temperature is not None and self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature is not None and not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if not 0 <= self.seed < 2**32:  # a uint32 inside the compiled decoder
+            raise ValueError(f"seed must be an integer in 0..{2**32 - 1}, got {self.seed}")
 
 
 @dataclass

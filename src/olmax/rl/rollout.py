@@ -86,13 +86,18 @@ def load_codec(cfg: Config) -> Any:
     return TextCodec.load(path, cfg)
 
 
+def prompts_file(path: str) -> Path:
+    p = Path(path)
+    if not p.is_file():
+        raise PromptDataError(f"rl.prompts_path {p}: no such file (JSONL of prompts with ground_truth)")
+    return p
+
+
 def read_prompts(path: str, codec: Any, max_prompt_length: int) -> tuple[list[Prompt], int]:
     """Prompts of ``rl.prompts_path`` and how many were left out as longer than
     ``max_prompt_length`` tokens."""
     from olmax.infer.text import prompt_record
-    p = Path(path)
-    if not p.is_file():
-        raise PromptDataError(f"rl.prompts_path {p}: no such file (JSONL of prompts with ground_truth)")
+    p = prompts_file(path)
     out, too_long = [], 0
     with open(p, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
@@ -163,6 +168,7 @@ class RlData:
         if not r.prompts_path:
             raise ConfigError("train.objective=grpo needs rl.prompts_path (a JSONL of prompts with ground_truth, "
                               "e.g. --set rl.prompts_path=FILE)")
+        prompts_file(r.prompts_path)  # a missing file first, before the tokenizer is looked for
         self.cfg, self.mesh = cfg, mesh
         self.codec = load_codec(cfg)
         self.prompts, too_long = read_prompts(r.prompts_path, self.codec, r.max_prompt_length)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from olmax import keep_freed_memory
-from olmax.argtypes import nonneg_int, positive_int
+from olmax.argtypes import nonneg_int, positive_float, positive_int
 from olmax.recipes import add_recipe_args, get_recipe
 from olmax.train.distributed import initialise
 
@@ -15,8 +15,8 @@ from olmax.train.distributed import initialise
 def add_distributed_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("multi-process (or OLMAX_COORDINATOR / OLMAX_NUM_PROCESSES / OLMAX_PROCESS_ID, or Slurm)")
     g.add_argument("--coordinator", default=None, help="host:port of process 0")
-    g.add_argument("--num-processes", type=int, default=None)
-    g.add_argument("--process-id", type=int, default=None)
+    g.add_argument("--num-processes", type=positive_int, default=None)
+    g.add_argument("--process-id", type=nonneg_int, default=None)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-fingerprint-mismatch", action="store_true",
                    help="resume even though the dataset fingerprint changed (the data order may differ)")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--max-steps-this-run", type=int, default=None,
+    p.add_argument("--max-steps-this-run", type=positive_int, default=None,
                    help="stop (after a checkpoint) once this many updates ran in this process")
     add_distributed_args(p)
     p.set_defaults(func=cmd_train)
@@ -36,16 +36,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the README's main job: a tiny OLMo 3 trained on CPU on the Python stdlib")
     p.add_argument("--run-dir", default="runs/demo")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--corpus-mb", type=float, default=12.0, help="megabytes of stdlib source to use")
+    p.add_argument("--corpus-mb", type=positive_float, default=12.0, help="megabytes of stdlib source to use")
     p.set_defaults(func=cmd_demo)
     stages = p.add_subparsers(dest="stage", metavar="STAGE")
     s = _stage(stages, "sft", "fine-tune the demo's model on a chat set built here (recipe tiny_sft); exit 1 if "
                "held-out assistant-token loss did not go down", "the chat set and the SFT run", "tiny_sft")
-    s.add_argument("--synthetic", type=int, default=3000,
+    s.add_argument("--synthetic", type=nonneg_int, default=3000,
                    help="'last word' and 'reverse the words' conversations to generate (half each)")
-    s.add_argument("--max-doc", type=int, default=None, help="at most this many docstring conversations")
-    s.add_argument("--check", type=int, default=200, help="held-out prompts answered to count exact answers")
-    s.add_argument("--show", type=int, default=3, help="held-out prompts whose answers are printed")
+    s.add_argument("--max-doc", type=nonneg_int, default=None, help="at most this many docstring conversations")
+    s.add_argument("--check", type=nonneg_int, default=200, help="held-out prompts answered to count exact answers")
+    s.add_argument("--show", type=nonneg_int, default=3, help="held-out prompts whose answers are printed")
     s.set_defaults(func=cmd_demo_sft)
     s = _stage(stages, "rl", "SFT -> DPO -> RL with verifiable rewards on a counting task: a short SFT warm start, a "
                "short DPO stage, then RL (recipes tiny_sft, tiny_dpo, tiny_rl); exit 1 unless RL raised held-out "

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from olmax import jsonout
+from olmax.argtypes import positive_float, positive_int, seed as seed_flag
 from olmax.config import Config, ConfigError
 from olmax.eval.runs import metric_rows, read_metrics
 
@@ -692,12 +693,12 @@ def register(subparsers: argparse._SubParsersAction, func: Any = None) -> None:
                     "the same token files and recipe, and compare per step: global instance ids, CE loss "
                     f"(target |delta| <= {CE_TOLERANCE:g}), lr, pre-clip grad norm, z-loss and skip-step decisions. "
                     "Exit 1 when any differs beyond its tolerance, naming the first step and quantity.")
-    p.add_argument("--steps", type=int, default=100, help="training steps on each side (default 100)")
+    p.add_argument("--steps", type=positive_int, default=100, help="training steps on each side (default 100)")
     p.add_argument("--sft", action="store_true",
                    help="OLMo-core's SFT recipe: chat-like documents with label masks, packed by OLMo-core's "
                         "NumpyPackedFSLDataset (best-fit decreasing) and by olmax, intra-document attention, "
                         "AdamW (0.9, 0.95) without weight decay or z-loss, linear schedule to 0, lr 1e-4")
-    p.add_argument("--seed", type=int, default=None, help="data seed and OLMo-core init seed (default: the recipe's)")
+    p.add_argument("--seed", type=seed_flag, default=None, help="data seed and OLMo-core init seed (default: the recipe's)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override the recipe on both sides, e.g. --set optim.lr=1e-3 (repeatable)")
     p.add_argument("--olmax-set", dest="olmax_overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -710,13 +711,13 @@ def register(subparsers: argparse._SubParsersAction, func: Any = None) -> None:
                         "with the micro-batch split into 1/2, 1/4 and 1/8 and olmax with it split in two (same "
                         "maths, other summation orders); exit 1 unless the gap stays within --noise-factor of the "
                         "reference's smoothed self-gap at every step")
-    p.add_argument("--ranks", type=int, default=1,
+    p.add_argument("--ranks", type=positive_int, default=1,
                    help="with --noise-floor: OLMo-core on this many gloo processes (HSDP, as the official script "
                         "wraps it) and olmax on this many CPU devices (default 1)")
     p.add_argument("--plots", action="store_true",
                    help="with --noise-floor and --out: also run `olmax compare` on OLMo-core, olmax and OLMo-core's "
                         "micro-batch-split run (loss overlay, gap panel, milestones) into OUT/compare")
-    p.add_argument("--noise-factor", type=float, default=None,
+    p.add_argument("--noise-factor", type=positive_float, default=None,
                    help="with --noise-floor: the factor of the verdict (default: noise_floor.NOISE_FACTOR)")
     p.set_defaults(func=func or _main)
 

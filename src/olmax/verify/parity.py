@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from olmax import jsonout
+from olmax.argtypes import positive_int, seed as seed_flag
 from olmax.eval.kl import check_tokens, load_token_array, logit_metrics, random_tokens, summarize
 
 FP32_CRITERIA = {"kl_max": 1e-7, "top1_agreement": 1.0, "max_abs_logit_diff": 1e-4}
@@ -160,6 +161,11 @@ def run_parity(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike | None =
         toks = check_tokens(tokens, vocab)
     else:
         toks = load_token_array(str(tokens), vocab)
+    if toks.shape[1] > cfg.model.max_position_embeddings:
+        # transformers' eager path would first build a [batch, 1, t, t] fp32 mask (80 GB at 100,000
+        # tokens) and fail in its allocator.
+        raise ConfigError(f"--seq-len {toks.shape[1]} (or rows of --tokens that long): longer than the model's "
+                          f"max_position_embeddings ({cfg.model.max_position_embeddings})")
     eos = cfg.data.eos_token_id if document_masking else None
     if document_masking and tokens is None:  # three to five documents a row, some shorter than a window
         rng = np.random.default_rng(seed + 1)
@@ -248,9 +254,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", default=None,
                    help="olmax weights directory, run directory or RUN/checkpoints/N (default: convert --hf in memory)")
     p.add_argument("--tokens", default=None, help=".npy array of token ids [T] or [B, T] (default: random)")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=2, help="sequences of random tokens (default 2)")
-    p.add_argument("--batch", dest="batch_size", type=int, default=argparse.SUPPRESS,
+    p.add_argument("--seq-len", type=positive_int, default=128)
+    p.add_argument("--batch-size", type=positive_int, default=2, help="sequences of random tokens (default 2)")
+    p.add_argument("--batch", dest="batch_size", type=positive_int, default=argparse.SUPPRESS,
                    help=argparse.SUPPRESS)  # the old spelling, kept until the next release
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="olmax compute dtype")
     p.add_argument("--attention", default=None, choices=["auto", "reference", "blocked", "splash", "cudnn", "xla"],
@@ -258,7 +264,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "runs in Pallas interpret mode off TPU)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="model.KEY=VALUE",
                    help="how the model is computed, e.g. --set model.attention_block_q=128 (repeatable)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random tokens")
+    p.add_argument("--seed", type=seed_flag, default=0, help="seed of the random tokens")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--document-masking", action="store_true",
                    help="treat the tokens as packed documents ending at EOS: attention stays within a document and "

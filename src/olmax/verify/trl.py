@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from olmax import jsonout
+from olmax.argtypes import positive_int, seed as seed_flag
 from olmax.config import Config, ConfigError
 from olmax.verify.olmo_core import PARITY_MODEL
 
@@ -301,8 +302,8 @@ def format_report(rep: dict[str, Any]) -> str:
 def register(vs: argparse._SubParsersAction) -> None:
     p = vs.add_parser("trl", help="DPO parity with TRL 1.16's DPOTrainer(loss_type='sigmoid_norm')")
     p.add_argument("--dpo", action="store_true", required=True, help="check DPO (the only check so far)")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=positive_int, default=20)
+    p.add_argument("--seed", type=seed_flag, default=0)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override the parity config (e.g. optim.lr=1e-3)")
     p.add_argument("--out", default=None, help="directory for the models, pairs and runs (default: a temp dir)")
