@@ -1,6 +1,6 @@
 """Issue 23 item 11: a probe of the error contract as a new user meets it (not collected by pytest).
 
-    python tests/probe_contract.py [--kills N]
+    python tests/probe_contract.py [--kills N] [--kill-recipes tiny,tiny_rl,tiny_dpo] [--only-kills]
 
 1. Every numeric config field x {0, -1, NaN, inf, -inf} through ``olmax print-config tiny --set``:
    each must exit 2 with one ``error:`` line naming the field, or exit 0 for a value the field
@@ -10,8 +10,9 @@
    pre-training commands' flags and, since 2026-12-03, those of generation, ``parity``,
    ``eval kl``, ``compile --step generate``, ``verify trl`` and ``demo rl``, and missing files of
    generation and of the SFT, DPO and RL recipes.
-3. ``--kills N``: N trainings of the tiny recipe killed with SIGKILL at random points and resumed;
-   each resumed run's metrics must equal an uninterrupted run's (volatile throughput excepted).
+3. ``--kills N [--kill-recipes tiny,tiny_rl,tiny_dpo]``: N trainings of each recipe killed with
+   SIGKILL at random points and resumed; each resumed run's metrics (time excepted) and final
+   weights must equal an uninterrupted run's bit for bit.
 Prints the counts as JSON.
 """
 
@@ -197,48 +198,109 @@ def probe_paths(counts: dict, accepted: list, tmp: Path) -> None:
         judge(argv, name, counts, accepted)
 
 
-def probe_kills(n: int, tmp: Path, counts: dict, accepted: list) -> None:
-    corpus = write_corpus(tmp / "corpus")
-    sets = sum((["--set", o] for o in small_overrides(corpus, "train.steps=12", "checkpoint.interval=3")), [])
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    ref = tmp / "ref"
-    subprocess.run([sys.executable, "-m", "olmax.cli", "train", "tiny", "--run-dir", str(ref), "--no-progress", *sets],
-                   env=env, check=True, capture_output=True)
+# Metrics that measure time, not what was trained: they differ between any two runs.
+VOLATILE = ("throughput/device", "throughput/MFU", "rl/generation_share", "rl/generation_tokens_per_sec",
+            "rl/time_")
+
+
+STEPS = 12
+
+
+def kill_settings(recipe: str, tmp: Path) -> list[str]:
+    """The overrides of a small run of ``recipe``: ``STEPS`` updates, a checkpoint every 2 or 3."""
+    if recipe == "tiny":
+        return small_overrides(write_corpus(tmp / "corpus"), f"train.steps={STEPS}", "checkpoint.interval=3")
+    if recipe == "tiny_rl":  # killed while sampling, scoring or updating
+        from trainlib import rl_overrides, write_rl_data
+        return rl_overrides(write_rl_data(tmp / "rl_data"), f"train.steps={STEPS}", "checkpoint.interval=2")
+    if recipe == "tiny_dpo":  # killed while computing the reference log-probs or training
+        from olmax.train.dpo import write_pairs
+        from olmax.verify.trl import PARITY_OVERRIDES, make_pairs
+        pairs = write_pairs(tmp / "pairs", make_pairs(64, 512, 64, 0, eos=0, pad=1))
+        small = [o for o in PARITY_OVERRIDES if not o.startswith(("optim.", "dpo."))]
+        return [*small, f"data.preference_path={pairs}", f"train.steps={STEPS}", "checkpoint.interval=3",
+                "dpo.reference_batch_size=4"]
+    raise ValueError(recipe)
+
+
+def probe_kills(n: int, tmp: Path, counts: dict, accepted: list, recipes: list[str]) -> None:
+    """For each recipe: one uninterrupted run, then ``n`` runs killed with SIGKILL at a random
+    point and resumed by the same command: metrics (time excepted) and final weights must equal
+    the uninterrupted run's bit for bit."""
+    import numpy as np
+
+    from olmax.checkpoint.load import load_params
     from olmax.eval.runs import read_metrics
-    want = read_metrics(ref)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     rng = random.Random(0)
-    for k in range(n):
-        run = tmp / f"kill{k}"
-        cmd = [sys.executable, "-m", "olmax.cli", "train", "tiny", "--run-dir", str(run), "--no-progress", *sets]
-        p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(8, 40))
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-        counts["kills"] += 1
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        got = read_metrics(run)
-        same = r.returncode == 0 and sorted(got) == sorted(want) and all(
-            got[s][m] == want[s][m] for s in want for m in want[s] if not m.startswith("throughput/device")
-            and m != "throughput/MFU")
-        if not same:
-            counts["failed_resumes"] += 1
-            accepted.append(f"kill {k}: rc {r.returncode} {r.stderr[-300:]}")
+    for recipe in recipes:
+        overrides = kill_settings(recipe, tmp)
+        sets = sum((["--set", o] for o in overrides), [])
+        ref = tmp / f"ref_{recipe}"
+        cmd = [sys.executable, "-m", "olmax.cli", "train", recipe, "--no-progress", *sets]
+        subprocess.run([*cmd, "--run-dir", str(ref)], env=env, check=True, capture_output=True)
+        want = read_metrics(ref)
+        want_w = [np.asarray(x) for x in jax_leaves(load_params(str(ref))[0])]
+        for k in range(n):
+            run = tmp / f"kill_{recipe}_{k}"
+            p = subprocess.Popen([*cmd, "--run-dir", str(run)], env=env, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL)
+            # After a random checkpoint has appeared (a small run spends most of its time starting
+            # and compiling), then up to a second more: in a save, a step, sampling or scoring.
+            target = rng.choice([0, *range(2, STEPS - 1)])
+            t0 = time.perf_counter()
+            while p.poll() is None and newest_checkpoint(run) < target and time.perf_counter() - t0 < 600:
+                time.sleep(0.02)
+            time.sleep(rng.uniform(0, 1))
+            if p.poll() is not None:  # finished first: not a kill
+                counts["finished_before_kill"] = counts.get("finished_before_kill", 0) + 1
+                continue
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+            counts["kills"] += 1
+            accepted.append(f"killed {recipe} {time.perf_counter() - t0:.1f} s in, newest checkpoint folder: "
+                            f"step {newest_checkpoint(run)} of {STEPS}")
+            r = subprocess.run([*cmd, "--run-dir", str(run)], env=env, capture_output=True, text=True)
+            got = read_metrics(run) if r.returncode == 0 else {}
+            same = r.returncode == 0 and sorted(got) == sorted(want) and all(
+                got[s][m] == want[s][m] for s in want for m in want[s] if not m.startswith(VOLATILE))
+            same = same and all(np.array_equal(a, np.asarray(b))
+                                for a, b in zip(want_w, jax_leaves(load_params(str(run))[0])))
+            if not same:
+                counts["failed_resumes"] += 1
+                accepted.append(f"kill {recipe} {k} at {at:.1f} s: rc {r.returncode} {r.stderr[-300:]}")
+
+
+def newest_checkpoint(run: Path) -> int:
+    """The highest step among ``run/checkpoints``' folders, committed or being written (-1: none)."""
+    ck = run / "checkpoints"
+    steps = [int(c.name.split(".")[0]) for c in ck.iterdir() if c.name.split(".")[0].isdigit()] if ck.is_dir() else []
+    return max(steps, default=-1)
+
+
+def jax_leaves(tree):
+    import jax
+    return jax.tree.leaves(tree)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kills", type=int, default=0)
+    ap.add_argument("--kill-recipes", default="tiny",
+                    help="comma-separated: tiny, tiny_rl, tiny_dpo (--kills runs of each)")
+    ap.add_argument("--only-kills", action="store_true", help="skip the config, flag and path probes")
     args = ap.parse_args()
     counts = dict(cases=0, errors=0, accepted=0, tracebacks=0, other_exit=0, not_one_line=0, not_naming=0,
                   bad_json=0, kills=0, failed_resumes=0)
     notes: list[str] = []
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        probe_config(counts, notes)
-        probe_flags(counts, notes, tmp)
-        probe_paths(counts, notes, tmp)
+        if not args.only_kills:
+            probe_config(counts, notes)
+            probe_flags(counts, notes, tmp)
+            probe_paths(counts, notes, tmp)
         if args.kills:
-            probe_kills(args.kills, tmp, counts, notes)
+            probe_kills(args.kills, tmp, counts, notes, args.kill_recipes.split(","))
     print(json.dumps({"counts": counts, "notes": notes}, indent=1))
 
 
