@@ -181,7 +181,7 @@ def _checked_flags(parser: argparse.ArgumentParser, path: tuple[str, ...]):
             for name, sub in a.choices.items():
                 yield from _checked_flags(sub, path + (name,))
         elif a.option_strings and a.type is not None and a.type not in (int, float, str) and not a.choices:
-            yield path, a
+            yield path, a, any("--json" in b.option_strings for b in parser._actions)
 
 
 def test_every_checked_flag_refuses_nonsense_while_parsing(capsys):
@@ -190,7 +190,7 @@ def test_every_checked_flag_refuses_nonsense_while_parsing(capsys):
     values are refused while parsing, before any required argument is missing or any work runs."""
     from olmax import argtypes
     cases = 0
-    for path, a in _checked_flags(cli.build_parser(), ()):
+    for path, a, has_json in _checked_flags(cli.build_parser(), ()):
         flag = a.option_strings[0]
         values = ["-1", "nan", "inf", "banana", "1e999"]
         if a.type in (argtypes.positive_int, argtypes.positive_float):
@@ -199,6 +199,8 @@ def test_every_checked_flag_refuses_nonsense_while_parsing(capsys):
             rc, out, err = run([*path, flag, v], capsys)
             assert rc == 2 and flag in err and "Traceback" not in err, (path, flag, v, rc, err)
             assert len([ln for ln in err.splitlines() if "error:" in ln]) == 1, (path, flag, v, err)
+            if has_json:
+                assert flag in json_error([*path, flag, v], capsys), (path, flag, v)
             cases += 1
     assert cases >= 150, cases
 
