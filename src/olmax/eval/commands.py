@@ -115,11 +115,6 @@ def _window_args(p: argparse.ArgumentParser, batches_help: str = "batches (defau
                    help="token file dtype (default data.dtype of the checkpoint)")
 
 
-def _positive(name: str, v: int | None) -> None:
-    if v is not None and v <= 0:
-        raise ValueError(f"{name} must be positive, got {v}")
-
-
 def _load(path: str, dtype: str | None) -> tuple[Any, Any]:
     from olmax.checkpoint.load import load_params
     return load_params(path, dtype=dtype)
@@ -127,8 +122,6 @@ def _load(path: str, dtype: str | None) -> tuple[Any, Any]:
 
 def cmd_loss(args: argparse.Namespace) -> int:
     from olmax.eval.heldout import HeldoutEvaluator
-    for n in ("seq_len", "batches", "batch_size"):
-        _positive("--" + n.replace("_", "-"), getattr(args, n))
     params, cfg = _load(args.checkpoint, args.dtype)
     ev = HeldoutEvaluator(cfg, paths=args.data, seq_len=args.seq_len, batch_size=args.batch_size,
                           batches=args.batches, dtype=args.token_dtype)
@@ -147,10 +140,6 @@ def cmd_loss(args: argparse.Namespace) -> int:
 
 def cmd_domains(args: argparse.Namespace) -> int:
     from olmax.eval.domains import DomainEvaluator, load_domains
-    for n in ("seq_len", "batch_size"):
-        _positive("--" + n.replace("_", "-"), getattr(args, n))
-    if args.batches is not None and args.batches < 0:
-        raise ValueError(f"--batches must be >= 0 (0 = all), got {args.batches}")
     domains = load_domains(args.domain)
     params, cfg = _load(args.checkpoint, args.dtype)
     ev = DomainEvaluator(cfg, domains, seq_len=args.seq_len, batch_size=args.batch_size, batches=args.batches,
@@ -169,8 +158,6 @@ def cmd_domains(args: argparse.Namespace) -> int:
 
 def cmd_kl(args: argparse.Namespace) -> int:
     from olmax.eval.kl import kl, load_token_array, random_tokens
-    _positive("--seq-len", args.seq_len)
-    _positive("--batch-size", args.batch_size)
     pa, ca = _load(args.a, args.dtype)
     pb, cb = _load(args.b, args.dtype)
     vocab = ca.model.vocab_size
@@ -198,10 +185,6 @@ def cmd_kl(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from olmax.eval.compare import compare
-    _positive("--bins", args.bins)
-    _positive("--window", args.window)
-    if args.smooth < 1:
-        raise ValueError(f"--smooth must be >= 1, got {args.smooth}")
     s = compare(args.inputs, args.reference, labels=args.labels, out=args.out, bins=args.bins, smooth=args.smooth,
                 alarm=AlarmConfig(args.threshold, args.heldout_fraction, args.window),
                 heldout_metric=args.heldout_metric, reference_label=args.reference_label)

@@ -81,8 +81,6 @@ def run_chat(gen: Model, *, system: str | None = None, max_new_tokens: int = 512
 
 
 def cmd_chat(args: Any) -> int:
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     validate_sampling(args.temperature, args.top_p, args.top_k)
     gen = Model(args.checkpoint, args.tokenizer, args.dtype, need_tokenizer="chats")
     max_new = args.max_new_tokens

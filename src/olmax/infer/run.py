@@ -49,8 +49,6 @@ def validate_sampling(temperature: float | None, top_p: float | None, top_k: int
         raise ValueError(f"--temperature must be a finite number >= 0 (0 or none: greedy), got {temperature}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {top_p}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"--top-k must be >= 1, got {top_k}")
     if (top_p is not None or top_k is not None) and not temperature:
         raise ValueError("--top-p and --top-k apply to sampling: give a --temperature above 0 as well "
                          "(without one, decoding is greedy)")
@@ -237,16 +235,8 @@ def read_prompts(path: str) -> list[str | list[dict]]:
 # --------------------------------------------------------------------------- the command
 
 
-def _positive(flag: str, v: int) -> None:
-    if v < 1:
-        raise ValueError(f"{flag} must be >= 1, got {v}")
-
-
 def cmd_generate(args: Any, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
-    if args.max_new_tokens is not None:
-        _positive("--max-new-tokens", args.max_new_tokens)
-    _positive("--batch-size", args.batch_size)
     validate_sampling(args.temperature, args.top_p, args.top_k)
     if args.prompt_ids is not None and (args.chat or args.system is not None):
         raise ValueError("--chat and --system need text prompts (--prompt or --prompts), not --prompt-ids")

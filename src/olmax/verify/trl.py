@@ -312,8 +312,6 @@ def register(vs: argparse._SubParsersAction) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    if args.steps < 1:
-        raise ConfigError(f"--steps must be positive, got {args.steps}")
     rep = run(args.steps, args.seed, args.overrides, args.out)
     print(jsonout.dumps(rep, indent=2) if args.json else format_report(rep))
     sys.stdout.flush()

@@ -281,8 +281,6 @@ def format_report(rep: dict[str, Any]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """The ``--grpo`` handler of ``olmax verify trl``."""
-    if args.steps is not None and args.steps < 1:
-        raise ConfigError(f"--steps must be positive, got {args.steps}")
     rep = run(args.steps, args.seed, args.overrides, args.out)
     print(jsonout.dumps(rep, indent=2) if args.json else format_report(rep))
     sys.stdout.flush()
