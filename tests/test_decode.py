@@ -235,28 +235,32 @@ def test_streamed_weights_equal_the_plain_matmul(rows: int) -> None:
 
 
 def test_streamed_decode_compiles_to_ynnpack_and_switches_layout(monkeypatch) -> None:
-    """The streamed form is fast only because XLA CPU hands its multiply-and-reduce to YNNPACK
-    (its own reduction loop ran 13x to 72x slower): if a jax upgrade stops doing so, this fails.
-    The generator keeps one copy of the weights, in the layout of the batch it runs, and the
-    tokens do not depend on it; XLA_FLAGS that set YNNPACK's fusion types keep the plain one."""
-    from olmax.model.decode import streams
+    """Where olmax's CPU kernel is not used (``cpu_kernels``: no compiler, no AVX2, turned off)
+    the streamed form is the fast one for a few rows, and only because XLA CPU hands its
+    multiply-and-reduce to YNNPACK (its own reduction loop ran 13x to 72x slower): if a jax
+    upgrade stops doing so, this fails. The generator keeps one copy of the weights, in the
+    layout of the batch it runs, and the tokens do not depend on it; XLA_FLAGS that set
+    YNNPACK's fusion types keep the plain one."""
+    from olmax.model import cpu_kernels
+    from olmax.model.decode import layout, layout_of
     from olmax.model.olmo3 import OutIn
+    monkeypatch.setattr(cpu_kernels, "_STATE", {"why": "off for this test"})
     hlo = jax.jit(lambda x, t: OutIn(t).apply(x)).lower(jnp.zeros((8, 1, 512)), jnp.zeros((1024, 512))).compile().as_text()
     assert "__ynn_fusion" in hlo and "reduce(" in hlo
     params = init_params(TINY, jax.random.key(0))
     gen = Generator(params, TINY, Sampling())
-    assert not isinstance(gen.prepared["lm_head"], OutIn)
+    assert layout_of(gen.prepared) == "plain"
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     alone = [generate(params, TINY, [p], max_new_tokens=6, generator=gen)[0].token_ids for p in prompts]
-    assert not isinstance(gen.prepared["lm_head"], OutIn)
+    assert layout_of(gen.prepared) == "plain"
     together = [c.token_ids for c in generate(params, TINY, prompts, max_new_tokens=6, generator=gen)]
-    assert isinstance(gen.prepared["lm_head"], OutIn) and together == alone
+    assert layout_of(gen.prepared) == "streamed" and together == alone
     gen.load(params)  # RL after an update: the new weights come in the layout in use
-    assert isinstance(gen.prepared["lm_head"], OutIn)
+    assert layout_of(gen.prepared) == "streamed"
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=")
-    assert streams(8) is False
+    assert layout(8, TINY) == "plain"
     monkeypatch.delenv("XLA_FLAGS")
-    assert streams(8) is True and streams(1) is False
+    assert layout(8, TINY) == "streamed" and layout(1, TINY) == "plain"
     # Inside the whole decode step too (a neighbour fused into the reduction would take it off
     # YNNPACK): every layer's four projections and the LM head.
     rows, length = 4, 64

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from olmax.config import ModelConfig
 from olmax.model.attention import attend, cache_attention, opaque_one, target_platform
 from olmax.model.layers import rms_norm
-from olmax.model.olmo3 import OutIn, embed, join_projections, lm_head, rope_tables, run_layers, stack_layers
+from olmax.model import cpu_kernels
+from olmax.model.olmo3 import OutIn, Packed, embed, join_projections, lm_head, rope_tables, run_layers, stack_layers
 from olmax.sharding import constrain, single_device
 
 STACK_AXES = ("cache_stack", "batch", "length", "act_kv_heads", "head_dim")
@@ -72,21 +73,39 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_length: int, dtype: Any = None
     return kv + 4 * batch * (sum(s.values()) + 1)
 
 
-def streams(rows: int) -> bool:
-    """Whether a batch of ``rows`` decodes with streamed weights (``prepare(streamed=True)``,
-    ``relayout``): on the CPU from 2 rows up (``olmax.model.olmo3.OutIn``). Its speed is
-    YNNPACK's: XLA CPU hands the multiply-and-reduce to it under jax's default fusion settings
-    (``tests/test_decode.py`` checks that it does); where ``XLA_FLAGS`` sets the YNNPACK fusion
-    types, XLA's own reduction loop ran it 13x to 72x slower, so the plain layout is kept."""
-    return rows >= 2 and target_platform() == "cpu" and "ynn_fusion_type" not in os.environ.get("XLA_FLAGS", "")
+LAYOUTS = ("plain", "streamed", "packed")
 
 
-def prepare(params: Any, cfg: ModelConfig, streamed: bool = False) -> dict[str, Any]:
+def layout(rows: int, cfg: ModelConfig, one_device: bool = True) -> str:
+    """The layout of the ``prepare``d weights a batch of ``rows`` decodes fastest with:
+
+    - ``packed`` (CPU, fp32, one device): olmax's CPU kernel (``olmax.model.cpu_kernels``,
+      ``olmax.model.olmo3.Packed``) at every row count, where it could be built;
+    - ``streamed`` (CPU, 2 rows and up): ``[out, in]`` (``olmax.model.olmo3.OutIn``), whose speed is
+      YNNPACK's: XLA CPU hands the multiply-and-reduce to it under jax's default fusion settings
+      (``tests/test_decode.py`` checks that it does); where ``XLA_FLAGS`` sets the YNNPACK fusion
+      types, XLA's own reduction loop ran it 13x to 72x slower, so the plain layout is kept;
+    - ``plain`` ([in, out]) otherwise."""
+    if target_platform() != "cpu":
+        return "plain"
+    if one_device and jnp.dtype(cfg.compute_dtype) == jnp.float32 and cpu_kernels.available():
+        return "packed"
+    if rows >= 2 and "ynn_fusion_type" not in os.environ.get("XLA_FLAGS", ""):
+        return "streamed"
+    return "plain"
+
+
+def layout_of(prepared: dict) -> str:
+    head = prepared["lm_head"]
+    return "packed" if isinstance(head, Packed) else "streamed" if isinstance(head, OutIn) else "plain"
+
+
+def prepare(params: Any, cfg: ModelConfig, layout: str = "plain") -> dict[str, Any]:
     """The parameters as the decode loop reads them: layers stacked for the scan and cast to the
     compute dtype once, and on the CPU q/k/v and gate/up joined (``join_projections``): the
     training forward does both inside every step, which in a decode step would copy every weight
-    once per token. ``streamed`` (CPU only): every projection and the LM head stored ``[out,
-    in]`` as ``OutIn``, the layout a decode step of a few rows reads fastest (``streams``)."""
+    once per token. ``layout`` (``layout()``; other than ``plain``, CPU only): every projection
+    and the LM head as the layout's weight class."""
     cpu = target_platform() == "cpu"
     # On the CPU the layers run unrolled: inside a scan XLA CPU copies each layer's weights out of
     # the stack on every step (a 3.7x slower decode step at d 512 x 8 layers); TPUs and GPUs read
@@ -96,25 +115,36 @@ def prepare(params: Any, cfg: ModelConfig, streamed: bool = False) -> dict[str, 
         layers = {part: [join_projections(layer) for layer in ls] for part, ls in layers.items()}
     out = {"embed": params["embed"], "final_norm": params["final_norm"], "lm_head": params["lm_head"],
            "layers": layers}
-    return relayout(out, cfg, True) if streamed else out
+    return relayout(out, cfg, layout) if layout != "plain" else out
 
 
-def relayout(prepared: dict, cfg: ModelConfig, streamed: bool) -> dict:
-    """CPU ``prepare``d weights in the other layout: every 2-D projection of the (joined,
-    unrolled) layers and the LM head as ``OutIn`` (``streamed``) or back to ``[in, out]``. A
-    transpose, exact either way; the LM head goes to the compute dtype, as every step casts it."""
-    if target_platform() != "cpu":
-        raise ValueError("streamed decode weights are a CPU layout")
+def relayout(prepared: dict, cfg: ModelConfig, layout: str) -> dict:
+    """CPU ``prepare``d weights in another layout (``layout()``): every 2-D projection of the
+    (joined, unrolled) layers and the LM head as ``OutIn`` (``streamed``), ``Packed``
+    (``packed``) or ``[in, out]`` (``plain``). Exact either way (the same numbers moved); the LM
+    head goes to the compute dtype, as every step casts it."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown decode weight layout {layout!r} (known: {', '.join(LAYOUTS)})")
+    if layout != "plain" and target_platform() != "cpu":
+        raise ValueError(f"the {layout} decode weights are a CPU layout")
 
     def one(w: Any) -> Any:
-        if streamed:
-            return OutIn(w.T) if not isinstance(w, OutIn) and w.ndim == 2 else w
-        return w.t.T if isinstance(w, OutIn) else w
+        if isinstance(w, OutIn):
+            w = w.t.T
+        elif isinstance(w, Packed):
+            w = cpu_kernels.unpack(w.p, w.out)
+        elif w.ndim != 2:
+            return w
+        if layout == "streamed":
+            return OutIn(w.T)
+        if layout == "packed":
+            return Packed(cpu_kernels.pack(w), w.shape[1])
+        return w
 
     layers = {part: [{**layer, **{block: {n: one(w) for n, w in layer[block].items()} for block in ("attn", "mlp")}}
                      for layer in ls] for part, ls in prepared["layers"].items()}
     head = prepared["lm_head"]
-    if not isinstance(head, OutIn):
+    if not isinstance(head, (OutIn, Packed)):
         head = head.astype(jnp.dtype(cfg.compute_dtype))
     return {**prepared, "lm_head": one(head), "layers": layers}
 

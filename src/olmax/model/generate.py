@@ -26,8 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from olmax.config import ModelConfig
 from olmax.model.attention import resolve_impl
-from olmax.model.decode import decode_step, expand_rows, prefill, prepare, relayout, streams
-from olmax.model.olmo3 import OutIn
+from olmax.model.decode import decode_step, expand_rows, layout, layout_of, prefill, prepare, relayout
 from olmax.model.params import logical_axes
 from olmax.sharding import activation_mesh, batch_sharding, data_parallel_size, param_shardings
 
@@ -193,8 +192,8 @@ class Generator:
     def __init__(self, params: Any, cfg: ModelConfig, sampling: Sampling = Sampling(), mesh: Mesh | None = None):
         sampling.check()
         self.cfg, self.sampling, self.mesh = cfg, sampling, mesh
-        self._prepare = jax.jit(_on_mesh(partial(prepare, cfg=cfg), mesh), static_argnames=("streamed",))
-        self._relayout = jax.jit(_on_mesh(partial(relayout, cfg=cfg), mesh), static_argnames=("streamed",))
+        self._prepare = jax.jit(_on_mesh(partial(prepare, cfg=cfg), mesh), static_argnames=("layout",))
+        self._relayout = jax.jit(_on_mesh(partial(relayout, cfg=cfg), mesh), static_argnames=("layout",))
         self.prepared: dict | None = None
         self.load(params)
         self._prefill = jax.jit(_on_mesh(self._prefill_and_sample, mesh), static_argnames=("max_length", "greedy"))
@@ -206,17 +205,17 @@ class Generator:
         compiled programs are kept, and so is the layout of the weights (``weights``)."""
         if self.mesh is not None:
             params = jax.device_put(params, param_shardings(logical_axes(self.cfg), self.mesh))
-        streamed = self.prepared is not None and isinstance(self.prepared["lm_head"], OutIn)
+        kept = "plain" if self.prepared is None else layout_of(self.prepared)
         self.prepared = None  # the previous weights' prepared copy goes before the next is made
-        self.prepared = self._prepare(params, streamed=streamed)
+        self.prepared = self._prepare(params, layout=kept)
 
     def weights(self, rows: int) -> dict:
         """The prepared weights in the layout a batch of ``rows`` decodes fastest with
-        (``decode.streams``): one copy is kept, turned over when the batch size calls for the
-        other layout."""
-        streamed = streams(rows)
-        if streamed != isinstance(self.prepared["lm_head"], OutIn):
-            self.prepared = self._relayout(self.prepared, streamed=streamed)
+        (``decode.layout``): one copy is kept, turned over when the batch size calls for another
+        layout."""
+        wanted = layout(rows, self.cfg, self.mesh is None or self.mesh.size == 1)
+        if wanted != layout_of(self.prepared):
+            self.prepared = self._relayout(self.prepared, layout=wanted)
         return self.prepared
 
     def _host_readable(self, tok: jax.Array, lp: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -29,6 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from olmax.config import ConfigError, ModelConfig
 from olmax.model.attention import attend, target_platform
+from olmax.model.cpu_kernels import skinny_matmul
 from olmax.model.layers import apply_rope, rms_norm, rope_at, rope_cos_sin, rope_inv_freq
 from olmax.sharding import constrain
 
@@ -99,14 +100,37 @@ class OutIn:
         return y.reshape(*x.shape[:-1], self.t.shape[0])
 
 
+@jax.tree_util.register_pytree_node_class
+class Packed:
+    """A projection weight ``[in, out]`` packed in panels of 16 output columns, ``[panels, in,
+    16]``, for olmax's CPU decode kernel (``olmax.model.cpu_kernels``; ``decode.prepare(layout=
+    "packed")``). Every row count goes through the kernel: the steps' few rows and the prefill's
+    many. fp32 only."""
+
+    def __init__(self, p: jax.Array, out: int):
+        self.p, self.out = p, out
+
+    def tree_flatten(self):
+        return (self.p,), self.out
+
+    @classmethod
+    def tree_unflatten(cls, out: int, children: tuple) -> "Packed":
+        return cls(children[0], out)
+
+    def apply(self, x: jax.Array) -> jax.Array:
+        """``x [..., in] @ w`` -> ``[..., out]`` in ``x``'s dtype (fp32)."""
+        y = skinny_matmul(x.reshape(-1, x.shape[-1]), self.p, self.out)
+        return y.reshape(*x.shape[:-1], self.out)
+
+
 def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x [b, t, i] @ w [i, o]``. On the CPU one 2-D matmul over the b*t rows: contracting b and
     t as two axes, XLA CPU computes the weight gradient from a transposed copy of the output
     gradient, fused with the elementwise backward work before it (the norm's), and that fusion ran
     at a thirtieth of memory speed (about a tenth of the tiny and small steps). The parameters
-    after training steps were the same bit for bit either way. ``w`` may be an ``OutIn`` (the
-    CPU's decode steps)."""
-    if isinstance(w, OutIn):
+    after training steps were the same bit for bit either way. ``w`` may be an ``OutIn`` or a
+    ``Packed`` (the CPU's decode steps)."""
+    if isinstance(w, (OutIn, Packed)):
         return w.apply(x)
     if target_platform() == "cpu":
         return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[-1])
@@ -343,7 +367,7 @@ def hidden_states(params: Any, tokens: jax.Array, cfg: ModelConfig, *, positions
 def lm_head(params: Any, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Logits in fp32 [b, t, embedding_rows] from the final hidden states (padded rows included)."""
     w = params["lm_head"]
-    if isinstance(w, OutIn):  # prepared in the compute dtype (``decode.prepare``)
+    if isinstance(w, (OutIn, Packed)):  # prepared in the compute dtype (``decode.prepare``)
         logits = w.apply(x)
     else:
         logits = jnp.einsum("btd,dv->btv", x, w.astype(jnp.dtype(cfg.compute_dtype)))

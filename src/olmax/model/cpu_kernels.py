@@ -1,0 +1,140 @@
+"""olmax's CPU kernel for the decode steps' products (``cpu_kernels.cc``), built on first use.
+
+A decode step multiplies one to a few dozen rows by every weight of the model: a pass over the
+weights, which XLA CPU's products make below the machine's speed for a few rows. The kernel
+reads weights packed in panels of 16 output columns (``pack``: [in, out] -> [panels, in, 16]),
+each panel once for all rows, and shares the panels out between the calling thread and XLA's own
+intra-op thread pool. The README (Benchmarks, decode speed) has what it gains end to end.
+
+Every output element is one fused multiply-add chain over the input axis in order, so a row's
+result does not depend on the other rows of the batch (tested bit for bit), and it is within
+fp32 rounding of XLA's product (a different order of the same sums).
+
+Built with the C++ compiler on the path (``$CXX`` or ``c++``) against the FFI headers jaxlib
+ships, into ``$OLMAX_CACHE_DIR/kernels`` (default ``~/.cache/olmax/kernels``), once per source,
+jaxlib and compiler. Used only where it can run: an x86-64 CPU with AVX2 and FMA. Where it
+cannot be built or loaded, ``available()`` is False with the reason in ``unavailable_reason()``
+(logged once) and decoding keeps XLA's products; ``OLMAX_CPU_KERNELS=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+TARGET = "olmax_skinny_matmul"
+PANEL = 16
+_STATE: dict[str, object] = {}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("OLMAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "olmax")
+    return Path(root) / "kernels"
+
+
+def _build() -> Path:
+    """The compiled library, built now if this source, jaxlib and compiler have none yet."""
+    import jaxlib
+
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler on the path (set CXX or install g++)")
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"the C++ compiler {cxx} does not run: {e}") from e
+    flags = ["-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w"]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), jaxlib.__version__, version, *flags]).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"olmax_cpu_kernels-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log.info("building olmax's CPU decode kernel (once): %s", out)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        part = Path(tmp) / out.name
+        cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(part)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise RuntimeError(f"building {SOURCE.name} failed: {e}") from e
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+            raise RuntimeError(f"building {SOURCE.name} failed ({cxx}): " + " / ".join(tail))
+        os.replace(part, out)  # another process may have won the race: the same bytes either way
+    return out
+
+
+def _load() -> str | None:
+    """None when the kernel is registered with XLA, else why it is not."""
+    if os.environ.get("OLMAX_CPU_KERNELS", "1") == "0":
+        return "turned off by OLMAX_CPU_KERNELS=0"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the kernel is written for x86-64 with AVX2 and FMA, not {platform.machine()}"
+    missing = {"avx2", "fma"} - _cpu_flags()
+    if missing:
+        return f"this CPU lacks {', '.join(sorted(missing))}"
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(_build()))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.OlmaxSkinnyMatmul), platform="cpu")
+    except (RuntimeError, OSError, AttributeError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered (built on the first call; cheap after)."""
+    if "why" not in _STATE:
+        _STATE["why"] = _load()
+        if _STATE["why"] is not None and os.environ.get("OLMAX_CPU_KERNELS", "1") != "0":
+            log.warning("olmax's CPU decode kernel is not used (decoding keeps XLA's products): %s", _STATE["why"])
+    return _STATE["why"] is None
+
+
+def unavailable_reason() -> str | None:
+    available()
+    return _STATE["why"]  # type: ignore[return-value]
+
+
+def pack(w: jax.Array) -> jax.Array:
+    """[in, out] fp32 -> [ceil(out / 16), in, 16], zero columns padding the last panel."""
+    i, o = w.shape
+    pad = -o % PANEL
+    if pad:
+        w = jnp.pad(w, ((0, 0), (0, pad)))
+    return w.reshape(i, -1, PANEL).transpose(1, 0, 2)
+
+
+def unpack(p: jax.Array, out: int) -> jax.Array:
+    """``pack``'s inverse: [panels, in, 16] -> [in, out]."""
+    return p.transpose(1, 0, 2).reshape(p.shape[1], -1)[:, :out]
+
+
+def skinny_matmul(x: jax.Array, p: jax.Array, out: int) -> jax.Array:
+    """x [rows, in] fp32 @ the packed weight -> [rows, out] fp32, in the kernel."""
+    if x.dtype != jnp.float32 or p.dtype != jnp.float32:
+        raise TypeError(f"the CPU decode kernel is fp32 only, got {x.dtype} x {p.dtype}")
+    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], p.shape[0] * PANEL), jnp.float32))(x, p)
+    return y if y.shape[1] == out else y[:, :out]

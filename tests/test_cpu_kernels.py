@@ -1,0 +1,129 @@
+"""olmax's CPU decode kernel (``olmax.model.cpu_kernels``): built here, it equals the product in
+float64 to fp32 rounding at every row count and shape, gives each row the same bits whatever
+batch it is in, decodes the same greedy tokens as XLA's products, and where it cannot be built
+says why and leaves decoding to XLA."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from olmax.config import ModelConfig
+from olmax.model import cpu_kernels
+from olmax.model.decode import layout, layout_of
+from olmax.model.generate import Generator, Sampling, generate
+from olmax.model.params import init_params
+
+TINY = ModelConfig(vocab_size=100, padded_vocab_size=128, d_model=64, n_layers=5, n_heads=4, n_kv_heads=2,
+                   head_dim=16, mlp_hidden=96, norm_eps=1e-6, rope_theta=10000.0, sliding_window=8,
+                   max_position_embeddings=256, compute_dtype="float32", attention_impl="reference")
+
+needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason=f"{cpu_kernels.unavailable_reason()}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 13, 32, 70])
+@pytest.mark.parametrize("shape", [(64, 48), (37, 40), (512, 1000)])
+def test_kernel_equals_the_float64_product(rows: int, shape: tuple[int, int]) -> None:
+    """Odd input sizes (37: not a multiple of the one-row kernel's 4), output sizes that leave a
+    part-filled last panel (40, 1000), one row (four panels at a time) and row blocks of every
+    size: within fp32 rounding of the float64 product, and as close as XLA's own fp32 matmul."""
+    i, o = shape
+    kx, kw = jax.random.split(jax.random.key(rows * 1000 + i))
+    x = jax.random.normal(kx, (rows, i), jnp.float32)
+    w = jax.random.normal(kw, (i, o), jnp.float32)
+    got = np.asarray(jax.jit(lambda x, p: cpu_kernels.skinny_matmul(x, p, o))(x, cpu_kernels.pack(w)))
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert got.shape == (rows, o) and got.dtype == np.float32
+    scale = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64))  # the sum's error bound scale
+    err = np.abs(got - exact) / scale
+    xla = np.abs(np.asarray(x @ w, np.float64) - exact) / scale
+    assert err.max() <= i * np.finfo(np.float32).eps, err.max()
+    assert err.max() <= max(4 * xla.max(), 4 * np.finfo(np.float32).eps)
+
+
+def test_pack_round_trips_exactly() -> None:
+    w = jax.random.normal(jax.random.key(0), (37, 40))
+    p = cpu_kernels.pack(w)
+    assert p.shape == (3, 37, 16)
+    assert np.array_equal(np.asarray(cpu_kernels.unpack(p, 40)), np.asarray(w))
+    assert not np.asarray(p[2, :, 8:]).any()  # the last panel's padding is zeros
+
+
+@needs_kernel
+def test_a_row_has_the_same_bits_in_any_batch() -> None:
+    """Each output element is one multiply-add chain over the input in order, whichever row
+    block, thread or kernel (one row, or up to six) computes it: a row alone, and in batches of
+    2 to 40, gives the same bits. (XLA CPU's matmul does not: rows of M = 8 or 32 differ from
+    M = 1 in the last bits; README, RL.)"""
+    w = jax.random.normal(jax.random.key(1), (512, 1024))
+    x = jax.random.normal(jax.random.key(2), (40, 512))
+    p = cpu_kernels.pack(w)
+    f = jax.jit(lambda x, p: cpu_kernels.skinny_matmul(x, p, 1024))
+    alone = np.stack([np.asarray(f(x[r:r + 1], p))[0] for r in range(40)])
+    for rows in (2, 5, 8, 13, 32, 40):
+        assert np.array_equal(np.asarray(f(x[:rows], p)), alone[:rows]), rows
+
+
+@needs_kernel
+def test_kernel_refuses_other_dtypes() -> None:
+    with pytest.raises(TypeError, match="fp32 only"):
+        cpu_kernels.skinny_matmul(jnp.zeros((2, 8), jnp.bfloat16), jnp.zeros((1, 8, 16), jnp.bfloat16), 16)
+
+
+@needs_kernel
+def test_decoding_uses_the_kernel_and_keeps_the_tokens(monkeypatch) -> None:
+    """fp32 decoding on one CPU device goes through the kernel at every batch size (prefill and
+    steps) and gives the greedy tokens and log-probs of XLA's products (the kernel turned off),
+    the log-probs to fp32 rounding. bf16 compute keeps XLA's products."""
+    params = init_params(TINY, jax.random.key(0))
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [9, 10, 11], [3, 4]]
+    gen = Generator(params, TINY, Sampling())
+    with_kernel = generate(params, TINY, prompts, max_new_tokens=20, generator=gen)
+    assert layout_of(gen.prepared) == "packed" and layout(1, TINY) == "packed"
+    one = generate(params, TINY, prompts[:1], max_new_tokens=20, generator=gen)[0]
+    assert one.token_ids == with_kernel[0].token_ids
+    np.testing.assert_allclose(one.logprobs, with_kernel[0].logprobs, atol=2e-5)
+    monkeypatch.setattr(cpu_kernels, "_STATE", {"why": "off for this test"})
+    gen2 = Generator(params, TINY, Sampling())
+    without = generate(params, TINY, prompts, max_new_tokens=20, generator=gen2)
+    assert layout_of(gen2.prepared) == "streamed"
+    for a, b in zip(with_kernel, without):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
+    monkeypatch.setattr(cpu_kernels, "_STATE", {"why": None})
+    assert layout(8, replace(TINY, compute_dtype="bfloat16")) == "streamed"
+    assert layout(8, TINY, one_device=False) == "streamed"
+
+
+def test_unbuildable_kernel_names_the_reason_and_decoding_goes_on(monkeypatch, tmp_path, caplog) -> None:
+    """No compiler that works: ``available()`` is False with the compiler's failure as the
+    reason, logged once, and decoding keeps XLA's products. ``OLMAX_CPU_KERNELS=0`` turns the
+    kernel off without a warning."""
+    monkeypatch.setattr(cpu_kernels, "_STATE", {})
+    monkeypatch.setenv("OLMAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "/bin/false")
+    with caplog.at_level("WARNING", logger="olmax.model.cpu_kernels"):
+        assert cpu_kernels.available() is False
+        assert cpu_kernels.available() is False
+    reason = cpu_kernels.unavailable_reason()
+    if "AVX2" in reason or "lacks" in reason:
+        pytest.skip(reason)  # no compiler is tried on a CPU the kernel cannot run on
+    assert "/bin/false" in reason, reason
+    assert sum("not used" in r.message for r in caplog.records) == 1
+    assert not list(tmp_path.rglob("*.so"))  # nothing half-built left in the cache
+    params = init_params(TINY, jax.random.key(0))
+    gen = Generator(params, TINY, Sampling())
+    out = generate(params, TINY, [[5, 6, 7]], max_new_tokens=4, generator=gen)
+    assert len(out[0].token_ids) == 4 and layout_of(gen.prepared) == "plain"
+    monkeypatch.setattr(cpu_kernels, "_STATE", {})
+    monkeypatch.setenv("OLMAX_CPU_KERNELS", "0")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="olmax.model.cpu_kernels"):
+        assert cpu_kernels.available() is False
+    assert "OLMAX_CPU_KERNELS=0" in cpu_kernels.unavailable_reason() and not caplog.records
