@@ -136,5 +136,7 @@ def skinny_matmul(x: jax.Array, p: jax.Array, out: int) -> jax.Array:
     """x [rows, in] fp32 @ the packed weight -> [rows, out] fp32, in the kernel."""
     if x.dtype != jnp.float32 or p.dtype != jnp.float32:
         raise TypeError(f"the CPU decode kernel is fp32 only, got {x.dtype} x {p.dtype}")
+    if not available():  # registers the kernel with XLA on first use
+        raise RuntimeError(f"olmax's CPU decode kernel is not available: {unavailable_reason()}")
     y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], p.shape[0] * PANEL), jnp.float32))(x, p)
     return y if y.shape[1] == out else y[:, :out]
