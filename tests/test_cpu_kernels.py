@@ -5,6 +5,10 @@ says why and leaves decoding to XLA."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 from dataclasses import replace
 
 import numpy as np
@@ -68,6 +72,26 @@ def test_a_row_has_the_same_bits_in_any_batch() -> None:
     alone = np.stack([np.asarray(f(x[r:r + 1], p))[0] for r in range(40)])
     for rows in (2, 5, 8, 13, 32, 40):
         assert np.array_equal(np.asarray(f(x[:rows], p)), alone[:rows]), rows
+
+
+@needs_kernel
+def test_kernel_registers_itself_on_first_use() -> None:
+    """In a fresh process, a first call straight to the kernel (no ``available()`` before it,
+    as ``decode.prepare(layout="packed")`` followed by a step does) registers it with XLA; before
+    this, XLA answered "No FFI handler registered"."""
+    code = textwrap.dedent("""
+        import jax, numpy as np
+        from olmax.model import cpu_kernels
+        assert "why" not in cpu_kernels._STATE
+        w = jax.random.normal(jax.random.key(3), (32, 48))
+        x = jax.random.normal(jax.random.key(4), (3, 32))
+        got = jax.jit(lambda x, p: cpu_kernels.skinny_matmul(x, p, 48))(x, cpu_kernels.pack(w))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
 
 
 @needs_kernel
