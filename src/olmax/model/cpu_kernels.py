@@ -26,6 +26,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -72,7 +73,8 @@ def _build() -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    log.info("building olmax's CPU decode kernel (once): %s", out)
+    # A few seconds, once per machine: say so on stderr (stdout may be a command's JSON).
+    print(f"[olmax] building the CPU decode kernel (once, a few seconds): {out}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
         cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(part)]
