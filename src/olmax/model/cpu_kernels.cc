@@ -35,9 +35,12 @@ inline void Store(float* y, __m256 a, __m256 b) {
 }
 
 // MR rows (1 <= MR <= 6) against one panel [I, 16]. Named accumulators: with an array GCC kept
-// them on the stack and stored every one on every step of i (a third of the speed).
+// them on the stack and stored every one on every step of i (a third of the speed). ``ahead``
+// (or null): a panel to prefetch, one cache line per step of i, so that it is in cache when its
+// turn comes (8 rows, one thread, weights from memory: 7% to 13% faster by medians of 25
+// interleaved runs, 2 panels ahead against none).
 template <int MR>
-void Block(const float* x, int64_t ldx, const float* p, int64_t I, float* y, int64_t ldy) {
+void Block(const float* x, int64_t ldx, const float* p, int64_t I, float* y, int64_t ldy, const float* ahead) {
   const __m256 z = _mm256_setzero_ps();
   __m256 a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z, a30 = z, a31 = z, a40 = z, a41 = z,
          a50 = z, a51 = z;
@@ -50,6 +53,7 @@ void Block(const float* x, int64_t ldx, const float* p, int64_t I, float* y, int
   for (int64_t i = 0; i < I; ++i) {
     const __m256 w0 = _mm256_loadu_ps(p + i * kNR);
     const __m256 w1 = _mm256_loadu_ps(p + i * kNR + 8);
+    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(ahead + i * kNR), _MM_HINT_T0);
     __m256 b = _mm256_broadcast_ss(x0 + i);
     a00 = _mm256_fmadd_ps(b, w0, a00);
     a01 = _mm256_fmadd_ps(b, w1, a01);
@@ -112,14 +116,15 @@ void OneRowFour(const float* x, const float* p, int64_t I, float* y) {
   Store(y + 3 * kNR, d0, d1);
 }
 
-void Rows(int mr, const float* x, int64_t ldx, const float* p, int64_t I, float* y, int64_t ldy) {
+void Rows(int mr, const float* x, int64_t ldx, const float* p, int64_t I, float* y, int64_t ldy,
+          const float* ahead) {
   switch (mr) {
-    case 1: Block<1>(x, ldx, p, I, y, ldy); break;
-    case 2: Block<2>(x, ldx, p, I, y, ldy); break;
-    case 3: Block<3>(x, ldx, p, I, y, ldy); break;
-    case 4: Block<4>(x, ldx, p, I, y, ldy); break;
-    case 5: Block<5>(x, ldx, p, I, y, ldy); break;
-    default: Block<6>(x, ldx, p, I, y, ldy); break;
+    case 1: Block<1>(x, ldx, p, I, y, ldy, ahead); break;
+    case 2: Block<2>(x, ldx, p, I, y, ldy, ahead); break;
+    case 3: Block<3>(x, ldx, p, I, y, ldy, ahead); break;
+    case 4: Block<4>(x, ldx, p, I, y, ldy, ahead); break;
+    case 5: Block<5>(x, ldx, p, I, y, ldy, ahead); break;
+    default: Block<6>(x, ldx, p, I, y, ldy, ahead); break;
   }
 }
 
@@ -140,7 +145,8 @@ void Panels(const Work& k, int64_t p0, int64_t p1) {
   if (k.R == 1) {
     for (; p + 4 <= p1; p += 4) OneRowFour(k.x, k.w + p * k.I * kNR, k.I, k.y + p * kNR);
   }
-  // Row blocks of at most 6, as even as possible (8 rows: 4 + 4, not 6 + 2).
+  // Row blocks of at most 6, as even as possible (8 rows: 4 + 4, not 6 + 2). The first block
+  // of each panel prefetches the panel two ahead (within this range).
   const int64_t blocks = (k.R + 5) / 6;
   for (; p < p1; ++p) {
     const float* pw = k.w + p * k.I * kNR;
@@ -148,7 +154,8 @@ void Panels(const Work& k, int64_t p0, int64_t p1) {
     int64_t r = 0;
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t mr = (k.R - r) / (blocks - b);
-      Rows(static_cast<int>(mr), k.x + r * k.I, k.I, pw, k.I, yp + r * k.O, k.O);
+      const float* ahead = (b == 0 && p + 2 < p1) ? pw + 2 * k.I * kNR : nullptr;
+      Rows(static_cast<int>(mr), k.x + r * k.I, k.I, pw, k.I, yp + r * k.O, k.O, ahead);
       r += mr;
     }
   }
