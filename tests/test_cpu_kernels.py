@@ -6,6 +6,8 @@ says why and leaves decoding to XLA."""
 from __future__ import annotations
 
 import os
+import platform
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -28,6 +30,17 @@ TINY = ModelConfig(vocab_size=100, padded_vocab_size=128, d_model=64, n_layers=5
                    max_position_embeddings=256, compute_dtype="float32", attention_impl="reference")
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason=f"{cpu_kernels.unavailable_reason()}")
+
+
+def test_the_kernel_is_built_where_it_can_run() -> None:
+    """Where the kernel can run (x86-64 with AVX2 and FMA, a C++ compiler, not turned off) it
+    must build and register: otherwise a broken build would only skip the tests below, and the
+    suite would pass without testing the kernel that decoding uses."""
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not (platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma"} <= cpu_kernels._cpu_flags()
+            and compiler and os.environ.get("OLMAX_CPU_KERNELS", "1") != "0"):
+        pytest.skip("the kernel cannot run here")
+    assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
 
 
 @needs_kernel

@@ -4,8 +4,9 @@
 // A decode step multiplies a few rows by every weight of the model once, so it is a pass over
 // the weights, which XLA CPU's products make below the machine's speed for a few rows (see
 // ``cpu_kernels.py``). Here the panels are shared out between the calling thread and XLA's own
-// intra-op pool, and each panel is read once for all rows: per step of i
-// two vector loads of the panel feed 2 x MR fused multiply-adds held in registers.
+// intra-op pool, and each panel comes from memory once for all rows (a second block of rows
+// reads it again from cache): per step of i two vector loads of the panel feed 2 x MR fused
+// multiply-adds held in registers.
 //
 // Every output element is one fused multiply-add chain over i = 0 .. I-1 in order, whatever the
 // number of rows, the row block it falls in, or the thread that runs it: the result for a row
@@ -37,7 +38,7 @@ inline void Store(float* y, __m256 a, __m256 b) {
 // MR rows (1 <= MR <= 6) against one panel [I, 16]. Named accumulators: with an array GCC kept
 // them on the stack and stored every one on every step of i (a third of the speed). ``ahead``
 // (or null): a panel to prefetch, one cache line per step of i, so that it is in cache when its
-// turn comes (8 rows, one thread, weights from memory: 7% to 13% faster by medians of 25
+// turn comes (8 rows, one thread, weights from memory: 9% to 14% faster by medians of 25
 // interleaved runs, 2 panels ahead against none).
 template <int MR>
 void Block(const float* x, int64_t ldx, const float* p, int64_t I, float* y, int64_t ldy, const float* ahead) {
