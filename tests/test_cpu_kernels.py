@@ -44,7 +44,7 @@ def test_the_kernel_is_built_where_it_can_run() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 13, 32, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 12, 13, 32, 70])
 @pytest.mark.parametrize("shape", [(64, 48), (37, 40), (512, 1000)])
 def test_kernel_equals_the_float64_product(rows: int, shape: tuple[int, int]) -> None:
     """Odd input sizes (37: not a multiple of the one-row kernel's 4), output sizes that leave a
@@ -75,8 +75,8 @@ def test_pack_round_trips_exactly() -> None:
 @needs_kernel
 def test_a_row_has_the_same_bits_in_any_batch() -> None:
     """Each output element is one multiply-add chain over the input in order, whichever row
-    block, thread or kernel (one row, or up to six) computes it: a row alone, and in batches of
-    2 to 40, gives the same bits. (XLA CPU's matmul does not: rows of M = 8 or 32 differ from
+    block, thread or kernel (one row, or blocks of up to 6 or 12 rows) computes it: a row alone,
+    and in batches of 2 to 40, gives the same bits. (XLA CPU's matmul does not: rows of M = 8 or 32 differ from
     M = 1 in the last bits; README, RL.)"""
     w = jax.random.normal(jax.random.key(1), (512, 1024))
     x = jax.random.normal(jax.random.key(2), (40, 512))
@@ -164,3 +164,49 @@ def test_unbuildable_kernel_names_the_reason_and_decoding_goes_on(monkeypatch, t
     with caplog.at_level("WARNING", logger="olmax.model.cpu_kernels"):
         assert cpu_kernels.available() is False
     assert "OLMAX_CPU_KERNELS=0" in cpu_kernels.unavailable_reason() and not caplog.records
+
+
+def _register(isa: str, monkeypatch) -> str:
+    """The kernel built for ``isa`` and registered under its own FFI target name."""
+    import ctypes
+
+    monkeypatch.setenv("OLMAX_CPU_KERNEL_ISA", isa)
+    lib = ctypes.cdll.LoadLibrary(str(cpu_kernels._build()))
+    name = f"olmax_skinny_matmul_test_{isa}"
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.OlmaxSkinnyMatmul), platform="cpu")
+    return name
+
+
+@needs_kernel
+def test_the_avx2_and_avx512_builds_give_the_same_bits(monkeypatch) -> None:
+    """Where the CPU has AVX-512VL the kernel is built with 32 vector registers and blocks of 12
+    rows, else with AVX2's 16 and blocks of 6: the same multiply-add chains either way, so a
+    machine of either kind decodes the same bits. Both builds, every row count from 1 to 30."""
+    if not {"avx512f", "avx512vl"} <= cpu_kernels._cpu_flags():
+        pytest.skip("this CPU has no AVX-512VL: only the AVX2 build runs here")
+    assert cpu_kernels.isa() == "avx512"
+    w = jax.random.normal(jax.random.key(5), (200, 72))
+    x = jax.random.normal(jax.random.key(6), (30, 200))
+    p = cpu_kernels.pack(w)
+    out = {}
+    for isa in cpu_kernels.ISAS:
+        name = _register(isa, monkeypatch)
+        call = jax.jit(lambda x, p, name=name: jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x.shape[0], 80), jnp.float32))(x, p))
+        out[isa] = [np.asarray(call(x[:rows], p)) for rows in range(1, 31)]
+    for rows, (a, b) in enumerate(zip(out["avx2"], out["avx512"]), start=1):
+        assert np.array_equal(a, b), rows
+    np.testing.assert_allclose(out["avx512"][-1][:, :72], np.asarray(x @ w), rtol=1e-4, atol=1e-4)
+
+
+def test_a_bad_instruction_set_choice_is_named(monkeypatch) -> None:
+    monkeypatch.setenv("OLMAX_CPU_KERNEL_ISA", "sse9")
+    with pytest.raises(ValueError, match="OLMAX_CPU_KERNEL_ISA='sse9'"):
+        cpu_kernels.isa()
+    if {"avx2", "fma"} <= cpu_kernels._cpu_flags() and platform.machine().lower() in ("x86_64", "amd64"):
+        monkeypatch.setattr(cpu_kernels, "_STATE", {})
+        assert cpu_kernels.available() is False
+        assert "OLMAX_CPU_KERNEL_ISA" in cpu_kernels.unavailable_reason()
+    if not {"avx512f", "avx512vl"} <= cpu_kernels._cpu_flags():
+        monkeypatch.setenv("OLMAX_CPU_KERNEL_ISA", "avx512")
+        with pytest.raises(ValueError, match="lacks AVX-512"):
+            cpu_kernels.isa()
