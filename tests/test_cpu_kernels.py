@@ -210,3 +210,37 @@ def test_a_bad_instruction_set_choice_is_named(monkeypatch) -> None:
         monkeypatch.setenv("OLMAX_CPU_KERNEL_ISA", "avx512")
         with pytest.raises(ValueError, match="lacks AVX-512"):
             cpu_kernels.isa()
+
+
+@needs_kernel
+@pytest.mark.parametrize("b,kv,g,s,e,window", [(1, 2, 2, 24, 16, None), (3, 4, 1, 40, 64, 8), (2, 1, 3, 17, 20, 5)])
+def test_cache_attention_equals_the_reference(b: int, kv: int, g: int, s: int, e: int, window: int | None) -> None:
+    """The kernel's decode attention against ``attention.cache_attention`` (XLA) and float64:
+    slots out of position order with empty ones (-1), a sliding window, grouped queries, a head
+    size that is not a multiple of 8; and each row alone gives the bits it gives in the batch."""
+    from olmax.model.attention import cache_attention
+    from olmax.model.layers import position_mask
+
+    keys = jax.random.split(jax.random.key(b * 100 + s), 4)
+    q = jax.random.normal(keys[0], (b, kv, g, e), jnp.float32)
+    k = jax.random.normal(keys[1], (b, kv, s, e), jnp.float32)
+    v = jax.random.normal(keys[2], (b, kv, s, e), jnp.float32)
+    rng = np.random.default_rng(s)
+    k_pos = np.stack([rng.permutation(s) - rng.integers(0, 4) for _ in range(b)]).astype(np.int32)  # some -1..-3: empty
+    k_pos[k_pos < 0] = -1
+    q_pos = k_pos.max(axis=1, keepdims=True)
+    seen = position_mask(jnp.asarray(q_pos), jnp.asarray(k_pos), window)[:, 0]
+    got = np.asarray(jax.jit(cpu_kernels.cache_attention)(q, k, v, seen))
+    xla = np.asarray(cache_attention(q.reshape(b, 1, kv * g, e), k, v, jnp.asarray(q_pos), jnp.asarray(k_pos),
+                                     window, head_major=True)).reshape(b, kv, g, e)
+    q64, k64, v64, m = (np.asarray(a, np.float64) for a in (q, k, v, seen))
+    sc = np.einsum("bkge,bkse->bkgs", q64, k64) / np.sqrt(e)
+    sc = np.where(m[:, None, None] > 0, sc, -np.inf)
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    exact = np.einsum("bkgs,bkse->bkge", p / p.sum(-1, keepdims=True), v64)
+    assert got.shape == (b, kv, g, e) and got.dtype == np.float32
+    np.testing.assert_allclose(got, exact, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(got, xla, rtol=0, atol=2e-6)
+    for r in range(b):
+        alone = np.asarray(cpu_kernels.cache_attention(q[r:r + 1], k[r:r + 1], v[r:r + 1], seen[r:r + 1]))
+        assert np.array_equal(alone[0], got[r]), r

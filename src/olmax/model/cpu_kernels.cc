@@ -19,8 +19,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
+#include <functional>
+#include <limits>
 #include <memory>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -120,19 +124,44 @@ void Rows(int mr, const float* x, int64_t ldx, const float* p, int64_t I, float*
   }
 }
 
-// Shared by the calling thread and the pool's helpers; helpers that start late find no chunk
-// left and touch nothing (they hold the state alive, not the buffers).
-struct Work {
+// The work of one call, split into ``chunks`` pieces that the calling thread and XLA's intra-op
+// pool take in turn from an atomic counter. Helpers that start late find no chunk left and touch
+// nothing (they hold this state alive, not the buffers).
+struct Shared {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t chunks = 0;
+  std::function<void(int64_t)> run;
+};
+
+void Drain(Shared& s) {
+  for (int64_t c; (c = s.next.fetch_add(1, std::memory_order_relaxed)) < s.chunks;) {
+    s.run(c);
+    s.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+int64_t Threads(ffi::ThreadPool& pool) { return std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), 64)); }
+
+void Parallel(ffi::ThreadPool& pool, int64_t chunks, std::function<void(int64_t)> run) {
+  auto s = std::make_shared<Shared>();
+  s->chunks = chunks;
+  s->run = std::move(run);
+  for (int64_t t = 1; t < Threads(pool) && t < chunks; ++t) pool.Schedule([s] { Drain(*s); });
+  Drain(*s);
+  // Chunks other threads claimed are being computed now: wait for them, never for a queue.
+  while (s->done.load(std::memory_order_acquire) < chunks) _mm_pause();
+}
+
+struct Matmul {
   const float* x;
   const float* w;
   float* y;
-  int64_t R, I, O, P, per_chunk, chunks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+  int64_t R, I, O, P;
 };
 
 // Panels [p0, p1) for every row.
-void Panels(const Work& k, int64_t p0, int64_t p1) {
+void Panels(const Matmul& k, int64_t p0, int64_t p1) {
   int64_t p = p0;
   if (k.R == 1) {
     for (; p + 4 <= p1; p += 4) OneRowFour(k.x, k.w + p * k.I * kNR, k.I, k.y + p * kNR);
@@ -154,13 +183,6 @@ void Panels(const Work& k, int64_t p0, int64_t p1) {
   }
 }
 
-void Drain(Work& k) {
-  for (int64_t c; (c = k.next.fetch_add(1, std::memory_order_relaxed)) < k.chunks;) {
-    Panels(k, c * k.per_chunk, std::min(k.P, (c + 1) * k.per_chunk));
-    k.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 ffi::Error SkinnyMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                         ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
@@ -170,25 +192,93 @@ ffi::Error SkinnyMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
       yd[0] != xd[0] || yd[1] != wd[0] * kNR) {
     return ffi::Error::InvalidArgument("olmax_skinny_matmul: expected x [R, I], w [P, I, 16], y [R, P*16]");
   }
-  auto k = std::make_shared<Work>();
-  k->x = x.typed_data();
-  k->w = w.typed_data();
-  k->y = y->typed_data();
-  k->R = xd[0];
-  k->I = xd[1];
-  k->P = wd[0];
-  k->O = wd[0] * kNR;
-  if (k->R == 0 || k->P == 0) return ffi::Error::Success();
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), 64));
+  const Matmul k{x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[0] * kNR, wd[0]};
+  if (k.R == 0 || k.P == 0) return ffi::Error::Success();
   // A few chunks per thread (of a multiple of 4 panels, for one row), so a thread that starts
   // late still gets a share.
-  k->chunks = std::min<int64_t>((k->P + 3) / 4, 4 * threads);
-  k->per_chunk = 4 * (((k->P + k->chunks - 1) / k->chunks + 3) / 4);
-  k->chunks = (k->P + k->per_chunk - 1) / k->per_chunk;
-  for (int64_t t = 1; t < threads && t < k->chunks; ++t) pool.Schedule([k] { Drain(*k); });
-  Drain(*k);
-  // Chunks other threads claimed are being computed now: wait for them, never for a queue.
-  while (k->done.load(std::memory_order_acquire) < k->chunks) _mm_pause();
+  int64_t chunks = std::min<int64_t>((k.P + 3) / 4, 4 * Threads(pool));
+  const int64_t per = 4 * (((k.P + chunks - 1) / chunks + 3) / 4);
+  chunks = (k.P + per - 1) / per;
+  Parallel(pool, chunks, [k, per](int64_t c) { Panels(k, c * per, std::min(k.P, (c + 1) * per)); });
+  return ffi::Error::Success();
+}
+
+// The decode step's attention on the CPU: one query per row and head over the cache, in the
+// cache's head-major layout. q [B, KV, G, E], keys and values [B, KV, S, E], ``seen`` [B, S]
+// (non-zero where the row's query sees the slot: ``olmax.model.layers.position_mask``) ->
+// out [B, KV, G, E]: softmax(q . k * scale) . v over the slots seen, as
+// ``olmax.model.attention.cache_attention`` computes it (scores of unseen slots at the lowest
+// float, probabilities exp(score - max) / their sum), in fp32. XLA CPU ran its two products at
+// about 16 GB/s of cache (a fifth of a batch-8 decode step of the benchmark's model); here each
+// (row, kv head) is one piece of work that reads its keys and values once, only the slots seen.
+// Each output element is a sum over slots in slot order, whatever the batch: batch-invariant.
+inline float Dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  for (; i < n; ++i) sum = std::fma(a[i], b[i], sum);
+  return sum;
+}
+
+ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> seen, ffi::ResultBuffer<ffi::F32> out,
+                          float scale) {
+  // Keys and values may come as a layer's whole stack, [1, B, KV, S, E]: read in place where
+  // the step wrote the new token (a slice of it would be a second, fused copy of that write).
+  auto dims = [](auto d, bool stack) {
+    std::vector<int64_t> out(d.begin(), d.end());
+    if (stack && out.size() == 5 && out[0] == 1) out.erase(out.begin());
+    return out;
+  };
+  const auto qd = dims(q.dimensions(), false);
+  const auto kd = dims(k.dimensions(), true);
+  const auto vd = dims(v.dimensions(), true);
+  const auto od = dims(out->dimensions(), false);
+  const auto md = dims(seen.dimensions(), false);
+  if (qd.size() != 4 || kd.size() != 4 || vd != kd || od != qd || kd[0] != qd[0] || kd[1] != qd[1] ||
+      kd[3] != qd[3] || md.size() != 2 || md[0] != qd[0] || md[1] != kd[2]) {
+    return ffi::Error::InvalidArgument(
+        "olmax_cache_attention: expected q [B, KV, G, E], k and v [(1,) B, KV, S, E], seen [B, S], out like q");
+  }
+  const int64_t B = qd[0], KV = qd[1], G = qd[2], E = qd[3], S = kd[2];
+  if (B * KV * G * E == 0) return ffi::Error::Success();
+  const float* qp = q.typed_data();
+  const float* kp = k.typed_data();
+  const float* vp = v.typed_data();
+  const int32_t* mp = seen.typed_data();
+  float* op = out->typed_data();
+  const float lowest = std::numeric_limits<float>::lowest();
+  Parallel(pool, B * KV, [=](int64_t item) {
+    const int64_t b = item / KV;
+    const float* keys = kp + item * S * E;
+    const float* values = vp + item * S * E;
+    const int32_t* m = mp + b * S;
+    std::vector<float> p(S);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qv = qp + (item * G + g) * E;
+      float* o = op + (item * G + g) * E;
+      float top = lowest;
+      for (int64_t s = 0; s < S; ++s) {
+        p[s] = m[s] ? Dot(qv, keys + s * E, E) * scale : lowest;
+        top = std::max(top, p[s]);
+      }
+      float total = 0.f;
+      for (int64_t s = 0; s < S; ++s) total += (p[s] = std::exp(p[s] - top));
+      for (int64_t e = 0; e < E; ++e) o[e] = 0.f;
+      for (int64_t s = 0; s < S; ++s) {
+        const float w = p[s] / total;
+        if (w == 0.f) continue;  // an unseen slot (or one whose weight underflows): adds nothing
+        const float* row = values + s * E;
+        int64_t e = 0;
+        const __m256 ws = _mm256_set1_ps(w);
+        for (; e + 8 <= E; e += 8) _mm256_storeu_ps(o + e, _mm256_fmadd_ps(ws, _mm256_loadu_ps(row + e), _mm256_loadu_ps(o + e)));
+        for (; e < E; ++e) o[e] = std::fma(w, row[e], o[e]);
+      }
+    }
+  });
   return ffi::Error::Success();
 }
 
@@ -200,3 +290,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxSkinnyMatmul, SkinnyMatmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxCacheAttention, CacheAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));

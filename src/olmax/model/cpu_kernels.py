@@ -35,11 +35,13 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 TARGET = "olmax_skinny_matmul"
+ATTENTION = "olmax_cache_attention"
 PANEL = 16
 _STATE: dict[str, object] = {}
 
@@ -123,6 +125,7 @@ def _load() -> str | None:
     try:
         lib = ctypes.cdll.LoadLibrary(str(_build()))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.OlmaxSkinnyMatmul), platform="cpu")
+        jax.ffi.register_ffi_target(ATTENTION, jax.ffi.pycapsule(lib.OlmaxCacheAttention), platform="cpu")
     except (RuntimeError, OSError, AttributeError, ValueError) as e:
         return str(e)
     return None
@@ -164,3 +167,16 @@ def skinny_matmul(x: jax.Array, p: jax.Array, out: int) -> jax.Array:
         raise RuntimeError(f"olmax's CPU decode kernel is not available: {unavailable_reason()}")
     y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], p.shape[0] * PANEL), jnp.float32))(x, p)
     return y if y.shape[1] == out else y[:, :out]
+
+
+def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, seen: jax.Array) -> jax.Array:
+    """The decode step's attention in the kernel: q [b, kv_heads, g, e] over the head-major cache
+    k, v [b, kv_heads, S, e] (or a layer's stack of one, [1, b, kv_heads, S, e]), ``seen`` [b, S] (bool: the slots each row's query sees) -> [b,
+    kv_heads, g, e], fp32: ``olmax.model.attention.cache_attention`` for one query per row."""
+    if not all(a.dtype == jnp.float32 for a in (q, k, v)):
+        raise TypeError(f"the CPU decode kernel is fp32 only, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not available():
+        raise RuntimeError(f"olmax's CPU decode kernel is not available: {unavailable_reason()}")
+    scale = np.float32(q.shape[-1] ** -0.5)
+    return jax.ffi.ffi_call(ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q, k, v, seen.astype(jnp.int32), scale=scale)

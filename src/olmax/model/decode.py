@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from olmax.config import ModelConfig
 from olmax.model.attention import attend, cache_attention, opaque_one, target_platform
-from olmax.model.layers import rms_norm
+from olmax.model.layers import position_mask, rms_norm
 from olmax.model import cpu_kernels
 from olmax.model.olmo3 import OutIn, Packed, embed, join_projections, lm_head, rope_tables, run_layers, stack_layers
 from olmax.sharding import constrain, single_device
@@ -250,6 +250,8 @@ def decode_step(prepared: dict, tokens: jax.Array, cache: dict, cfg: ModelConfig
         where[kind] = length % p.shape[1]
         pos[kind] = p.at[rows, where[kind]].set(length)
     q_pos = length[:, None]
+    # The packed layout means olmax's CPU kernel is in use (CPU, fp32, one device): its attention too.
+    kernel = layout_of(prepared) == "packed"
 
     def op(full: bool, window: int | None):
         kind = _kind(cfg, full)
@@ -260,6 +262,16 @@ def decode_step(prepared: dict, tokens: jax.Array, cache: dict, cfg: ModelConfig
             # Row r's slot in every head: [b, kv_heads, e] written, whichever layout.
             at = (index, rows, slice(None), where[kind]) if head_major() else (index, rows, where[kind])
             stack = {name: constrain(stack[name].at[at].set(a[:, 0]), _axes()) for name, a in (("k", k), ("v", v))}
+            if kernel:  # olmax's CPU kernel: the same attention, at memory speed (``cpu_kernels.cc``)
+                _, _, h, e = q.shape
+                kv = stack["k"].shape[2]
+                seen = position_mask(q_pos, pos[kind], window)[:, 0]
+                # A layer of its own (every one, on the CPU): its whole [1, ...] stack, read where
+                # the write left it (a slice would be a fused second copy of the write, at one row).
+                keys, values = (stack[name] if stack[name].shape[0] == 1 else
+                                jax.lax.dynamic_index_in_dim(stack[name], index, 0, keepdims=False) for name in ("k", "v"))
+                o = cpu_kernels.cache_attention(q.reshape(b, kv, h // kv, e), keys, values, seen)
+                return o.reshape(b, 1, h, e), stack
             keys, values = (jax.lax.dynamic_index_in_dim(stack[name], index, 0, keepdims=False) for name in ("k", "v"))
             if b == 1 and head_major() and single_device():
                 # One row: XLA CPU writes the new key with a dynamic-update-slice and fuses a second
