@@ -1,5 +1,6 @@
-// olmax's CPU kernel for the decode steps' projections: y [R, P*16] = x [R, I] @ w, with the
-// weight packed in panels of 16 output columns, w [P, I, 16] (``olmax.model.cpu_kernels.pack``).
+// olmax's CPU kernels for the decode steps: the projections, y [R, P*16] = x [R, I] @ w, with the
+// weight packed in panels of 16 output columns, w [P, I, 16] (``olmax.model.cpu_kernels.pack``),
+// and the attention over the cache (``CacheAttention``, below).
 //
 // A decode step multiplies a few rows by every weight of the model once, so it is a pass over
 // the weights, which XLA CPU's products make below the machine's speed for a few rows (see
@@ -13,7 +14,7 @@
 // does not depend on the batch it is in (tests/test_cpu_kernels.py checks this bit for bit).
 //
 // Built on first use by cpu_kernels.py (AVX2 and FMA; without them, or without a compiler, the
-// decode steps keep XLA's products).
+// decode steps keep XLA's products and attention).
 
 #include <immintrin.h>
 

@@ -1,10 +1,13 @@
-"""olmax's CPU kernel for the decode steps' products (``cpu_kernels.cc``), built on first use.
+"""olmax's CPU kernels for the decode steps' products and attention (``cpu_kernels.cc``), built
+on first use.
 
 A decode step multiplies one to a few dozen rows by every weight of the model: a pass over the
 weights, which XLA CPU's products make below the machine's speed for a few rows. The kernel
 reads weights packed in panels of 16 output columns (``pack``: [in, out] -> [panels, in, 16]),
 each panel once for all rows, and shares the panels out between the calling thread and XLA's own
-intra-op thread pool. The README (Benchmarks, decode speed) has what it gains end to end.
+intra-op thread pool. The attention kernel (``cache_attention``) reads each row's and kv head's
+cached keys and values once, only the slots its query sees. The README (Benchmarks, decode
+speed) has what they gain end to end.
 
 Every output element is one fused multiply-add chain over the input axis in order, so a row's
 result does not depend on the other rows of the batch (tested bit for bit), and it is within
@@ -15,9 +18,9 @@ ships, into ``$OLMAX_CACHE_DIR/kernels`` (default ``~/.cache/olmax/kernels``), o
 jaxlib, compiler and instruction set. Used only where it can run: an x86-64 CPU with AVX2 and
 FMA; where the CPU also has AVX-512F and AVX-512VL the build may use 32 vector registers, and a
 block holds 12 rows instead of 6 (``isa()``; the same multiply-add chains, so the same bits as
-the AVX2 build, tested). Where it
-cannot be built or loaded, ``available()`` is False with the reason in ``unavailable_reason()``
-(logged once) and decoding keeps XLA's products; ``OLMAX_CPU_KERNELS=0`` turns it off.
+the AVX2 build, tested). Where it cannot be built or loaded, ``available()`` is False with the
+reason in ``unavailable_reason()`` (logged once) and decoding keeps XLA's products and
+attention; ``OLMAX_CPU_KERNELS=0`` turns it off.
 """
 
 from __future__ import annotations
