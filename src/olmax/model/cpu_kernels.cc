@@ -37,9 +37,9 @@ constexpr int64_t kNR = 16;
 
 // The software prefetch's distance, in cache lines of the weights (one line per step of i): 32
 // KiB ahead, into L2. Batch 8 through the decode benchmark's matrices on a 2-core Zen 4, medians
-// of 30 interleaved runs: 2.0 ms at 256 to 768 lines ahead into L2 against 3.0 ms without a
-// prefetch and 2.6 ms for the earlier two panels ahead into L1 (whose lines, 64 KiB ahead at
-// 512 inputs, could be evicted from a 32 KiB L1 before their turn).
+// of 30 interleaved runs, two runs: 2.0 to 2.5 ms at 256 to 768 lines ahead into L2 against 3.0
+// to 3.2 ms without a prefetch and 2.6 to 3.0 ms for the earlier two panels ahead into L1 (whose
+// lines, 64 KiB ahead at 512 inputs, could be evicted from a 32 KiB L1 before their turn).
 constexpr int64_t kAheadLines = 512;
 
 inline void Store(float* y, __m256 a, __m256 b) {
