@@ -257,7 +257,8 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     const float* keys = kp + item * S * E;
     const float* values = vp + item * S * E;
     const int32_t* m = mp + b * S;
-    std::vector<float> p(S);
+    thread_local std::vector<float> p;  // the scores, then the weights: kept per thread, not per item
+    p.resize(S);
     for (int64_t g = 0; g < G; ++g) {
       const float* qv = qp + (item * G + g) * E;
       float* o = op + (item * G + g) * E;

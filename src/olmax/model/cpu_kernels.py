@@ -62,6 +62,19 @@ def _cpu_flags() -> set[str]:
 ISAS = ("avx2", "avx512")
 
 
+def has_avx512() -> bool:
+    """Whether this CPU has AVX-512F and AVX-512VL (the 12-row build, ``isa()``)."""
+    return {"avx512f", "avx512vl"} <= _cpu_flags()
+
+
+def cpu_unsupported() -> str | None:
+    """Why this CPU cannot run the kernel (not x86-64, or no AVX2 and FMA), or None."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the kernel is written for x86-64 with AVX2 and FMA, not {platform.machine()}"
+    missing = {"avx2", "fma"} - _cpu_flags()
+    return f"this CPU lacks {', '.join(sorted(missing))}" if missing else None
+
+
 def isa() -> str:
     """The instruction set the kernel is built for: ``avx512`` (AVX-512F and VL: 256-bit
     instructions with 32 registers, 12 rows per block) where the CPU has it, else ``avx2``.
@@ -69,11 +82,11 @@ def isa() -> str:
     want = os.environ.get("OLMAX_CPU_KERNEL_ISA", "").strip().lower()
     if want and want not in ISAS:
         raise ValueError(f"OLMAX_CPU_KERNEL_ISA={want!r}: expected one of {', '.join(ISAS)}")
-    if want == "avx512" and not {"avx512f", "avx512vl"} <= _cpu_flags():
+    if want == "avx512" and not has_avx512():
         raise ValueError("OLMAX_CPU_KERNEL_ISA=avx512: this CPU lacks AVX-512F or AVX-512VL")
     if want:
         return want
-    return "avx512" if {"avx512f", "avx512vl"} <= _cpu_flags() else "avx2"
+    return "avx512" if has_avx512() else "avx2"
 
 
 def _cache_dir() -> Path:
@@ -120,11 +133,9 @@ def _load() -> str | None:
     """None when the kernel is registered with XLA, else why it is not."""
     if os.environ.get("OLMAX_CPU_KERNELS", "1") == "0":
         return "turned off by OLMAX_CPU_KERNELS=0"
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"the kernel is written for x86-64 with AVX2 and FMA, not {platform.machine()}"
-    missing = {"avx2", "fma"} - _cpu_flags()
-    if missing:
-        return f"this CPU lacks {', '.join(sorted(missing))}"
+    why = cpu_unsupported()
+    if why:
+        return why
     try:
         lib = ctypes.cdll.LoadLibrary(str(_build()))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.OlmaxSkinnyMatmul), platform="cpu")

@@ -266,11 +266,10 @@ def decode_step(prepared: dict, tokens: jax.Array, cache: dict, cfg: ModelConfig
                 _, _, h, e = q.shape
                 kv = stack["k"].shape[2]
                 seen = position_mask(q_pos, pos[kind], window)[:, 0]
-                # A layer of its own (every one, on the CPU): its whole [1, ...] stack, read where
-                # the write left it (a slice would be a fused second copy of the write, at one row).
-                keys, values = (stack[name] if stack[name].shape[0] == 1 else
-                                jax.lax.dynamic_index_in_dim(stack[name], index, 0, keepdims=False) for name in ("k", "v"))
-                o = cpu_kernels.cache_attention(q.reshape(b, kv, h // kv, e), keys, values, seen)
+                # On the CPU every layer is a stack of its own (``prepare``): the kernel reads the
+                # whole [1, ...] stack where the write left it (a slice would be a fused second
+                # copy of the write, at one row).
+                o = cpu_kernels.cache_attention(q.reshape(b, kv, h // kv, e), stack["k"], stack["v"], seen)
                 return o.reshape(b, 1, h, e), stack
             keys, values = (jax.lax.dynamic_index_in_dim(stack[name], index, 0, keepdims=False) for name in ("k", "v"))
             if b == 1 and head_major() and single_device():
