@@ -64,10 +64,21 @@ def test_kernel_equals_the_float64_product(rows: int, shape: tuple[int, int]) ->
 
 def test_pack_round_trips_exactly() -> None:
     w = jax.random.normal(jax.random.key(0), (37, 40))
-    p = cpu_kernels.pack(w)
-    assert p.shape == (3, 37, 16)
-    assert np.array_equal(np.asarray(cpu_kernels.unpack(p, 40)), np.asarray(w))
-    assert not np.asarray(p[2, :, 8:]).any()  # the last panel's padding is zeros
+    for p in (cpu_kernels.pack(w), cpu_kernels._pack_xla(w)):   # the kernel's (where built) and XLA's
+        assert p.shape == (3, 37, 16)
+        assert np.array_equal(np.asarray(cpu_kernels.unpack(p, 40)), np.asarray(w))
+        assert not np.asarray(p[2, :, 8:]).any()  # the last panel's padding is zeros
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(37, 40), (512, 1000), (3, 16), (5, 1), (1536, 512)])
+def test_the_kernels_pack_is_xlas(shape: tuple[int, int]) -> None:
+    """The kernel's pack (RL packs the weights again after every update) moves the same numbers
+    to the same places as XLA's transpose, padding included, inside a jitted program too."""
+    w = jax.random.normal(jax.random.key(5), shape)
+    want = np.asarray(cpu_kernels._pack_xla(w))
+    assert np.array_equal(np.asarray(cpu_kernels.pack(w)), want)
+    assert np.array_equal(np.asarray(jax.jit(cpu_kernels.pack)(w)), want)
 
 
 @needs_kernel

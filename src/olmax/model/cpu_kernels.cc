@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -204,6 +205,36 @@ ffi::Error SkinnyMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   return ffi::Error::Success();
 }
 
+// w [I, O] -> [P, I, 16] (P = ceil(O / 16)), the last panel's missing columns zero: the layout the
+// product reads (``cpu_kernels.pack``). XLA CPU's transpose of [I, P, 16] to [P, I, 16] moved
+// 143 MB in 63 ms (the benchmark's model, once per RL step as the weights change), a plain copy
+// 14 ms. Here each thread takes a few panels and copies them row by row: 64 bytes per row and
+// panel, read from one cache line of w (when O is a multiple of 16) and written in order.
+ffi::Error Pack(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out) {
+  const auto wd = w.dimensions();
+  const auto od = out->dimensions();
+  if (wd.size() != 2 || od.size() != 3 || od[2] != kNR || od[1] != wd[0] || od[0] != (wd[1] + kNR - 1) / kNR) {
+    return ffi::Error::InvalidArgument("olmax_pack: expected w [I, O], out [ceil(O / 16), I, 16]");
+  }
+  const int64_t I = wd[0], O = wd[1], P = od[0];
+  if (I == 0 || P == 0) return ffi::Error::Success();
+  const float* src = w.typed_data();
+  float* dst = out->typed_data();
+  constexpr int64_t kPanels = 8;  // per piece of work: 512 bytes of each row of w
+  Parallel(pool, (P + kPanels - 1) / kPanels, [=](int64_t c) {
+    const int64_t p1 = std::min(P, (c + 1) * kPanels);
+    for (int64_t i = 0; i < I; ++i) {
+      for (int64_t p = c * kPanels; p < p1; ++p) {
+        const int64_t n = std::min(kNR, O - p * kNR);
+        float* d = dst + (p * I + i) * kNR;
+        std::memcpy(d, src + i * O + p * kNR, n * sizeof(float));
+        if (n < kNR) std::memset(d + n, 0, (kNR - n) * sizeof(float));
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 // The decode step's attention on the CPU: one query per row and head over the cache, in the
 // cache's head-major layout. q [B, KV, G, E], keys and values [B, KV, S, E], ``seen`` [B, S]
 // (non-zero where the row's query sees the slot: ``olmax.model.layers.position_mask``) ->
@@ -302,3 +333,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxCacheAttention, CacheAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxPack, Pack,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
