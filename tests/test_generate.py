@@ -178,10 +178,12 @@ def test_sampled_logprobs_are_untempered_and_tokens_obey_top_k_top_p(model: dict
             assert probs[:rank].sum() < SAMPLING.top_p + 1e-6, (rank, probs[:rank + 1])
 
 
-def test_sample_draws_what_jax_categorical_draws_and_never_a_nan_or_padded_token() -> None:
-    """``sample`` finds the Gumbel maximum in two passes (fast on the CPU): the tokens must be
-    ``jax.random.categorical``'s with the same keys, row by row; padded vocabulary rows and NaN
-    logits are never drawn, and an all-NaN row still gives a token id inside the vocabulary."""
+def test_sample_inverts_the_distribution_function_and_never_draws_a_nan_or_padded_token() -> None:
+    """``sample`` draws by the inverse of the distribution function with one uniform per row
+    (``fold_in(key, step)``): the token must be the one float64 finds for the same uniform, row
+    by row, across blocks of the vocabulary; many draws must follow softmax(logits / T); padded
+    vocabulary rows, NaN and -inf logits are never drawn, and an all-NaN row still gives a token
+    id inside the vocabulary."""
     from olmax.model.generate import _knobs, sample
 
     rows, padded, vocab = 64, 512, 500
@@ -190,13 +192,56 @@ def test_sample_draws_what_jax_categorical_draws_and_never_a_nan_or_padded_token
     for step in (0, 5):
         for temperature in (1.0, 0.7):
             tok, _ = sample(logits, keys, jnp.int32(step), _knobs(Sampling(temperature=temperature)), False, vocab)
-            z = jnp.where(jnp.arange(padded) < vocab, logits, -jnp.inf) / temperature
-            want = jax.vmap(lambda k, zi: jax.random.categorical(jax.random.fold_in(k, step), zi))(keys, z)
-            np.testing.assert_array_equal(np.asarray(tok), np.asarray(want))
+            u = np.asarray(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, step), ()))(keys), np.float64)
+            z = np.asarray(logits, np.float64)[:, :vocab] / np.float32(temperature)
+            cdf = np.cumsum(np.exp(z - z.max(-1, keepdims=True)), axis=-1)
+            want = [int(np.searchsorted(c, ui * c[-1], side="right")) for c, ui in zip(cdf, u)]
+            np.testing.assert_array_equal(np.asarray(tok), want)
             assert int(tok.max()) < vocab
+    # The distribution: 20,000 rows with their own keys, one set of logits (a padded vocabulary,
+    # a -inf and a NaN among them); every count within 5 standard deviations of n x p.
+    n, probs = 20000, np.array([0.3, 0.2, 0.15, 0.1, 0.1, 0.05, 0.04, 0.03, 0.02, 0.01])
+    one = np.full(padded, -np.inf, np.float32)
+    one[200:210] = np.log(probs) + 1.5
+    one[5], one[400] = np.nan, 40.0                                    # a NaN; 400 lies in the padding
+    many = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(11), i))(jnp.arange(n))
+    tok, _ = sample(jnp.broadcast_to(jnp.asarray(one), (n, padded)), many, jnp.int32(3),
+                    _knobs(Sampling(temperature=1.0)), False, 300)
+    counts = np.bincount(np.asarray(tok), minlength=padded)
+    assert counts.sum() == counts[200:210].sum() == n
+    assert (np.abs(counts[200:210] - n * probs) <= 5 * np.sqrt(n * probs * (1 - probs))).all(), counts[200:210]
+    # +inf: one of the +inf entries, nothing else.
+    inf = np.zeros((rows, padded), np.float32)
+    inf[:, [17, 300]] = np.inf
+    tok, _ = sample(jnp.asarray(inf), keys, jnp.int32(0), _knobs(Sampling(temperature=1.0)), False, vocab)
+    assert set(np.asarray(tok).tolist()) == {17, 300}
     # NaNs: a NaN entry is never drawn; a row of NaNs gives some id in range, not out of it.
     bad = logits.at[:, :vocab // 2].set(jnp.nan).at[0].set(jnp.nan)
-    tok, _ = sample(bad, keys, jnp.int32(1), _knobs(Sampling(temperature=1.0)), False, vocab)
-    tok = np.asarray(tok)
-    assert 0 <= tok[0] < vocab
-    assert (tok[1:] >= vocab // 2).all() and (tok[1:] < vocab).all()
+    for greedy in (False, True):
+        tok, _ = sample(bad, keys, jnp.int32(1), _knobs(Sampling(temperature=1.0)), greedy, vocab)
+        tok = np.asarray(tok)
+        assert 0 <= tok[0] < vocab
+        assert (tok[1:] >= vocab // 2).all() and (tok[1:] < vocab).all()
+        if greedy:
+            clean = np.where(np.arange(padded) < vocab, np.asarray(bad[1:]), -np.inf)
+            np.testing.assert_array_equal(tok[1:], np.argmax(np.nan_to_num(clean, nan=-np.inf), axis=-1))
+
+
+def test_greedy_takes_the_first_maximum_as_argmax_does() -> None:
+    """Greedy's two-pass maximum is ``jnp.argmax``'s token, ties (the first index wins) and a
+    padded vocabulary (never taken, even where its logits are the largest) included."""
+    from olmax.model.generate import _knobs, sample
+
+    rows, padded, vocab = 32, 1024, 1000
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(rows, padded)).astype(np.float32)
+    logits[:, vocab:] = 50.0                                   # padding: the largest, never taken
+    for r in range(0, rows, 2):                                # ties: copies of the maximum further on
+        top = int(np.argmax(logits[r, :vocab]))
+        logits[r, rng.integers(0, vocab, 3)] = logits[r, top]
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(rows))
+    tok, lp = sample(jnp.asarray(logits), keys, jnp.int32(0), _knobs(Sampling()), True, vocab)
+    want = jnp.argmax(jnp.where(jnp.arange(padded) < vocab, jnp.asarray(logits), -jnp.inf), axis=-1)
+    np.testing.assert_array_equal(np.asarray(tok), np.asarray(want))
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(jax.nn.log_softmax(jnp.asarray(logits[:, :vocab]), axis=-1))[
+        np.arange(rows), np.asarray(want)], rtol=0, atol=1e-6)

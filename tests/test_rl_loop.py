@@ -48,9 +48,11 @@ def test_rl_run_reports_its_metrics_and_samples_from_its_own_weights(straight: P
     # the rewards vary (a test whose groups were all flat would train nothing)
     assert any(r["rl/groups_trained"] > 0 for r in got)
     # Several updates per batch: after the first, the policy has moved, so every step clips some
-    # tokens and its mean ratio is away from 1 by far more than the generator's rounding (1e-5).
-    # (Measured: clip fractions 0.09 to 0.33, mean ratios 1.0095 to 1.040.)
-    assert all(r["rl/clip_fraction"] > 0 and abs(r["rl/ratio_mean"] - 1) > 1e-3 for r in got), \
+    # tokens and its mean ratio is away from 1 by far more than the generator's rounding (1e-5);
+    # tokens' ratios move both ways, so the mean can come close to 1. (Measured with the
+    # inverse-CDF sampler: clip fractions 0.07 to 0.32, mean ratios 0.51 to 1.038, the closest
+    # to 1 at 1.0008; with Gumbel-max draws before it, 0.09 to 0.33 and 1.0095 to 1.040.)
+    assert all(r["rl/clip_fraction"] > 0 and abs(r["rl/ratio_mean"] - 1) > 1e-4 for r in got), \
         [(r["rl/clip_fraction"], r["rl/ratio_mean"]) for r in got]
 
 

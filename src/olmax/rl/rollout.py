@@ -227,11 +227,16 @@ class RlData:
     # -- rollouts -------------------------------------------------------------------------------
 
     def _generate(self, params: Any, rows: list[list[int]], seed: int) -> list[Any]:
-        from olmax.model.generate import Generator, Sampling, generate
+        from olmax.model.generate import Generator, Sampling, batch_rows, generate
+        from olmax.sharding import data_parallel_size
         r = self.cfg.rl
         sampling = Sampling(temperature=r.temperature, top_p=None if r.top_p >= 1 else r.top_p, seed=seed)
+        batch = r.generation_batch or len(rows)
         if self.generator is None:
-            self.generator = Generator(params, self.cfg.model, sampling, self.mesh)
+            # In the layout of the batches it runs from the start: the weights reloaded every step
+            # then go through one program compiled in the first step (not a new one in the second).
+            dp = data_parallel_size(dict(self.mesh.shape)) if self.mesh is not None else 1
+            self.generator = Generator(params, self.cfg.model, sampling, self.mesh, rows=batch_rows(len(rows), batch, dp))
         else:
             self.generator.load(params)
         stops = r.stop_strings
@@ -243,7 +248,7 @@ class RlData:
                 text = self.codec.tokenizer.decode(ids[-tail:], skip_special_tokens=False)
                 return any(s in text for s in stops)
         return generate(None, self.cfg.model, rows, max_new_tokens=r.max_response_length, sampling=sampling,
-                        eos_ids=self.eos_ids, batch_size=r.generation_batch or len(rows), stop=stop,
+                        eos_ids=self.eos_ids, batch_size=batch, stop=stop,
                         generator=self.generator)
 
     def _score(self, texts: list[str], golds: list[str]) -> np.ndarray:
