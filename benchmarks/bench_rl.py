@@ -10,12 +10,16 @@ made here is the tokenizer. Each step: 4 prompts x 8 completions of up to 64 tok
 (the letter "e"; the rewards only need to vary), 2 mini-batches, one epoch.
 
 Reported: per step, the generation time, the training time (log-probs + updates) and the share of
-generation; olmax's generated tokens/s inside RL (rollout wall time: sampling, detokenising,
-scoring) over the steps after the first (which compiles); transformers' ``generate`` on the same
-32 prompts (``do_sample=True``, ``temperature=1.0``, ``top_k=0``, 64 new tokens forced, best of
-``--repeats``) and the ratio. The step's log-prob gap is printed as well.
+generation; olmax's generated tokens/s inside RL (rollout wall time: prefill, sampling,
+detokenising, scoring, and the weights' reload) in the steps after the first (which compiles)
+against transformers' ``generate`` on the same 32 prompts (``do_sample=True``,
+``temperature=1.0``, ``top_k=0``, 64 new tokens forced) in the same rows per call: the best of
+olmax's steps against the best of as many transformers runs (``--repeats``, by default the steps
+after the first), and the means. Twice: with all 32 completions in one batch (RL's default), and
+in batches of 8 (``rl.generation_batch=8``; transformers in 4 calls of 8 rows), the batch size
+``make bench-generate`` compares at. The step's log-prob gap is printed as well.
 
-    .venv/bin/python benchmarks/bench_rl.py [--steps 4] [--repeats 2]
+    .venv/bin/python benchmarks/bench_rl.py [--steps 4] [--repeats N] [--batches 32,8]
 """
 
 from __future__ import annotations
@@ -37,8 +41,13 @@ PROMPTS, GROUP, NEW = 4, 8, 64
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=None, help="transformers runs per batch size (default: steps - 1)")
+    ap.add_argument("--batches", default="32,8", help="rows per generation call, comma-separated")
     args = ap.parse_args()
+    if args.steps < 2:
+        ap.error("--steps must be >= 2 (the first step compiles and is not counted)")
+    repeats = args.repeats or args.steps - 1
+    batches = [int(b) for b in args.batches.split(",")]
 
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -62,7 +71,7 @@ def main() -> None:
     lines = [{"prompt": " ".join(rnd.choices(WORDS, k=8)), "ground_truth": "e"} for _ in range(64)]
     (tmp / "prompts.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
 
-    cfg = get_recipe("tiny_rl", [
+    overrides = [
         f"train.init_from=hf:{tmp / 'hf'}", f"rl.tokenizer={tmp}", f"rl.prompts_path={tmp / 'prompts.jsonl'}",
         "rl.reward=operator:contains", f"rl.prompts_per_step={PROMPTS}", f"rl.group_size={GROUP}",
         f"train.global_batch_size={PROMPTS * GROUP}", f"rl.max_response_length={NEW}", "rl.max_prompt_length=64",
@@ -71,21 +80,9 @@ def main() -> None:
         "model.n_kv_heads=8", "model.head_dim=64", "model.mlp_hidden=1536", "model.vocab_size=16384",
         "model.padded_vocab_size=16384", "model.sliding_window=128", "model.max_position_embeddings=1024",
         "model.norm_eps=1e-6", "model.param_dtype=float32", "model.compute_dtype=float32", "data.eos_token_id=0",
-        "data.pad_token_id=1"])
+        "data.pad_token_id=1"]
     print(f"[rl] random OLMo 3 d_model 512 x 8 layers, fp32; {PROMPTS} prompts x {GROUP} completions of {NEW} "
           f"tokens, 2 mini-batches; torch {torch.__version__} ({torch.get_num_threads()} threads)", flush=True)
-    run = tmp / "run"
-    train(cfg, run, progress=False)
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    for r in rows:
-        print(f"  step {r['step']}: generation {r['rl/time_generation_s']:6.2f} s  training {r['rl/time_training_s']:6.2f} s"
-              f"  generation share {r['rl/generation_share']:.1%}  {r['rl/generation_tokens_per_sec']:7.1f} tok/s"
-              f"  max log-prob gap {r['rl/max_logprob_gap']:.1e}", flush=True)
-    warm = rows[1:] or rows
-    gen_s = sum(r["rl/time_generation_s"] for r in warm)
-    ox_tps = sum(r["rl/tokens_generated"] for r in warm) / gen_s
-    share = gen_s / sum(r["rl/time_generation_s"] + r["rl/time_training_s"] for r in warm)
-
     hf = Olmo3ForCausalLM.from_pretrained(tmp / "hf", torch_dtype=torch.float32).eval()
     # the same rows, left-padded (transformers' batch generation), prompts masked where padded
     enc = [tok.encode(x["prompt"]).ids for x in lines[:PROMPTS] for _ in range(GROUP)]
@@ -93,17 +90,38 @@ def main() -> None:
     ids = torch.tensor([[1] * (width - len(e)) + e for e in enc])
     mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
 
-    def ref() -> None:
-        with torch.no_grad():
-            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=True,
-                        temperature=1.0, top_k=0, pad_token_id=1)
+    summary = []
+    for batch in batches:
+        run = tmp / f"run_{batch}"
+        print(f"\n  {batch} rows per generation call (rl.generation_batch={batch})", flush=True)
+        train(get_recipe("tiny_rl", [*overrides, f"rl.generation_batch={batch}"]), run, progress=False)
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        for r in rows:
+            print(f"  step {r['step']}: generation {r['rl/time_generation_s']:6.2f} s  training "
+                  f"{r['rl/time_training_s']:6.2f} s  generation share {r['rl/generation_share']:.1%}  "
+                  f"{r['rl/generation_tokens_per_sec']:7.1f} tok/s  max log-prob gap {r['rl/max_logprob_gap']:.1e}",
+                  flush=True)
+        warm = rows[1:]
+        ox_best = max(r["rl/tokens_generated"] / r["rl/time_generation_s"] for r in warm)
+        ox_mean = sum(r["rl/tokens_generated"] for r in warm) / sum(r["rl/time_generation_s"] for r in warm)
+        share = sum(r["rl/time_generation_s"] for r in warm) / sum(
+            r["rl/time_generation_s"] + r["rl/time_training_s"] for r in warm)
 
-    ref()  # warm-up
-    best = min(_seconds(ref) for _ in range(args.repeats))
-    hf_tps = PROMPTS * GROUP * NEW / best
-    print(f"\n  olmax inside RL (steps 2..{args.steps}): {ox_tps:8.1f} generated tok/s, generation {share:.1%} of "
-          f"the step\n  transformers generate (same rows, {NEW} new tokens, sampled): {hf_tps:8.1f} tok/s\n"
-          f"  ratio olmax / transformers: {ox_tps / hf_tps:.2f}x", flush=True)
+        def ref() -> None:
+            with torch.no_grad():
+                for i in range(0, len(enc), batch):
+                    hf.generate(input_ids=ids[i:i + batch], attention_mask=mask[i:i + batch], max_new_tokens=NEW,
+                                min_new_tokens=NEW, do_sample=True, temperature=1.0, top_k=0, pad_token_id=1)
+
+        ref()  # warm-up
+        times = [_seconds(ref) for _ in range(repeats)]
+        hf_best, hf_mean = PROMPTS * GROUP * NEW / min(times), PROMPTS * GROUP * NEW * len(times) / sum(times)
+        print(f"  olmax inside RL (steps 2..{args.steps}): best {ox_best:7.1f}, mean {ox_mean:7.1f} generated tok/s; "
+              f"generation {share:.1%} of the step\n  transformers generate ({batch} rows per call, {NEW} new tokens, "
+              f"sampled, {repeats} runs): best {hf_best:7.1f}, mean {hf_mean:7.1f} tok/s\n"
+              f"  ratio olmax / transformers: {ox_best / hf_best:.2f}x (best), {ox_mean / hf_mean:.2f}x (means)", flush=True)
+        summary.append(f"{batch} rows: {ox_best / hf_best:.2f}x (best), {ox_mean / hf_mean:.2f}x (means)")
+    print("\n  ratios (olmax / transformers, generated tokens/s): " + "; ".join(summary))
 
 
 def _seconds(fn) -> float:
