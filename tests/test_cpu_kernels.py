@@ -222,7 +222,8 @@ def test_a_bad_instruction_set_choice_is_named(monkeypatch) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("b,kv,g,s,e,window", [(1, 2, 2, 24, 16, None), (3, 4, 1, 40, 64, 8), (2, 1, 3, 17, 20, 5)])
+@pytest.mark.parametrize("b,kv,g,s,e,window", [(1, 2, 2, 24, 16, None), (3, 4, 1, 40, 64, 8), (2, 1, 3, 17, 20, 5),
+                                               (2, 2, 2, 33, 128, None)])
 def test_cache_attention_equals_the_reference(b: int, kv: int, g: int, s: int, e: int, window: int | None) -> None:
     """The kernel's decode attention against ``attention.cache_attention`` (XLA) and float64:
     slots out of position order with empty ones (-1), a sliding window, grouped queries, a head
@@ -253,3 +254,9 @@ def test_cache_attention_equals_the_reference(b: int, kv: int, g: int, s: int, e
     for r in range(b):
         alone = np.asarray(cpu_kernels.cache_attention(q[r:r + 1], k[r:r + 1], v[r:r + 1], seen[r:r + 1]))
         assert np.array_equal(alone[0], got[r]), r
+    # A query that sees no slot weighs them all alike, as XLA's does (never in a decode step,
+    # which sees its own token; the kernel lists the seen slots and must not come out empty).
+    blind = jnp.zeros_like(seen)
+    none = np.asarray(cache_attention(q.reshape(b, 1, kv * g, e), k, v, jnp.asarray(q_pos), jnp.full_like(k_pos, -1),
+                                      window, head_major=True)).reshape(b, kv, g, e)
+    np.testing.assert_allclose(np.asarray(cpu_kernels.cache_attention(q, k, v, blind)), none, rtol=0, atol=2e-6)
