@@ -236,7 +236,7 @@ def test_greedy_takes_the_first_maximum_as_argmax_does() -> None:
     rng = np.random.default_rng(1)
     logits = rng.normal(size=(rows, padded)).astype(np.float32)
     logits[:, vocab:] = 50.0                                   # padding: the largest, never taken
-    for r in range(0, rows, 2):                                # ties: copies of the maximum further on
+    for r in range(0, rows, 2):                                # ties: copies of the maximum elsewhere
         top = int(np.argmax(logits[r, :vocab]))
         logits[r, rng.integers(0, vocab, 3)] = logits[r, top]
     keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(rows))
