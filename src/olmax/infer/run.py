@@ -143,7 +143,7 @@ class Model:
                  stops: list[str] = (), chat: bool = False, stream: TextIO | None = None) -> list[dict[str, Any]]:
         """One dict per prompt, in prompt order: ``token_ids``, ``text`` (with a tokenizer),
         ``logprobs``, ``finish_reason`` ("stop": EOS or a stop string; "length")."""
-        from olmax.model.generate import Generator, Sampling, batch_rows, generate
+        from olmax.model.generate import Generator, Sampling, call_rows, generate
         stops = [s for s in stops if s] + (self.chat_stops() if chat else [])
         if stops and self.codec is None:
             raise ConfigError("stop strings need a tokenizer: pass --tokenizer")
@@ -160,7 +160,7 @@ class Model:
         streamer = Streamer(codec, stops, stream) if stream is not None and codec is not None else None
         sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         if self._generator is None:
-            self._generator = Generator(self.params, self.cfg.model, rows=batch_rows(len(prompts), batch_size))
+            self._generator = Generator(self.params, self.cfg.model, rows=call_rows(len(prompts), batch_size))
         out = generate(self.params, self.cfg.model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                        eos_ids=self.eos_ids(chat), batch_size=batch_size, stop=stop_fn,
                        on_token=streamer.on_token if streamer else None, generator=self._generator)

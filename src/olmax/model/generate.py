@@ -86,6 +86,16 @@ def batch_rows(prompts: int, batch_size: int, data_parallel: int = 1) -> int:
     return -(-rows // data_parallel) * data_parallel
 
 
+def _data_parallel(mesh: Mesh | None) -> int:
+    return data_parallel_size(dict(mesh.shape)) if mesh is not None else 1
+
+
+def call_rows(prompts: int, batch_size: int, mesh: Mesh | None = None) -> int:
+    """``batch_rows`` of a ``generate`` call of ``prompts`` prompts on ``mesh`` (None: one device):
+    the ``rows`` to build its ``Generator`` with."""
+    return batch_rows(prompts, batch_size, _data_parallel(mesh))
+
+
 def _share(keys: Sequence[tuple], data_parallel: int) -> tuple[list[int], np.ndarray] | None:
     """``prefill_rows``' plan for the padded batch's rows (as hashable ``keys``): the rows to
     prefill (each shard's distinct prompts, every shard's block padded with its first to one
@@ -236,20 +246,20 @@ class Generator:
         self._prepare = jax.jit(_on_mesh(partial(prepare, cfg=cfg), mesh), static_argnames=("layout",))
         self._relayout = jax.jit(_on_mesh(partial(relayout, cfg=cfg), mesh), static_argnames=("layout",))
         self.prepared: dict | None = None
-        self._layout = "plain" if rows is None else self._wanted(rows)
-        self.load(params)
+        self.load(params, layout="plain" if rows is None else self._wanted(rows))
         self._prefill = jax.jit(_on_mesh(self._prefill_and_sample, mesh), static_argnames=("max_length", "greedy"))
         self._decode = jax.jit(_on_mesh(self._decode_and_sample, mesh), static_argnames=("max_length", "greedy"),
                                donate_argnums=(2,))
 
-    def load(self, params: Any) -> None:
+    def load(self, params: Any, layout: str | None = None) -> None:
         """Decode with these weights from now on (RL: the trainer's, after each update); the
-        compiled programs are kept, and so is the layout of the weights (``weights``)."""
+        compiled programs are kept, and so is the layout of the weights (``weights``) unless
+        ``layout`` names another."""
         if self.mesh is not None:
             params = jax.device_put(params, param_shardings(logical_axes(self.cfg), self.mesh))
-        kept = self._layout if self.prepared is None else layout_of(self.prepared)
+        layout = layout or layout_of(self.prepared)
         self.prepared = None  # the previous weights' prepared copy goes before the next is made
-        self.prepared = self._prepare(params, layout=kept)
+        self.prepared = self._prepare(params, layout=layout)
 
     def _wanted(self, rows: int) -> str:
         return layout(rows, self.cfg, self.mesh is None or self.mesh.size == 1)
@@ -292,8 +302,7 @@ class Generator:
         sampling = sampling or self.sampling
         n = len(prompts)
         # Rows that repeat a prompt (a GRPO group) share its prefill (``prefill_rows``).
-        dp = data_parallel_size(dict(self.mesh.shape)) if self.mesh is not None else 1
-        filled, source = prefill_rows(prompts, rows, dp)
+        filled, source = prefill_rows(prompts, rows, _data_parallel(self.mesh))
         tokens = np.zeros((len(filled), prompt_len), np.int32)
         lengths = np.zeros(len(filled), np.int32)
         for r, p in enumerate(filled):
@@ -363,7 +372,7 @@ def generate(params: Any, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
     if sampling is not None:
         sampling.check()
     mesh = generator.mesh if generator is not None else mesh
-    rows = batch_rows(len(prompts), batch_size, data_parallel_size(dict(mesh.shape)) if mesh is not None else 1)
+    rows = call_rows(len(prompts), batch_size, mesh)
     gen = generator or Generator(params, cfg, sampling or Sampling(), mesh, rows=rows)
     sampling = sampling or gen.sampling
     prompt_len = prompt_bucket(max(len(p) for p in prompts), cfg, gen.mesh)

@@ -227,16 +227,15 @@ class RlData:
     # -- rollouts -------------------------------------------------------------------------------
 
     def _generate(self, params: Any, rows: list[list[int]], seed: int) -> list[Any]:
-        from olmax.model.generate import Generator, Sampling, batch_rows, generate
-        from olmax.sharding import data_parallel_size
+        from olmax.model.generate import Generator, Sampling, call_rows, generate
         r = self.cfg.rl
         sampling = Sampling(temperature=r.temperature, top_p=None if r.top_p >= 1 else r.top_p, seed=seed)
         batch = r.generation_batch or len(rows)
         if self.generator is None:
             # In the layout of the batches it runs from the start: the weights reloaded every step
             # then go through one program compiled in the first step (not a new one in the second).
-            dp = data_parallel_size(dict(self.mesh.shape)) if self.mesh is not None else 1
-            self.generator = Generator(params, self.cfg.model, sampling, self.mesh, rows=batch_rows(len(rows), batch, dp))
+            self.generator = Generator(params, self.cfg.model, sampling, self.mesh,
+                                       rows=call_rows(len(rows), batch, self.mesh))
         else:
             self.generator.load(params)
         stops = r.stop_strings
