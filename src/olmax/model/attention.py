@@ -311,6 +311,28 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | Non
     return out.transpose(0, 2, 1, 3)[:, :t0].astype(q.dtype)
 
 
+def kernel_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, cfg: ModelConfig) -> jax.Array:
+    """Causal self-attention with the CPU decode step's arithmetic (``cpu_kernels.
+    sequence_attention``, fp32): the prefill and, in RL, the training forward whose log-probs must
+    be the sampler's bit for bit. The gradient is ``attend``'s (the same function; only the
+    rounding of the forward differs). No segments: every row is one sequence from position 0
+    (padding at its end is never seen by a query before it)."""
+    from olmax.model import cpu_kernels
+
+    @jax.custom_vjp
+    def f(q, k, v):
+        return cpu_kernels.sequence_attention(q, k, v, window)
+
+    def fwd(q, k, v):
+        return f(q, k, v), (q, k, v)
+
+    def bwd(res, do):
+        return jax.vjp(lambda q, k, v: attend(q, k, v, window, cfg), *res)[1](do)
+
+    f.defvjp(fwd, bwd)
+    return f(q, k, v)
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, cfg: ModelConfig,
            segment_ids: jax.Array | None = None) -> jax.Array:
     """Self-attention of a sequence through the configured kernel (module docstring)."""

@@ -201,7 +201,21 @@ ffi::Error SkinnyMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   int64_t chunks = std::min<int64_t>((k.P + 3) / 4, 4 * Threads(pool));
   const int64_t per = 4 * (((k.P + chunks - 1) / chunks + 3) / 4);
   chunks = (k.P + per - 1) / per;
-  Parallel(pool, chunks, [k, per](int64_t c) { Panels(k, c * per, std::min(k.P, (c + 1) * per)); });
+  // Many rows (a prefill, or RL's training forward with the decode arithmetic) go in chunks of
+  // rows that stay in L2 (about 256 KiB of x), each against every panel: panel by panel over all
+  // rows read the whole of x once per panel (13 GB through an LM head of 1,024 panels at 6,400
+  // rows). The same chains either way: a row's result is the same in any chunk.
+  const int64_t rows = std::max<int64_t>(kMaxRows, (65536 / std::max<int64_t>(k.I, 1)) / kMaxRows * kMaxRows);
+  const int64_t row_chunks = (k.R + rows - 1) / rows;
+  Parallel(pool, row_chunks * chunks, [k, per, chunks, rows](int64_t c) {
+    Matmul part = k;
+    const int64_t r0 = c / chunks * rows;
+    part.R = std::min(rows, k.R - r0);
+    part.x = k.x + r0 * k.I;
+    part.y = k.y + r0 * k.O;
+    const int64_t p0 = c % chunks * per;
+    Panels(part, p0, std::min(k.P, p0 + per));
+  });
   return ffi::Error::Success();
 }
 
@@ -261,18 +275,18 @@ inline float Dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-// out[0..E) = sum over the listed slots, in order, of w[slot] x values[slot]: one multiply-add
-// chain per element. NE (the head size / 8, up to 16) holds the output in registers; 0 is the
-// general case, through memory (the same arithmetic).
+// out[0..E) = sum over the listed slots, in order, of w[slot] x values[slot] (the value of slot s
+// at values + s * ld): one multiply-add chain per element. NE (the head size / 8, up to 16) holds
+// the output in registers; 0 is the general case, through memory (the same arithmetic).
 template <int NE>
-void Mix(const float* values, int64_t E, const int32_t* slots, int64_t n, const float* w, float* o) {
+void Mix(const float* values, int64_t ld, int64_t E, const int32_t* slots, int64_t n, const float* w, float* o) {
   if constexpr (NE > 0) {
     __m256 acc[NE];
     for (int e = 0; e < NE; ++e) acc[e] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
       if (w[j] == 0.f) continue;  // a weight that underflows adds nothing
       const __m256 ws = _mm256_set1_ps(w[j]);
-      const float* row = values + slots[j] * E;
+      const float* row = values + slots[j] * ld;
       for (int e = 0; e < NE; ++e) acc[e] = _mm256_fmadd_ps(ws, _mm256_loadu_ps(row + 8 * e), acc[e]);
     }
     for (int e = 0; e < NE; ++e) _mm256_storeu_ps(o + 8 * e, acc[e]);
@@ -280,13 +294,33 @@ void Mix(const float* values, int64_t E, const int32_t* slots, int64_t n, const 
     for (int64_t e = 0; e < E; ++e) o[e] = 0.f;
     for (int64_t j = 0; j < n; ++j) {
       if (w[j] == 0.f) continue;
-      const float* row = values + slots[j] * E;
+      const float* row = values + slots[j] * ld;
       int64_t e = 0;
       const __m256 ws = _mm256_set1_ps(w[j]);
       for (; e + 8 <= E; e += 8) _mm256_storeu_ps(o + e, _mm256_fmadd_ps(ws, _mm256_loadu_ps(row + e), _mm256_loadu_ps(o + e)));
       for (; e < E; ++e) o[e] = std::fma(w[j], row[e], o[e]);
     }
   }
+}
+
+// One query's attention over the listed slots (key and value of slot s at keys / values + s * ld,
+// E wide): scores q . k x scale, their maximum, exp(score - max) summed in slot order, the weights
+// divided by the sum, and ``mix``. ``none``: the query sees nothing, and weighs every listed slot
+// alike (every score the lowest float), as XLA's ``cache_attention`` does. ``p``: n floats of room.
+using MixFn = void (*)(const float*, int64_t, int64_t, const int32_t*, int64_t, const float*, float*);
+inline void Query(const float* qv, const float* keys, const float* values, int64_t ld, int64_t E,
+                  const int32_t* slots, int64_t n, bool none, float scale, MixFn mix, float* p, float* o) {
+  const float lowest = std::numeric_limits<float>::lowest();
+  float top = lowest;
+  for (int64_t j = 0; j < n; ++j) {
+    p[j] = none ? lowest : Dot(qv, keys + slots[j] * ld, E) * scale;
+    top = std::max(top, p[j]);
+  }
+  // Unseen slots would add exp(lowest - top) = 0 to the total, and weigh nothing: skipped.
+  float total = 0.f;
+  for (int64_t j = 0; j < n; ++j) total += (p[j] = std::exp(p[j] - top));
+  for (int64_t j = 0; j < n; ++j) p[j] /= total;
+  mix(values, ld, E, slots, n, p, o);
 }
 
 ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
@@ -316,7 +350,6 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   const float* vp = v.typed_data();
   const int32_t* mp = seen.typed_data();
   float* op = out->typed_data();
-  const float lowest = std::numeric_limits<float>::lowest();
   const auto mix = E == 64 ? Mix<8> : E == 128 ? Mix<16> : Mix<0>;
   Parallel(pool, B * KV, [=](int64_t item) {
     const float* keys = kp + item * S * E;
@@ -335,25 +368,143 @@ ffi::Error CacheAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
       for (int64_t s = 0; s < S; ++s) slots.push_back(static_cast<int32_t>(s));
     const int64_t n = static_cast<int64_t>(slots.size());
     p.resize(n);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qv = qp + (item * G + g) * E;
-      float* o = op + (item * G + g) * E;
-      float top = lowest;
-      for (int64_t j = 0; j < n; ++j) {
-        p[j] = none ? lowest : Dot(qv, keys + slots[j] * E, E) * scale;
-        top = std::max(top, p[j]);
+    for (int64_t g = 0; g < G; ++g)
+      Query(qp + (item * G + g) * E, keys, values, E, E, slots.data(), n, none, scale, mix, p.data(),
+            op + (item * G + g) * E);
+  });
+  return ffi::Error::Success();
+}
+
+// Causal self-attention of whole sequences with the decode step's arithmetic, for the training
+// forward whose log-probs must equal the sampler's bit for bit (RL; ``cpu_kernels.
+// sequence_attention``). q [B, T, H, E], keys and values [B, T, KV, E] (H = KV x G, head h = kv x
+// G + g, as the decode step groups them) -> out like q. Query t sees positions t - W < p <= t (W =
+// ``window``, 0: every p <= t), taken in the order the decode cache holds them: by position on a
+// full layer (slot = position), by position mod W on a sliding one (its ring of min(W, length)
+// slots; below W positions the two orders agree). Each query is then ``Query`` as in
+// ``CacheAttention``: the same products, exponentials and sums in the same order.
+ffi::Error SequenceAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                             ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> out, float scale, int64_t window) {
+  const std::vector<int64_t> qd(q.dimensions().begin(), q.dimensions().end());
+  const std::vector<int64_t> kd(k.dimensions().begin(), k.dimensions().end());
+  const std::vector<int64_t> vd(v.dimensions().begin(), v.dimensions().end());
+  const std::vector<int64_t> od(out->dimensions().begin(), out->dimensions().end());
+  if (qd.size() != 4 || kd.size() != 4 || vd != kd || od != qd || kd[0] != qd[0] ||
+      kd[1] != qd[1] || kd[3] != qd[3] || kd[2] == 0 || qd[2] % kd[2] != 0 || window < 0) {
+    return ffi::Error::InvalidArgument(
+        "olmax_sequence_attention: expected q [B, T, H, E], k and v [B, T, KV, E] with H a multiple of KV, out like q, "
+        "window >= 0");
+  }
+  const int64_t B = qd[0], T = qd[1], H = qd[2], E = qd[3], KV = kd[2], G = H / KV;
+  if (B * T * H * E == 0) return ffi::Error::Success();
+  const float* qp = q.typed_data();
+  const float* kp = k.typed_data();
+  const float* vp = v.typed_data();
+  float* op = out->typed_data();
+  const auto mix = E == 64 ? Mix<8> : E == 128 ? Mix<16> : Mix<0>;
+  constexpr int64_t kQueries = 16;  // per piece of work, of one row and kv head
+  const int64_t blocks = (T + kQueries - 1) / kQueries;
+  Parallel(pool, B * KV * blocks, [=](int64_t item) {
+    const int64_t b = item / (KV * blocks), kv = item / blocks % KV, t0 = item % blocks * kQueries;
+    const float* keys = kp + (b * T * KV + kv) * E;  // position p at keys + p * KV * E
+    const float* values = vp + (b * T * KV + kv) * E;
+    thread_local std::vector<int32_t> slots;
+    thread_local std::vector<float> p;
+    for (int64_t t = t0; t < std::min(T, t0 + kQueries); ++t) {
+      const int64_t lo = window ? std::max<int64_t>(0, t - window + 1) : 0;
+      // The decode ring's order: from the first position whose slot is 0 (a multiple of W) to t,
+      // then from lo to just before it.
+      const int64_t wrap = window ? std::min(t + 1, (lo + window - 1) / window * window) : lo;
+      slots.clear();
+      for (int64_t s = wrap; s <= t; ++s) slots.push_back(static_cast<int32_t>(s));
+      for (int64_t s = lo; s < wrap; ++s) slots.push_back(static_cast<int32_t>(s));
+      const int64_t n = static_cast<int64_t>(slots.size());
+      p.resize(n);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t at = ((b * T + t) * H + kv * G + g) * E;
+        Query(qp + at, keys, values, KV * E, E, slots.data(), n, false, scale, mix, p.data(), op + at);
       }
-      // Unseen slots would add exp(lowest - top) = 0 to the total, and weigh nothing: skipped.
-      float total = 0.f;
-      for (int64_t j = 0; j < n; ++j) total += (p[j] = std::exp(p[j] - top));
-      for (int64_t j = 0; j < n; ++j) p[j] /= total;
-      mix(values, E, slots.data(), n, p.data(), o);
     }
   });
   return ffi::Error::Success();
 }
 
 }  // namespace
+
+// Sum of each row of x [R, D] -> [R], in eight lanes over i in order, then the lanes in a fixed
+// tree (as ``Dot``): the same bits for a row in any batch (``layers.log_softmax`` under
+// ``decode_arithmetic``).
+ffi::Error RowSums(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 1 || yd[0] != xd[0]) {
+    return ffi::Error::InvalidArgument("olmax_row_sums: expected x [R, D], y [R]");
+  }
+  const int64_t R = xd[0], D = xd[1];
+  if (R == 0) return ffi::Error::Success();
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  const int64_t per = std::max<int64_t>(1, 65536 / std::max<int64_t>(D, 1));  // rows per piece of work
+  Parallel(pool, (R + per - 1) / per, [=](int64_t c) {
+    for (int64_t r = c * per; r < std::min(R, (c + 1) * per); ++r) {
+      const float* a = xp + r * D;
+      __m256 acc = _mm256_setzero_ps();
+      int64_t i = 0;
+      for (; i + 8 <= D; i += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(a + i));
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, acc);
+      float sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+      for (; i < D; ++i) sum += a[i];
+      yp[r] = sum;
+    }
+  });
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxRowSums, RowSums,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// RMSNorm of each row of x [R, D] with weight w [D]: y = w x (1 / sqrt(sum(x^2) / D + eps)), the
+// sum in eight lanes over i in order, then the lanes in a fixed tree (``Dot``): the same bits for a
+// row in any batch and any program. In XLA, the norm's bits for a row depended on the program it
+// was fused into (a multiply and the add after it may become one multiply-add, or not), so the
+// decode steps and RL's training forward compute it here (``layers.decode_arithmetic``).
+ffi::Error RmsNorm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                   ffi::ResultBuffer<ffi::F32> y, float eps) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 1 || yd.size() != 2 || wd[0] != xd[1] || yd[0] != xd[0] || yd[1] != xd[1]) {
+    return ffi::Error::InvalidArgument("olmax_rms_norm: expected x [R, D], w [D], y [R, D]");
+  }
+  const int64_t R = xd[0], D = xd[1];
+  if (R * D == 0) return ffi::Error::Success();
+  const float* xp = x.typed_data();
+  const float* wp = w.typed_data();
+  float* yp = y->typed_data();
+  constexpr int64_t kRows = 32;  // per piece of work
+  Parallel(pool, (R + kRows - 1) / kRows, [=](int64_t c) {
+    for (int64_t r = c * kRows; r < std::min(R, (c + 1) * kRows); ++r) {
+      const float* row = xp + r * D;
+      const float mean = Dot(row, row, D) / static_cast<float>(D);
+      const float inv = 1.0f / std::sqrt(mean + eps);
+      float* out = yp + r * D;
+      for (int64_t i = 0; i < D; ++i) out[i] = wp[i] * (row[i] * inv);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxRmsNorm, RmsNorm,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("eps"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxSkinnyMatmul, SkinnyMatmul,
                               ffi::Ffi::Bind()
@@ -371,6 +522,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxCacheAttention, CacheAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxSequenceAttention, SequenceAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxPack, Pack,
                               ffi::Ffi::Bind()

@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -46,6 +47,9 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 TARGET = "olmax_skinny_matmul"
 ATTENTION = "olmax_cache_attention"
+SEQUENCE = "olmax_sequence_attention"
+NORM = "olmax_rms_norm"
+SUMS = "olmax_row_sums"
 PACK = "olmax_pack"
 PANEL = 16
 _STATE: dict[str, object] = {}
@@ -143,6 +147,9 @@ def _load() -> str | None:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.OlmaxSkinnyMatmul), platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION, jax.ffi.pycapsule(lib.OlmaxCacheAttention), platform="cpu")
         jax.ffi.register_ffi_target(PACK, jax.ffi.pycapsule(lib.OlmaxPack), platform="cpu")
+        jax.ffi.register_ffi_target(SEQUENCE, jax.ffi.pycapsule(lib.OlmaxSequenceAttention), platform="cpu")
+        jax.ffi.register_ffi_target(NORM, jax.ffi.pycapsule(lib.OlmaxRmsNorm), platform="cpu")
+        jax.ffi.register_ffi_target(SUMS, jax.ffi.pycapsule(lib.OlmaxRowSums), platform="cpu")
     except (RuntimeError, OSError, AttributeError, ValueError) as e:
         return str(e)
     return None
@@ -206,3 +213,83 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, seen: jax.Array) -
     scale = np.float32(q.shape[-1] ** -0.5)
     return jax.ffi.ffi_call(ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q, k, v, seen.astype(jnp.int32), scale=scale)
+
+
+def sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None) -> jax.Array:
+    """Causal self-attention of whole sequences with the decode step's arithmetic: q [b, t, h, e],
+    k, v [b, t, kv_heads, e] -> [b, t, h, e], fp32. Each query is computed as ``cache_attention``
+    computes a decode step's, over the same keys in the order the decode cache holds them (by
+    position on full layers, by position mod ``window`` on sliding ones), so a prefill and a
+    training forward give the bits the decode steps give (RL's log-probs). Forward only; see
+    ``olmax.model.attention.kernel_attention`` for the gradient."""
+    if not all(a.dtype == jnp.float32 for a in (q, k, v)):
+        raise TypeError(f"the CPU decode kernel is fp32 only, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not available():
+        raise RuntimeError(f"olmax's CPU decode kernel is not available: {unavailable_reason()}")
+    scale = np.float32(q.shape[-1] ** -0.5)
+    return jax.ffi.ffi_call(SEQUENCE, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q, k, v, scale=scale, window=np.int64(window or 0))
+
+
+@jax.custom_vjp
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [rows, in] @ w [in, out], fp32, through the decode steps' kernel (``pack`` then the
+    product): each element the decode step's multiply-add chain, so a training forward gives the
+    bits a decode step gives. The gradient is XLA's (dx = dy w^T, dw = x^T dy)."""
+    return skinny_matmul(x, pack(w), w.shape[1])
+
+
+def _matmul_fwd(x: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple]:
+    return matmul(x, w), (x, w)
+
+
+def _matmul_bwd(res: tuple, dy: jax.Array) -> tuple[jax.Array, jax.Array]:
+    x, w = res
+    return dy @ w.T, x.T @ dy
+
+
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, fp32, in the kernel: the same bits for a row in any batch and
+    any program (``olmax.model.layers.rms_norm`` under ``decode_arithmetic``). The gradient is
+    XLA's RMSNorm's."""
+    return _rms_norm(x, w, float(eps))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    if not available():
+        raise RuntimeError(f"olmax's CPU decode kernel is not available: {unavailable_reason()}")
+    rows = x.reshape(-1, x.shape[-1])
+    y = jax.ffi.ffi_call(NORM, jax.ShapeDtypeStruct(rows.shape, jnp.float32))(rows, w, eps=np.float32(eps))
+    return y.reshape(x.shape)
+
+
+def _xla_rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    return w * (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))
+
+
+def _rms_norm_fwd(x: jax.Array, w: jax.Array, eps: float) -> tuple[jax.Array, tuple]:
+    return _rms_norm(x, w, eps), (x, w)
+
+
+def _rms_norm_bwd(eps: float, res: tuple, dy: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return jax.vjp(lambda x, w: _xla_rms_norm(x, w, eps), *res)[1](dy)
+
+
+_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+@jax.custom_vjp
+def row_sums(x: jax.Array) -> jax.Array:
+    """Sums over the last axis (keepdims), fp32, in the kernel: the same bits for a row in any
+    batch and any program (``olmax.model.layers.log_softmax`` under ``decode_arithmetic``)."""
+    if not available():
+        raise RuntimeError(f"olmax's CPU decode kernel is not available: {unavailable_reason()}")
+    rows = x.reshape(-1, x.shape[-1])
+    return jax.ffi.ffi_call(SUMS, jax.ShapeDtypeStruct(rows.shape[:1], jnp.float32))(rows).reshape(*x.shape[:-1], 1)
+
+
+row_sums.defvjp(lambda x: (row_sums(x), x.shape), lambda shape, dy: (jnp.broadcast_to(dy, shape),))

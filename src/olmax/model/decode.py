@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from olmax.config import ModelConfig
-from olmax.model.attention import attend, cache_attention, opaque_one, target_platform
-from olmax.model.layers import position_mask, rms_norm
+from olmax.model.attention import attend, cache_attention, kernel_attention, opaque_one, target_platform
+from olmax.model.layers import decode_arithmetic, position_mask, rms_norm
 from olmax.model import cpu_kernels
 from olmax.model.olmo3 import OutIn, Packed, embed, join_projections, lm_head, rope_tables, run_layers, stack_layers
 from olmax.sharding import constrain, single_device
@@ -93,6 +93,13 @@ def layout(rows: int, cfg: ModelConfig, one_device: bool = True) -> str:
     if rows >= 2 and "ynn_fusion_type" not in os.environ.get("XLA_FLAGS", ""):
         return "streamed"
     return "plain"
+
+
+def kernel_arithmetic(cfg: ModelConfig, mesh: Any = None) -> bool:
+    """Whether decoding on ``mesh`` (None: one device) uses olmax's CPU kernels (the ``packed``
+    layout, at any batch): then a training forward under ``layers.decode_arithmetic`` gives the
+    decode steps' bits (RL)."""
+    return layout(1, cfg, mesh is None or mesh.size == 1) == "packed"
 
 
 def layout_of(prepared: dict) -> str:
@@ -195,12 +202,18 @@ def prefill(prepared: dict, tokens: jax.Array, lengths: jax.Array, cfg: ModelCon
     pos = {kind: slot_positions(lengths, s) for kind, s in n.items()}
     segment_ids = (jnp.arange(t)[None, :] < lengths[:, None]).astype(jnp.int32)  # padding: segment 0
 
+    # With the kernel (the packed layout) the prompt is computed with the decode steps' arithmetic
+    # (``layers.decode_arithmetic``), as RL's training forward is: each prompt query's attention as
+    # a decode step would compute it. Padding sits after each row's prompt, where no query before
+    # it looks.
+    kernel = layout_of(prepared) == "packed"
+
     def op(full: bool, window: int | None):
         kind = _kind(cfg, full)
 
         def fill(q, k, v, cache):
             stack, index = cache
-            o = attend(q, k, v, window, cfg, segment_ids)
+            o = kernel_attention(q, k, v, window, cfg) if kernel else attend(q, k, v, window, cfg, segment_ids)
             where = jnp.clip(pos[kind], 0, t - 1)[:, :, None, None]
             entry = {"k": jnp.take_along_axis(k, where, axis=1), "v": jnp.take_along_axis(v, where, axis=1)}
             if head_major():
@@ -209,10 +222,11 @@ def prefill(prepared: dict, tokens: jax.Array, lengths: jax.Array, cfg: ModelCon
         return fill
 
     ops = {full: op(full, None if full else cfg.sliding_window) for full in {cfg.is_full_attention(i) for i in range(cfg.n_layers)}}
-    x, kv = run_layers(cfg, prepared["layers"], embed(prepared, tokens, cfg), rope_tables(cfg, t),
-                       segment_ids=segment_ids, caches=empty_cache(cfg, prepared, b, max_length), cache_ops=ops)
-    last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)
-    logits = lm_head(prepared, rms_norm(last, prepared["final_norm"], cfg.norm_eps), cfg)[:, 0]
+    with decode_arithmetic(kernel):
+        x, kv = run_layers(cfg, prepared["layers"], embed(prepared, tokens, cfg), rope_tables(cfg, t),
+                           segment_ids=segment_ids, caches=empty_cache(cfg, prepared, b, max_length), cache_ops=ops)
+        last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)
+        logits = lm_head(prepared, rms_norm(last, prepared["final_norm"], cfg.norm_eps), cfg)[:, 0]
     return logits, {"kv": kv, "pos": pos, "length": lengths}
 
 
@@ -285,7 +299,8 @@ def decode_step(prepared: dict, tokens: jax.Array, cache: dict, cfg: ModelConfig
     kinds = {cfg.is_full_attention(i) for i in range(cfg.n_layers)}
     ops = {full: op(full, None if full else cfg.sliding_window) for full in kinds}
     tables = rope_tables(cfg, 1, q_pos, bound=max_length)
-    x, kv = run_layers(cfg, prepared["layers"], embed(prepared, tokens[:, None], cfg), tables,
-                       caches=cache["kv"], cache_ops=ops)
-    logits = lm_head(prepared, rms_norm(x, prepared["final_norm"], cfg.norm_eps), cfg)[:, 0]
+    with decode_arithmetic(kernel):  # the norms' sums too: RL's training forward repeats them
+        x, kv = run_layers(cfg, prepared["layers"], embed(prepared, tokens[:, None], cfg), tables,
+                           caches=cache["kv"], cache_ops=ops)
+        logits = lm_head(prepared, rms_norm(x, prepared["final_norm"], cfg.norm_eps), cfg)[:, 0]
     return logits, {"kv": kv, "pos": pos, "length": length + 1}

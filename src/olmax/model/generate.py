@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from olmax.config import ModelConfig
 from olmax.model.attention import resolve_impl
 from olmax.model.decode import decode_step, expand_rows, layout, layout_of, prefill, prepare, relayout
+from olmax.model.layers import decode_arithmetic, log_softmax
 from olmax.model.params import logical_axes
 from olmax.sharding import activation_mesh, batch_sharding, data_parallel_size, param_shardings
 
@@ -148,7 +149,7 @@ def sample(logits: jax.Array, keys: jax.Array, step: jax.Array, knobs: dict[str,
     rows never drawn); row i draws with ``fold_in(keys[i], step)``. ``knobs`` (traced, so a new
     setting compiles nothing): ``temperature``, ``top_k`` (0: off), ``top_p`` (1: off)."""
     logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    logp = log_softmax(logits)  # in the kernel's order under ``decode_arithmetic`` (RL's training forward's)
     if greedy:
         tok = _first_max(logits)
     else:
@@ -288,12 +289,15 @@ class Generator:
         if source is not None:  # the distinct prompts were prefilled: each row takes its prompt's cache
             logits, cache = expand_rows(logits, cache, source)
         keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(indices)
-        tok, lp = sample(logits, keys, jnp.int32(0), knobs, greedy, self.cfg.vocab_size)
+        with decode_arithmetic(layout_of(prepared) == "packed"):
+            tok, lp = sample(logits, keys, jnp.int32(0), knobs, greedy, self.cfg.vocab_size)
         return (*self._host_readable(tok, lp), cache, keys)
 
     def _decode_and_sample(self, prepared, tok, cache, keys, step, knobs, max_length, greedy):
         logits, cache = decode_step(prepared, tok, cache, self.cfg, max_length)
-        return (*self._host_readable(*sample(logits, keys, step, knobs, greedy, self.cfg.vocab_size)), cache)
+        with decode_arithmetic(layout_of(prepared) == "packed"):
+            tok, lp = sample(logits, keys, step, knobs, greedy, self.cfg.vocab_size)
+        return (*self._host_readable(tok, lp), cache)
 
     def run(self, prompts: Sequence[Sequence[int]], indices: Sequence[int], rows: int, prompt_len: int,
             max_length: int, max_new_tokens: int, eos_ids: set[int], stop: Callable | None,

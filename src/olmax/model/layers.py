@@ -6,6 +6,8 @@ h query heads, k kv heads, g query heads per kv head (h = k*g), e head dim, v vo
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -15,10 +17,54 @@ import numpy as np
 from olmax.config import ModelConfig
 
 
+_DECODE_ARITHMETIC = contextvars.ContextVar("olmax_decode_arithmetic", default=False)
+
+
+@contextlib.contextmanager
+def decode_arithmetic(on: bool = True):
+    """While tracing inside it, the model computes every sum with olmax's CPU kernels (fp32):
+    projections and the LM head (``cpu_kernels.matmul``), attention (``attention.
+    kernel_attention``), RMSNorm (``cpu_kernels.rms_norm``) and log-softmax's sum
+    (``cpu_kernels.row_sums``); what is left to XLA is elementwise (RoPE, SwiGLU, the residual
+    adds, exp and log). XLA CPU gives a row bits that depend on the program around it: its matmul
+    rounds a row of 32 otherwise than a row of 1, and it turns a multiply and the add after it into
+    one multiply-add where both land in one fusion (an RMSNorm's product into the residual add, in
+    a decode step and not in the forward of a sequence). In the kernels each output is one fixed
+    order of operations, so the CPU decode steps (the ``packed`` layout of ``olmax.model.decode``,
+    which run inside this block) and a training forward inside it give a token the same bits: RL's
+    log-probs are the sampler's. The gradients are XLA's. Only where the kernels run (CPU, fp32,
+    one device); one sequence per row, no segments."""
+    token = _DECODE_ARITHMETIC.set(on)
+    try:
+        yield
+    finally:
+        _DECODE_ARITHMETIC.reset(token)
+
+
+def decoding_arithmetic() -> bool:
+    """Whether a ``decode_arithmetic`` block is being traced."""
+    return _DECODE_ARITHMETIC.get()
+
+
+def log_softmax(z: jax.Array) -> jax.Array:
+    """``jax.nn.log_softmax`` over the last axis; under ``decode_arithmetic`` with its sum in the
+    kernel's fixed order (``cpu_kernels.row_sums``: the sampler's and the training forward's
+    log-probs alike)."""
+    if not decoding_arithmetic():
+        return jax.nn.log_softmax(z, axis=-1)
+    from olmax.model import cpu_kernels
+    shifted = z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
+    return shifted - jnp.log(cpu_kernels.row_sums(jnp.exp(shifted)))
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm as OLMo-core/HF: fp32 compute, weight multiplied in fp32, then cast back."""
+    """RMSNorm as OLMo-core/HF: fp32 compute, weight multiplied in fp32, then cast back (under
+    ``decode_arithmetic`` in the CPU kernel, ``cpu_kernels.rms_norm``)."""
     dtype = x.dtype
     x32 = x.astype(jnp.float32)
+    if decoding_arithmetic():
+        from olmax.model import cpu_kernels
+        return cpu_kernels.rms_norm(x32, weight.astype(jnp.float32), eps).astype(dtype)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (weight.astype(jnp.float32) * y).astype(dtype)
 

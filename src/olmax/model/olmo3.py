@@ -28,9 +28,10 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from olmax.config import ConfigError, ModelConfig
-from olmax.model.attention import attend, target_platform
+from olmax.model import cpu_kernels
+from olmax.model.attention import attend, kernel_attention, target_platform
 from olmax.model.cpu_kernels import skinny_matmul
-from olmax.model.layers import apply_rope, rms_norm, rope_at, rope_cos_sin, rope_inv_freq
+from olmax.model.layers import apply_rope, decoding_arithmetic, rms_norm, rope_at, rope_cos_sin, rope_inv_freq
 from olmax.sharding import constrain
 
 # Tensors a remat policy may keep (names given with ``checkpoint_name`` below).
@@ -132,6 +133,8 @@ def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
     ``Packed`` (the CPU's decode steps)."""
     if isinstance(w, (OutIn, Packed)):
         return w.apply(x)
+    if decoding_arithmetic():
+        return cpu_kernels.matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[-1])
     if target_platform() == "cpu":
         return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[-1])
     return jnp.einsum("bti,io->bto", x, w)
@@ -159,6 +162,10 @@ def _attention_block(cfg: ModelConfig, p: dict, x: jax.Array, cos: jax.Array, si
     v = checkpoint_name(constrain(v.reshape(b, t, K, E), kv_heads), "value")
     if cache_op is not None:
         o, cache = cache_op(q, k, v, cache)
+    elif decoding_arithmetic():
+        if segment_ids is not None:
+            raise ValueError("the decode arithmetic (RL's log-probs) takes one sequence per row, no segment ids")
+        o = checkpoint_name(kernel_attention(q, k, v, window, cfg), "attn_out")
     else:
         o = checkpoint_name(attend(q, k, v, window, cfg, segment_ids), "attn_out")
     out = _dense(o.reshape(b, t, H * E), p["o"])
@@ -369,6 +376,8 @@ def lm_head(params: Any, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     w = params["lm_head"]
     if isinstance(w, (OutIn, Packed)):  # prepared in the compute dtype (``decode.prepare``)
         logits = w.apply(x)
+    elif decoding_arithmetic():
+        logits = _dense(x, w.astype(jnp.dtype(cfg.compute_dtype)))
     else:
         logits = jnp.einsum("btd,dv->btv", x, w.astype(jnp.dtype(cfg.compute_dtype)))
     return constrain(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))

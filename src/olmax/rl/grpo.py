@@ -176,9 +176,14 @@ def aggregate(per_tok: jax.Array, mask: jax.Array, aggregation: str, *, total_to
 # --------------------------------------------------------------------------- the step
 
 
-def _logps(params: Any, tokens: jax.Array, completion_mask: jax.Array, cfg: Any) -> jax.Array:
+def _logps(params: Any, tokens: jax.Array, completion_mask: jax.Array, cfg: Any, exact: bool = False) -> jax.Array:
+    """The policy's log-probs of the completion tokens. ``exact``: with the CPU decode steps'
+    arithmetic (``olmax.model.layers.decode_arithmetic``), the bits the sampler reported, where the
+    generator decodes with the kernels (``olmax.model.decode.kernel_arithmetic``)."""
+    from olmax.model.layers import decode_arithmetic
     from olmax.model.loss import token_logps
-    return token_logps(params, tokens, completion_mask, cfg, sampled_vocab=True)
+    with decode_arithmetic(exact):
+        return token_logps(params, tokens, completion_mask, cfg, sampled_vocab=True)
 
 
 def make_logps_fn(cfg: Any) -> Callable:
@@ -188,7 +193,8 @@ def make_logps_fn(cfg: Any) -> Callable:
 
 
 def make_grpo_step(cfg: Any, loss: GrpoLoss, accum_steps: int, apply_update: Callable,
-                   micro_constraint: Callable[[jax.Array], jax.Array] | None = None, mesh: Any = None) -> Callable:
+                   micro_constraint: Callable[[jax.Array], jax.Array] | None = None, mesh: Any = None,
+                   exact: bool = False) -> Callable:
     """``step(params, opt_state, batch) -> (params, opt_state, metrics)`` (not jitted); ``cfg`` is
     an olmax ``Config`` (its ``model`` section is used).
 
@@ -199,7 +205,8 @@ def make_grpo_step(cfg: Any, loss: GrpoLoss, accum_steps: int, apply_update: Cal
     rows count). n must divide by ``accum_steps``. Metrics: ``loss``, ``clip_fraction``
     (share of completion tokens whose clipped term is the one taken, TRL's ``clip_ratio/region_mean``),
     ``kl`` (token mean of k3 to the reference, 0 without one), ``ratio_mean``, ``tokens``, and the
-    optimizer's (``grad_norm``: the pre-clip gradient norm, ``lr``, ...)."""
+    optimizer's (``grad_norm``: the pre-clip gradient norm, ``lr``, ...). ``exact``: the
+    log-probs as ``_logps(exact=True)`` computes them (RL on the CPU kernels)."""
     from olmax.sharding import activation_mesh
     from olmax.sharding import split_micro
 
@@ -220,7 +227,7 @@ def make_grpo_step(cfg: Any, loss: GrpoLoss, accum_steps: int, apply_update: Cal
             if micro_constraint is not None:
                 mb = jax.tree.map(micro_constraint, mb)
             mask = token_mask(mb["completion_mask"])
-            logp = _logps(p, mb["input_ids"], mb["completion_mask"], cfg)
+            logp = _logps(p, mb["input_ids"], mb["completion_mask"], cfg, exact)
             t = per_token_terms(logp, mb["old_logps"], mb["advantages"], loss, mb.get("gen_logps"),
                                 mb.get("ref_logps"))
             share = aggregate(t["loss"], mask, loss.aggregation, total_tokens=total_tokens, total_sequences=sequences,

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from olmax.config import Config
+from olmax.model.decode import kernel_arithmetic
 from olmax.rl import grpo
 from olmax.rl.rollout import max_gap, updates_per_step
 from olmax.sharding import BatchPlan, activation_mesh, batch_sharding
@@ -51,8 +52,11 @@ class RlStep:
             keys.add("ref_logps")
         self.keys = sorted(keys)
         bshard = {k: batch_sharding(mesh, 2 if k in KEYS_2D else 1) for k in self.keys}
+        # Where the rollouts decode with olmax's CPU kernels, the training forward repeats their
+        # arithmetic: the log-probs are the sampler's bit for bit, and the first update's ratio is 1.
+        self.exact = kernel_arithmetic(cfg.model, mesh)
         self._update = jax.jit(grpo.make_grpo_step(cfg, loss, plan.accum_steps, update, micro_constraint=micro,
-                                                   mesh=mesh),
+                                                   mesh=mesh, exact=self.exact),
                                in_shardings=(pshard, oshard, bshard), out_shardings=(pshard, oshard, None),
                                donate_argnums=(0, 1))
         self._bshard = bshard
@@ -60,7 +64,7 @@ class RlStep:
 
         def logps(p, t, m):
             with activation_mesh(mesh):
-                return jax.lax.stop_gradient(grpo._logps(p, t, m, cfg))
+                return jax.lax.stop_gradient(grpo._logps(p, t, m, cfg, self.exact))
 
         self._logps = jax.jit(logps, in_shardings=(pshard, s2, s2), out_shardings=s2)
 

@@ -1,0 +1,177 @@
+"""The decode steps' arithmetic in a training forward (``olmax.model.layers.decode_arithmetic``):
+RL's log-probs of the sampled tokens equal the log-probs the sampler reported, bit for bit, on
+the CPU kernels; each piece (attention over whole sequences, RMSNorm, the product at many rows)
+is checked against XLA and float64, and the gradients through it are XLA's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from olmax.config import Config, ModelConfig
+from olmax.model import cpu_kernels, decode, olmo3
+from olmax.model.attention import reference_attention
+from olmax.model.generate import Sampling, generate
+from olmax.model.layers import decode_arithmetic, position_mask, rms_norm
+from olmax.model.loss import token_logps
+from olmax.model.params import init_params
+from olmax.rl import grpo
+
+needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason=f"{cpu_kernels.unavailable_reason()}")
+
+# Sliding layers with a window of 6 under 30-token sequences: the decode cache's ring wraps, so its
+# slots are out of position order; grouped queries; heads of 16 (not a multiple of the kernel's 64).
+TINY = ModelConfig(vocab_size=150, padded_vocab_size=192, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2,
+                   head_dim=16, mlp_hidden=96, norm_eps=1e-6, rope_theta=10000.0, sliding_window=6,
+                   max_position_embeddings=256, compute_dtype="float32", param_dtype="float32")
+
+
+def _params(cfg: ModelConfig, seed: int = 0):
+    # Weights 3x init: logits spread enough that log-probs are far from uniform.
+    return jax.tree.map(lambda a: a * 3 if a.ndim == 2 else a, init_params(cfg, jax.random.key(seed)))
+
+
+@needs_kernel
+def test_rl_log_probs_are_the_samplers_bit_for_bit() -> None:
+    """Prompts of 2 to 9 tokens (right-padded in the prefill), two completions of each (the
+    prompt prefilled once and copied, as GRPO's groups are), 16 sampled tokens at temperature 1:
+    the training forward's log-prob of every sampled token is the one the sampler reported, to
+    the bit. Without the decode arithmetic the same forward differs (a different order of the
+    same sums), which is what the vLLM-free design still had to remove."""
+    cfg = Config(model=TINY)
+    assert decode.kernel_arithmetic(TINY)
+    params = _params(TINY)
+    rng = np.random.default_rng(0)
+    prompts = [list(map(int, rng.integers(0, TINY.vocab_size, n))) for n in (2, 9, 5, 7)]
+    prompts = [p for p in prompts for _ in range(2)]
+    out = generate(params, TINY, prompts, max_new_tokens=16, sampling=Sampling(temperature=1.0), batch_size=8)
+    L = 32
+    toks = np.zeros((len(prompts), L), np.int32)
+    mask = np.zeros((len(prompts), L), bool)
+    for i, (p, c) in enumerate(zip(prompts, out)):
+        seq = p + c.token_ids
+        toks[i, :len(seq)], mask[i, len(p):len(seq)] = seq, True
+    gaps = {}
+    for exact in (True, False):
+        lp = np.asarray(jax.jit(lambda p, t, m, e=exact: grpo._logps(p, t, m, cfg, e))(params, toks, mask))
+        got = [lp[i, len(p) - 1:len(p) - 1 + len(c.token_ids)] for i, (p, c) in enumerate(zip(prompts, out))]
+        want = [np.asarray(c.logprobs, np.float32) for c in out]
+        assert all(len(c.token_ids) == 16 for c in out)
+        if exact:
+            for i, (g, w) in enumerate(zip(got, want)):
+                assert np.array_equal(g, w), (i, np.abs(g - w).max())
+        gaps[exact] = max(float(np.abs(g - w).max()) for g, w in zip(got, want))
+    assert gaps[True] == 0.0 and 0 < gaps[False] <= 1e-5, gaps
+
+
+@needs_kernel
+@pytest.mark.parametrize("t,h,kv,e,window", [(30, 4, 2, 16, 6), (20, 2, 2, 64, None), (40, 6, 2, 20, 7),
+                                             (9, 2, 1, 128, 16)])
+def test_sequence_attention_is_each_decode_steps(t: int, h: int, kv: int, e: int, window: int | None) -> None:
+    """``cpu_kernels.sequence_attention`` against the reference attention and float64 (fp32
+    rounding), and, for every query, bit for bit against the decode step's kernel
+    (``cache_attention``) over a cache of the decode's slot count (the window, a ring, or the
+    whole length) holding the keys up to that query: the order of the sums is the decode cache's."""
+    b = 2
+    ks = jax.random.split(jax.random.key(t * 10 + e), 3)
+    q = jax.random.normal(ks[0], (b, t, h, e), jnp.float32)
+    k = jax.random.normal(ks[1], (b, t, kv, e), jnp.float32)
+    v = jax.random.normal(ks[2], (b, t, kv, e), jnp.float32)
+    got = np.asarray(jax.jit(lambda q, k, v: cpu_kernels.sequence_attention(q, k, v, window))(q, k, v))
+    ref = np.asarray(reference_attention(q, k, v, window))
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6)
+    slots = min(window or t, t + 3)
+    cache = jax.jit(cpu_kernels.cache_attention)
+    for pos in range(t):
+        kc = np.zeros((b, kv, slots, e), np.float32)
+        vc = np.zeros_like(kc)
+        held = np.full((b, slots), -1, np.int32)
+        for p in range(pos + 1):  # written in order, as decode steps write them
+            kc[:, :, p % slots], vc[:, :, p % slots], held[:, p % slots] = k[:, p], v[:, p], p
+        seen = position_mask(jnp.full((b, 1), pos), jnp.asarray(held), window)[:, 0]
+        one = np.asarray(cache(q[:, pos].reshape(b, kv, h // kv, e), kc, vc, seen)).reshape(b, h, e)
+        assert np.array_equal(one, got[:, pos]), pos
+
+
+@needs_kernel
+def test_the_kernels_rms_norm() -> None:
+    """Within fp32 rounding of XLA's RMSNorm and float64; a row alone gives the bits it gives in
+    a batch of 300; the gradient is XLA's."""
+    x = jax.random.normal(jax.random.key(0), (300, 96), jnp.float32) * 3
+    w = jax.random.normal(jax.random.key(1), (96,), jnp.float32)
+    f = jax.jit(lambda x, w: cpu_kernels.rms_norm(x, w, 1e-6))
+    got = np.asarray(f(x, w))
+    x64 = np.asarray(x, np.float64)
+    exact = np.asarray(w, np.float64) * x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(got, exact, rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(got, np.asarray(rms_norm(x, w, 1e-6)), rtol=2e-6, atol=2e-6)
+    for r in (0, 7, 299):
+        assert np.array_equal(np.asarray(f(x[r:r + 1], w))[0], got[r])
+    dy = jax.random.normal(jax.random.key(2), x.shape, jnp.float32)
+    g_kernel = jax.grad(lambda x, w: jnp.sum(cpu_kernels.rms_norm(x, w, 1e-6) * dy), argnums=(0, 1))(x, w)
+    g_xla = jax.grad(lambda x, w: jnp.sum(rms_norm(x, w, 1e-6) * dy), argnums=(0, 1))(x, w)
+    for a, b in zip(g_kernel, g_xla):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_the_product_at_many_rows_keeps_each_rows_bits() -> None:
+    """Above a chunk of rows (120 at 512 inputs) the kernel goes chunk by chunk: every row of 250
+    still has the bits it has alone, within fp32 rounding of float64."""
+    x = jax.random.normal(jax.random.key(3), (250, 512), jnp.float32)
+    w = jax.random.normal(jax.random.key(4), (512, 200), jnp.float32)
+    f = jax.jit(cpu_kernels.matmul)
+    got = np.asarray(f(x, w))
+    for r in (0, 119, 120, 121, 249):
+        assert np.array_equal(np.asarray(f(x[r:r + 1], w))[0], got[r]), r
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    scale = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64))
+    assert (np.abs(got - exact) / scale).max() < 1e-6
+
+
+@needs_kernel
+def test_gradients_under_the_decode_arithmetic_are_xlas() -> None:
+    """The RL loss's gradient through the kernels' forward (their backward passes are XLA's)
+    against the plain forward's: the same function, so equal to fp32 rounding, for every
+    parameter; and the log-probs themselves agree to rounding."""
+    cfg = Config(model=TINY)
+    params = _params(TINY, seed=1)
+    rng = np.random.default_rng(1)
+    toks = rng.integers(0, TINY.vocab_size, (3, 24)).astype(np.int32)
+    mask = np.zeros((3, 24), bool)
+    mask[:, 5:20] = True
+    adv = jnp.asarray([1.0, -0.5, 0.25])
+
+    def loss(p, exact):
+        return jnp.sum(grpo._logps(p, toks, mask, cfg, exact) * adv[:, None])
+
+    (l1, g1), (l0, g0) = (jax.jit(jax.value_and_grad(lambda p, e=e: loss(p, e)))(params) for e in (True, False))
+    assert abs(float(l1) - float(l0)) <= 1e-4 * abs(float(l0))
+    flat1, flat0 = jax.tree.leaves(g1), jax.tree.leaves(g0)
+    assert len(flat1) == len(flat0)
+    for a, b in zip(flat1, flat0):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.abs(a - b).max() <= 1e-4 * max(np.abs(b).max(), 1e-3)
+
+
+def test_segments_are_refused_under_the_decode_arithmetic() -> None:
+    """Packed documents are not what the decode steps compute: named, not silently attended across."""
+    params = init_params(TINY, jax.random.key(0))
+    toks = jnp.zeros((1, 8), jnp.int32)
+    with pytest.raises(ValueError, match="segment ids"), decode_arithmetic():
+        olmo3.forward(params, toks, TINY, segment_ids=jnp.ones((1, 8), jnp.int32))
+
+
+def test_token_logps_outside_the_block_are_unchanged() -> None:
+    """``decode_arithmetic(False)`` (RL off the kernels: a mesh, bf16, TPUs, GPUs) is the plain
+    forward, to the bit."""
+    cfg = Config(model=TINY)
+    params = init_params(TINY, jax.random.key(0))
+    toks = jnp.asarray(np.random.default_rng(2).integers(0, TINY.vocab_size, (2, 12)), jnp.int32)
+    mask = jnp.ones((2, 12), bool)
+    plain = np.asarray(jax.jit(lambda p: token_logps(p, toks, mask, cfg, sampled_vocab=True))(params))
+    off = np.asarray(jax.jit(lambda p: grpo._logps(p, toks, mask, cfg, False))(params))
+    assert np.array_equal(plain, off)
