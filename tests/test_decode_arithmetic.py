@@ -175,3 +175,19 @@ def test_token_logps_outside_the_block_are_unchanged() -> None:
     plain = np.asarray(jax.jit(lambda p: token_logps(p, toks, mask, cfg, sampled_vocab=True))(params))
     off = np.asarray(jax.jit(lambda p: grpo._logps(p, toks, mask, cfg, False))(params))
     assert np.array_equal(plain, off)
+
+
+def test_only_the_kernels_devices_turn_it_on() -> None:
+    """RL repeats the decode arithmetic only where the generator decodes with the kernels: one CPU
+    device in fp32. A one-chip TPU mesh (an ahead-of-time compile runs on a CPU host), bf16 and a
+    mesh of several devices keep XLA's forward."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    tpu = SimpleNamespace(devices=np.array([SimpleNamespace(platform="tpu")]), size=1)
+    assert decode.kernel_arithmetic(TINY, tpu) is False
+    assert decode.kernel_arithmetic(replace(TINY, compute_dtype="bfloat16")) is False
+    two = SimpleNamespace(devices=np.array([SimpleNamespace(platform="cpu")] * 2), size=2)
+    assert decode.kernel_arithmetic(TINY, two) is False
+    one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    assert decode.kernel_arithmetic(TINY, one) is decode.kernel_arithmetic(TINY) is cpu_kernels.available()

@@ -192,12 +192,17 @@ def unpack(p: jax.Array, out: int) -> jax.Array:
     return p.transpose(1, 0, 2).reshape(p.shape[1], -1)[:, :out]
 
 
+def _require(*arrays: jax.Array) -> None:
+    """fp32 inputs and a kernel that is built (registered with XLA on first use), or the reason."""
+    if not all(a.dtype == jnp.float32 for a in arrays):
+        raise TypeError(f"the CPU decode kernel is fp32 only, got {', '.join(str(a.dtype) for a in arrays)}")
+    if not available():
+        raise RuntimeError(f"olmax's CPU decode kernel is not available: {unavailable_reason()}")
+
+
 def skinny_matmul(x: jax.Array, p: jax.Array, out: int) -> jax.Array:
     """x [rows, in] fp32 @ the packed weight -> [rows, out] fp32, in the kernel."""
-    if x.dtype != jnp.float32 or p.dtype != jnp.float32:
-        raise TypeError(f"the CPU decode kernel is fp32 only, got {x.dtype} x {p.dtype}")
-    if not available():  # registers the kernel with XLA on first use
-        raise RuntimeError(f"olmax's CPU decode kernel is not available: {unavailable_reason()}")
+    _require(x, p)
     y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], p.shape[0] * PANEL), jnp.float32))(x, p)
     return y if y.shape[1] == out else y[:, :out]
 
@@ -206,10 +211,7 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, seen: jax.Array) -
     """The decode step's attention in the kernel: q [b, kv_heads, g, e] over the head-major cache
     k, v [b, kv_heads, S, e] (or a layer's stack of one, [1, b, kv_heads, S, e]), ``seen`` [b, S] (bool: the slots each row's query sees) -> [b,
     kv_heads, g, e], fp32: ``olmax.model.attention.cache_attention`` for one query per row."""
-    if not all(a.dtype == jnp.float32 for a in (q, k, v)):
-        raise TypeError(f"the CPU decode kernel is fp32 only, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not available():
-        raise RuntimeError(f"olmax's CPU decode kernel is not available: {unavailable_reason()}")
+    _require(q, k, v)
     scale = np.float32(q.shape[-1] ** -0.5)
     return jax.ffi.ffi_call(ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q, k, v, seen.astype(jnp.int32), scale=scale)
@@ -222,10 +224,7 @@ def sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | N
     position on full layers, by position mod ``window`` on sliding ones), so a prefill and a
     training forward give the bits the decode steps give (RL's log-probs). Forward only; see
     ``olmax.model.attention.kernel_attention`` for the gradient."""
-    if not all(a.dtype == jnp.float32 for a in (q, k, v)):
-        raise TypeError(f"the CPU decode kernel is fp32 only, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not available():
-        raise RuntimeError(f"olmax's CPU decode kernel is not available: {unavailable_reason()}")
+    _require(q, k, v)
     scale = np.float32(q.shape[-1] ** -0.5)
     return jax.ffi.ffi_call(SEQUENCE, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q, k, v, scale=scale, window=np.int64(window or 0))
@@ -260,15 +259,10 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    if not available():
-        raise RuntimeError(f"olmax's CPU decode kernel is not available: {unavailable_reason()}")
+    _require(x, w)
     rows = x.reshape(-1, x.shape[-1])
     y = jax.ffi.ffi_call(NORM, jax.ShapeDtypeStruct(rows.shape, jnp.float32))(rows, w, eps=np.float32(eps))
     return y.reshape(x.shape)
-
-
-def _xla_rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    return w * (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))
 
 
 def _rms_norm_fwd(x: jax.Array, w: jax.Array, eps: float) -> tuple[jax.Array, tuple]:
@@ -276,7 +270,9 @@ def _rms_norm_fwd(x: jax.Array, w: jax.Array, eps: float) -> tuple[jax.Array, tu
 
 
 def _rms_norm_bwd(eps: float, res: tuple, dy: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return jax.vjp(lambda x, w: _xla_rms_norm(x, w, eps), *res)[1](dy)
+    from olmax.model.layers import decode_arithmetic, rms_norm
+    with decode_arithmetic(False):  # XLA's RMSNorm, whose gradient this is
+        return jax.vjp(lambda x, w: rms_norm(x, w, eps), *res)[1](dy)
 
 
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
@@ -286,8 +282,7 @@ _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 def row_sums(x: jax.Array) -> jax.Array:
     """Sums over the last axis (keepdims), fp32, in the kernel: the same bits for a row in any
     batch and any program (``olmax.model.layers.log_softmax`` under ``decode_arithmetic``)."""
-    if not available():
-        raise RuntimeError(f"olmax's CPU decode kernel is not available: {unavailable_reason()}")
+    _require(x)
     rows = x.reshape(-1, x.shape[-1])
     return jax.ffi.ffi_call(SUMS, jax.ShapeDtypeStruct(rows.shape[:1], jnp.float32))(rows).reshape(*x.shape[:-1], 1)
 

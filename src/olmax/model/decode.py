@@ -98,7 +98,10 @@ def layout(rows: int, cfg: ModelConfig, one_device: bool = True) -> str:
 def kernel_arithmetic(cfg: ModelConfig, mesh: Any = None) -> bool:
     """Whether decoding on ``mesh`` (None: one device) uses olmax's CPU kernels (the ``packed``
     layout, at any batch): then a training forward under ``layers.decode_arithmetic`` gives the
-    decode steps' bits (RL)."""
+    decode steps' bits (RL). The mesh's own devices decide (an ahead-of-time compile for a TPU
+    runs on a CPU host)."""
+    if mesh is not None and mesh.devices.flat[0].platform != "cpu":
+        return False
     return layout(1, cfg, mesh is None or mesh.size == 1) == "packed"
 
 
