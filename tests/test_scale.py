@@ -303,6 +303,15 @@ def _compile(*args):
     return subprocess.run([sys.executable, "-m", "olmax.cli", "compile", *args], capture_output=True, text=True)
 
 
+def test_a_shape_libtpu_cannot_build_is_named():
+    """v5p:1x1x1 parses (three dimensions) but libtpu cannot lay it out over its 2x2x1 hosts:
+    exit 2 with the topology named, not a JaxRuntimeError traceback."""
+    r = _compile("tiny", "--topology", "v5p:1x1x1", "--json")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    err = json.loads(r.stdout.strip().splitlines()[-1])["error"]
+    assert "'v5p:1x1x1'" in err and "libtpu cannot build it" in err
+
+
 def test_compile_small_model_for_a_tpu_slice():
     """AOT compile of the real train and eval steps (splash attention under shard_map, scanned
     layers, chunked loss, bf16, full remat) for two v5p:2x2x1 slices: data parallel across the

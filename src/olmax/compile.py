@@ -130,8 +130,11 @@ def abstract_devices(topology: Topology) -> list:
         kw["chip_config_name"] = fam.chip_config
     if fam.host_bounds:
         kw["chips_per_host_bounds"] = fam.host_bounds
-    desc = topologies.get_topology_desc(platform="tpu", topology_name=f"{fam.name}:{topology.shape}",
-                                        num_slices=topology.slices, **kw)
+    try:
+        desc = topologies.get_topology_desc(platform="tpu", topology_name=f"{fam.name}:{topology.shape}",
+                                            num_slices=topology.slices, **kw)
+    except jax.errors.JaxRuntimeError as e:  # e.g. a shape libtpu cannot lay out over its hosts
+        raise ConfigError(f"topology {topology.name!r}: libtpu cannot build it: {str(e).splitlines()[0]}") from None
     return list(desc.devices)
 
 
