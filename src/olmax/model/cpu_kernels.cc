@@ -1,6 +1,9 @@
 // olmax's CPU kernels for the decode steps: the projections, y [R, P*16] = x [R, I] @ w, with the
 // weight packed in panels of 16 output columns, w [P, I, 16] (``olmax.model.cpu_kernels.pack``),
-// and the attention over the cache (``CacheAttention``, below).
+// and the attention over the cache (``CacheAttention``, below). For a training forward that must
+// give a token the decode steps' bits (RL's log-probs, ``layers.decode_arithmetic``): the same
+// attention over whole sequences (``SequenceAttention``), RMSNorm and row sums, each in one fixed
+// order of operations.
 //
 // A decode step multiplies a few rows by every weight of the model once, so it is a pass over
 // the weights, which XLA CPU's products make below the machine's speed for a few rows (see
@@ -429,8 +432,6 @@ ffi::Error SequenceAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi:
   return ffi::Error::Success();
 }
 
-}  // namespace
-
 // Sum of each row of x [R, D] -> [R], in eight lanes over i in order, then the lanes in a fixed
 // tree (as ``Dot``): the same bits for a row in any batch (``layers.log_softmax`` under
 // ``decode_arithmetic``).
@@ -461,17 +462,12 @@ ffi::Error RowSums(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuf
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxRowSums, RowSums,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
 // RMSNorm of each row of x [R, D] with weight w [D]: y = w x (1 / sqrt(sum(x^2) / D + eps)), the
 // sum in eight lanes over i in order, then the lanes in a fixed tree (``Dot``): the same bits for a
-// row in any batch and any program. In XLA, the norm's bits for a row depended on the program it
-// was fused into (a multiply and the add after it may become one multiply-add, or not), so the
-// decode steps and RL's training forward compute it here (``layers.decode_arithmetic``).
+// row in any batch and any program. With XLA's RMSNorm a decode step and the forward of the whole
+// sequence differed in the last bits after the first layer (XLA CPU turns a multiply and the add
+// after it into one multiply-add where the two share a fusion, which depends on the program), so
+// the decode steps and RL's training forward compute it here (``layers.decode_arithmetic``).
 ffi::Error RmsNorm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                    ffi::ResultBuffer<ffi::F32> y, float eps) {
   const auto xd = x.dimensions();
@@ -498,13 +494,7 @@ ffi::Error RmsNorm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxRmsNorm, RmsNorm,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("eps"));
+}  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxSkinnyMatmul, SkinnyMatmul,
                               ffi::Ffi::Bind()
@@ -538,3 +528,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxPack, Pack,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxRowSums, RowSums,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxRmsNorm, RmsNorm,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("eps"));

@@ -8,7 +8,9 @@ each panel once for all rows, and shares the panels out between the calling thre
 intra-op thread pool. The attention kernel (``cache_attention``) reads each row's and kv head's
 cached keys and values once, only the slots its query sees. ``pack`` itself runs in the kernel
 too (RL packs the weights again after every update). The README (Benchmarks, decode speed) has
-what they gain end to end.
+what they gain end to end. ``matmul``, ``sequence_attention``, ``rms_norm`` and ``row_sums`` let a
+training forward repeat the decode steps' arithmetic (``olmax.model.layers.decode_arithmetic``:
+RL's log-probs equal the sampler's), with XLA's gradients.
 
 Every output element is one fused multiply-add chain over the input axis in order, so a row's
 result does not depend on the other rows of the batch (tested bit for bit), and it is within
