@@ -99,7 +99,8 @@ def test_sequence_attention_is_each_decode_steps(t: int, h: int, kv: int, e: int
 @needs_kernel
 def test_the_kernels_rms_norm() -> None:
     """Within fp32 rounding of XLA's RMSNorm and float64; a row alone gives the bits it gives in
-    a batch of 300; the gradient is XLA's."""
+    a batch of 300; ``layers.rms_norm`` under the decode arithmetic is the kernel, and its gradient
+    is XLA's RMSNorm's."""
     x = jax.random.normal(jax.random.key(0), (300, 96), jnp.float32) * 3
     w = jax.random.normal(jax.random.key(1), (96,), jnp.float32)
     f = jax.jit(lambda x, w: cpu_kernels.rms_norm(x, w, 1e-6))
@@ -111,7 +112,13 @@ def test_the_kernels_rms_norm() -> None:
     for r in (0, 7, 299):
         assert np.array_equal(np.asarray(f(x[r:r + 1], w))[0], got[r])
     dy = jax.random.normal(jax.random.key(2), x.shape, jnp.float32)
-    g_kernel = jax.grad(lambda x, w: jnp.sum(cpu_kernels.rms_norm(x, w, 1e-6) * dy), argnums=(0, 1))(x, w)
+
+    def kernel_norm(x, w):
+        with decode_arithmetic():
+            return rms_norm(x, w, 1e-6)
+
+    assert np.array_equal(np.asarray(jax.jit(kernel_norm)(x, w)), got)
+    g_kernel = jax.grad(lambda x, w: jnp.sum(kernel_norm(x, w) * dy), argnums=(0, 1))(x, w)
     g_xla = jax.grad(lambda x, w: jnp.sum(rms_norm(x, w, 1e-6) * dy), argnums=(0, 1))(x, w)
     for a, b in zip(g_kernel, g_xla):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)

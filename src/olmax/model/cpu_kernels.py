@@ -37,7 +37,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from functools import partial
 from pathlib import Path
 
 import jax
@@ -254,30 +253,12 @@ matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """RMSNorm over the last axis, fp32, in the kernel: the same bits for a row in any batch and
-    any program (``olmax.model.layers.rms_norm`` under ``decode_arithmetic``). The gradient is
-    XLA's RMSNorm's."""
-    return _rms_norm(x, w, float(eps))
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    any program. Forward only: ``olmax.model.layers.rms_norm`` under ``decode_arithmetic`` uses it
+    and gives it XLA's RMSNorm's gradient."""
     _require(x, w)
     rows = x.reshape(-1, x.shape[-1])
     y = jax.ffi.ffi_call(NORM, jax.ShapeDtypeStruct(rows.shape, jnp.float32))(rows, w, eps=np.float32(eps))
     return y.reshape(x.shape)
-
-
-def _rms_norm_fwd(x: jax.Array, w: jax.Array, eps: float) -> tuple[jax.Array, tuple]:
-    return _rms_norm(x, w, eps), (x, w)
-
-
-def _rms_norm_bwd(eps: float, res: tuple, dy: jax.Array) -> tuple[jax.Array, jax.Array]:
-    from olmax.model.layers import decode_arithmetic, rms_norm
-    with decode_arithmetic(False):  # XLA's RMSNorm, whose gradient this is
-        return jax.vjp(lambda x, w: rms_norm(x, w, eps), *res)[1](dy)
-
-
-_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 @jax.custom_vjp

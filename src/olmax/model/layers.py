@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -59,14 +60,30 @@ def log_softmax(z: jax.Array) -> jax.Array:
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm as OLMo-core/HF: fp32 compute, weight multiplied in fp32, then cast back (under
-    ``decode_arithmetic`` in the CPU kernel, ``cpu_kernels.rms_norm``)."""
-    dtype = x.dtype
-    x32 = x.astype(jnp.float32)
-    if decoding_arithmetic():
-        from olmax.model import cpu_kernels
-        return cpu_kernels.rms_norm(x32, weight.astype(jnp.float32), eps).astype(dtype)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (weight.astype(jnp.float32) * y).astype(dtype)
+    ``decode_arithmetic`` in the CPU kernel, ``cpu_kernels.rms_norm``, with this gradient)."""
+    x32, w32 = x.astype(jnp.float32), weight.astype(jnp.float32)
+    return (_kernel_rms_norm(x32, w32, eps) if decoding_arithmetic() else _rms_norm(x32, w32, eps)).astype(x.dtype)
+
+
+def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    return w * (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _kernel_rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    from olmax.model import cpu_kernels
+    return cpu_kernels.rms_norm(x, w, eps)
+
+
+def _kernel_rms_norm_fwd(x: jax.Array, w: jax.Array, eps: float) -> tuple[jax.Array, tuple]:
+    return _kernel_rms_norm(x, w, eps), (x, w)
+
+
+def _kernel_rms_norm_bwd(eps: float, res: tuple, dy: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return jax.vjp(lambda x, w: _rms_norm(x, w, eps), *res)[1](dy)
+
+
+_kernel_rms_norm.defvjp(_kernel_rms_norm_fwd, _kernel_rms_norm_bwd)
 
 
 # --------------------------------------------------------------------------- RoPE
