@@ -4,8 +4,9 @@ optimizer updates out (``olmax.rl.grpo``), on the trainer's mesh.
 Before the first update the policy's log-probs of the batch (``old_logps``) are computed by the
 training forward; they are the ratio's denominator, the truncated-importance-sampling reference,
 and, against the log-probs the generator reported while sampling, the proof that rollouts came
-from these very weights: ``rl/max_logprob_gap`` (0 up to rounding by construction; vLLM-based
-trainers see 1e-2 and more, hence their importance-weight truncation).
+from these very weights: ``rl/max_logprob_gap`` (0 on one CPU device in fp32, where the training
+forward repeats the kernels' decode arithmetic; rounding elsewhere; vLLM-based trainers see 1e-2
+and more, hence their importance-weight truncation).
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class RlStep:
         self.keys = sorted(keys)
         bshard = {k: batch_sharding(mesh, 2 if k in KEYS_2D else 1) for k in self.keys}
         # Where the rollouts decode with olmax's CPU kernels, the training forward repeats their
-        # arithmetic: the log-probs are the sampler's bit for bit, and the first update's ratio is 1.
+        # arithmetic (the old log-probs' and every update's forward): the old log-probs are the
+        # sampler's bit for bit (``rl/max_logprob_gap`` 0).
         self.exact = kernel_arithmetic(cfg.model, mesh)
         self._update = jax.jit(grpo.make_grpo_step(cfg, loss, plan.accum_steps, update, micro_constraint=micro,
                                                    mesh=mesh, exact=self.exact),
