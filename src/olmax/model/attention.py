@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from olmax.config import ConfigError, ModelConfig
+from olmax.model.cpu_kernels import sequence_attention
 from olmax.model.layers import attention_mask, position_mask, segment_mask
 from olmax.sharding import activation_spec, current_mesh, single_device
 
@@ -317,11 +318,9 @@ def kernel_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | Non
     be the sampler's bit for bit. The gradient is ``attend``'s (the same function; only the
     rounding of the forward differs). No segments: every row is one sequence from position 0
     (padding at its end is never seen by a query before it)."""
-    from olmax.model import cpu_kernels
-
     @jax.custom_vjp
     def f(q, k, v):
-        return cpu_kernels.sequence_attention(q, k, v, window)
+        return sequence_attention(q, k, v, window)
 
     def fwd(q, k, v):
         return f(q, k, v), (q, k, v)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from olmax.config import ModelConfig
+from olmax.model.cpu_kernels import rms_norm as cpu_rms_norm, row_sums
 
 
 _DECODE_ARITHMETIC = contextvars.ContextVar("olmax_decode_arithmetic", default=False)
@@ -53,9 +54,8 @@ def log_softmax(z: jax.Array) -> jax.Array:
     log-probs alike)."""
     if not decoding_arithmetic():
         return jax.nn.log_softmax(z, axis=-1)
-    from olmax.model import cpu_kernels
     shifted = z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
-    return shifted - jnp.log(cpu_kernels.row_sums(jnp.exp(shifted)))
+    return shifted - jnp.log(row_sums(jnp.exp(shifted)))
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -71,8 +71,7 @@ def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _kernel_rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    from olmax.model import cpu_kernels
-    return cpu_kernels.rms_norm(x, w, eps)
+    return cpu_rms_norm(x, w, eps)
 
 
 def _kernel_rms_norm_fwd(x: jax.Array, w: jax.Array, eps: float) -> tuple[jax.Array, tuple]:

@@ -28,9 +28,8 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from olmax.config import ConfigError, ModelConfig
-from olmax.model import cpu_kernels
 from olmax.model.attention import attend, kernel_attention, target_platform
-from olmax.model.cpu_kernels import skinny_matmul
+from olmax.model.cpu_kernels import matmul as kernel_matmul, skinny_matmul
 from olmax.model.layers import apply_rope, decoding_arithmetic, rms_norm, rope_at, rope_cos_sin, rope_inv_freq
 from olmax.sharding import constrain
 
@@ -134,7 +133,7 @@ def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
     if isinstance(w, (OutIn, Packed)):
         return w.apply(x)
     if decoding_arithmetic():
-        return cpu_kernels.matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[-1])
+        return kernel_matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[-1])
     if target_platform() == "cpu":
         return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[-1])
     return jnp.einsum("bti,io->bto", x, w)
