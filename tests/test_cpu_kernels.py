@@ -126,7 +126,7 @@ def test_kernel_refuses_other_dtypes() -> None:
 def test_decoding_uses_the_kernel_and_keeps_the_tokens(monkeypatch) -> None:
     """fp32 decoding on one CPU device goes through the kernel at every batch size (prefill and
     steps) and gives the greedy tokens and log-probs of XLA's products (the kernel turned off),
-    the log-probs to fp32 rounding. bf16 compute keeps XLA's products."""
+    the log-probs to fp32 rounding. bf16 compute goes through it too (bf16 numbers in fp32)."""
     params = init_params(TINY, jax.random.key(0))
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [9, 10, 11], [3, 4]]
     gen = Generator(params, TINY, Sampling())
@@ -143,7 +143,7 @@ def test_decoding_uses_the_kernel_and_keeps_the_tokens(monkeypatch) -> None:
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
     monkeypatch.setattr(cpu_kernels, "_STATE", {"why": None})
-    assert layout(8, replace(TINY, compute_dtype="bfloat16")) == "streamed"
+    assert layout(8, replace(TINY, compute_dtype="bfloat16")) == "packed"
     assert layout(8, TINY, one_device=False) == "streamed"
 
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from olmax.config import ConfigError, ModelConfig
 from olmax.model.cpu_kernels import sequence_attention
-from olmax.model.layers import attention_mask, position_mask, segment_mask
+from olmax.model.layers import attention_mask, kernel_input, kernel_output, position_mask, segment_mask
 from olmax.sharding import activation_spec, current_mesh, single_device
 
 
@@ -319,8 +319,8 @@ def kernel_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | Non
     rounding of the forward differs). No segments: every row is one sequence from position 0
     (padding at its end is never seen by a query before it)."""
     @jax.custom_vjp
-    def f(q, k, v):
-        return sequence_attention(q, k, v, window)
+    def f(q, k, v):  # bf16 enters the fp32 kernel exactly; the output is rounded back to q's dtype
+        return kernel_output(sequence_attention(kernel_input(q), kernel_input(k), kernel_input(v), window), q.dtype)
 
     def fwd(q, k, v):
         return f(q, k, v), (q, k, v)

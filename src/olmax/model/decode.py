@@ -14,7 +14,8 @@ keeps a ring of ``min(window, max_length)`` slots (slot = position mod S): the w
 nothing older (transformers keeps window - 1 per sliding layer). Slots are not in position
 order, so the keys carry their positions and attention masks by position (``cache_attention``).
 Prompts are right-padded to one length with ``lengths`` per row; padding never enters a slot
-that a query can see. The cache is in the compute dtype and sharded like the activations
+that a query can see. The cache is in the compute dtype (fp32 where the CPU kernel reads it,
+``cache_dtype``) and sharded like the activations
 (batch over the data axes, kv heads over ``tensor``). On the CPU the stacks are head-major,
 [.., b, kv_heads, S, e] (``head_major``).
 """
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 
 from olmax.config import ModelConfig
 from olmax.model.attention import attend, cache_attention, kernel_attention, opaque_one, target_platform
-from olmax.model.layers import decode_arithmetic, position_mask, rms_norm
+from olmax.model.layers import decode_arithmetic, kernel_input, kernel_output, position_mask, rms_norm
 from olmax.model import cpu_kernels
 from olmax.model.olmo3 import OutIn, Packed, embed, join_projections, lm_head, rope_tables, run_layers, stack_layers
 from olmax.sharding import constrain, single_device
@@ -74,6 +75,9 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_length: int, dtype: Any = None
 
 
 LAYOUTS = ("plain", "streamed", "packed")
+# The compute dtypes the CPU kernel decodes: it computes in fp32, so bf16 weights and activations
+# enter it exactly (bf16 -> fp32) and its outputs are rounded to bf16 where XLA's would be.
+KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def layout(rows: int, cfg: ModelConfig, one_device: bool = True) -> str:
@@ -88,7 +92,7 @@ def layout(rows: int, cfg: ModelConfig, one_device: bool = True) -> str:
     - ``plain`` ([in, out]) otherwise."""
     if target_platform() != "cpu":
         return "plain"
-    if one_device and jnp.dtype(cfg.compute_dtype) == jnp.float32 and cpu_kernels.available():
+    if one_device and jnp.dtype(cfg.compute_dtype) in KERNEL_DTYPES and cpu_kernels.available():
         return "packed"
     if rows >= 2 and "ynn_fusion_type" not in os.environ.get("XLA_FLAGS", ""):
         return "streamed"
@@ -141,14 +145,14 @@ def relayout(prepared: dict, cfg: ModelConfig, layout: str) -> dict:
     def one(w: Any) -> Any:
         if isinstance(w, OutIn):
             w = w.t.T
-        elif isinstance(w, Packed):
-            w = cpu_kernels.unpack(w.p, w.out)
+        elif isinstance(w, Packed):  # fp32 panels of compute-dtype values
+            w = cpu_kernels.unpack(w.p, w.out).astype(jnp.dtype(cfg.compute_dtype))
         elif w.ndim != 2:
             return w
         if layout == "streamed":
             return OutIn(w.T)
         if layout == "packed":
-            return Packed(cpu_kernels.pack(w), w.shape[1])
+            return Packed(cpu_kernels.pack(w.astype(jnp.float32)), w.shape[1])
         return w
 
     layers = {part: [{**layer, **{block: {n: one(w) for n, w in layer[block].items()} for block in ("attn", "mlp")}}
@@ -179,9 +183,21 @@ def _update(stack: dict, index: jax.Array, entry: dict) -> dict:
             for name in ("k", "v")}
 
 
+def cache_dtype(cfg: ModelConfig, prepared: dict) -> jnp.dtype:
+    """The compute dtype, or fp32 where the CPU kernel reads the cache (the packed layout): a bf16
+    model's keys and values are bf16 numbers held in fp32."""
+    return jnp.dtype(jnp.float32) if layout_of(prepared) == "packed" else jnp.dtype(cfg.compute_dtype)
+
+
+def _to_cache(a: jax.Array, stack: jax.Array) -> jax.Array:
+    """Keys or values in the cache's dtype: for the kernel's fp32 cache as the kernels read them
+    (``layers.kernel_input``)."""
+    return kernel_input(a) if stack.dtype == jnp.float32 else a.astype(stack.dtype)
+
+
 def empty_cache(cfg: ModelConfig, prepared: dict, batch: int, max_length: int) -> dict:
     """Zeroed key/value stacks in the layout ``run_layers`` carries (``prepared["layers"]``')."""
-    n, dt = slots(cfg, max_length), jnp.dtype(cfg.compute_dtype)
+    n, dt = slots(cfg, max_length), cache_dtype(cfg, prepared)
     period = len(prepared["layers"]["groups"])
     groups = jax.tree.leaves(prepared["layers"]["groups"])[0].shape[0] if period else 0
 
@@ -218,7 +234,7 @@ def prefill(prepared: dict, tokens: jax.Array, lengths: jax.Array, cfg: ModelCon
             stack, index = cache
             o = kernel_attention(q, k, v, window, cfg) if kernel else attend(q, k, v, window, cfg, segment_ids)
             where = jnp.clip(pos[kind], 0, t - 1)[:, :, None, None]
-            entry = {"k": jnp.take_along_axis(k, where, axis=1), "v": jnp.take_along_axis(v, where, axis=1)}
+            entry = {name: _to_cache(jnp.take_along_axis(a, where, axis=1), stack[name]) for name, a in (("k", k), ("v", v))}
             if head_major():
                 entry = {name: a.transpose(0, 2, 1, 3) for name, a in entry.items()}
             return o, _update(stack, index, entry)
@@ -278,7 +294,8 @@ def decode_step(prepared: dict, tokens: jax.Array, cache: dict, cfg: ModelConfig
             # Only the new token's b x kv_heads x e values are written, into the carried stack.
             # Row r's slot in every head: [b, kv_heads, e] written, whichever layout.
             at = (index, rows, slice(None), where[kind]) if head_major() else (index, rows, where[kind])
-            stack = {name: constrain(stack[name].at[at].set(a[:, 0]), _axes()) for name, a in (("k", k), ("v", v))}
+            stack = {name: constrain(stack[name].at[at].set(_to_cache(a[:, 0], stack[name])), _axes())
+                     for name, a in (("k", k), ("v", v))}
             if kernel:  # olmax's CPU kernel: the same attention, at memory speed (``cpu_kernels.cc``)
                 _, _, h, e = q.shape
                 kv = stack["k"].shape[2]
@@ -286,8 +303,8 @@ def decode_step(prepared: dict, tokens: jax.Array, cache: dict, cfg: ModelConfig
                 # On the CPU every layer is a stack of its own (``prepare``): the kernel reads the
                 # whole [1, ...] stack where the write left it (a slice would be a fused second
                 # copy of the write, at one row).
-                o = cpu_kernels.cache_attention(q.reshape(b, kv, h // kv, e), stack["k"], stack["v"], seen)
-                return o.reshape(b, 1, h, e), stack
+                o = cpu_kernels.cache_attention(kernel_input(q.reshape(b, kv, h // kv, e)), stack["k"], stack["v"], seen)
+                return kernel_output(o.reshape(b, 1, h, e), q.dtype), stack
             keys, values = (jax.lax.dynamic_index_in_dim(stack[name], index, 0, keepdims=False) for name in ("k", "v"))
             if b == 1 and head_major() and single_device():
                 # One row: XLA CPU writes the new key with a dynamic-update-slice and fuses a second

@@ -10,6 +10,7 @@ import contextlib
 import contextvars
 import math
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,27 @@ def decoding_arithmetic() -> bool:
     return _DECODE_ARITHMETIC.get()
 
 
+def _bf16_rounded(y: jax.Array) -> jax.Array:
+    return jax.lax.reduce_precision(y, exponent_bits=8, mantissa_bits=7)
+
+
+def kernel_input(x: jax.Array) -> jax.Array:
+    """``x`` in fp32 for a CPU kernel (``decode_arithmetic``). A bf16 ``x`` is rounded to bf16
+    explicitly: XLA drops a conversion to bf16 and back (excess precision, on by default) where it
+    finds one, and it finds one in one program and not in another (the final residual add before
+    the norm of a training forward, not before the prefill's gather of the last token), so the two
+    programs' kernels would read different numbers."""
+    y = x.astype(jnp.float32)
+    return _bf16_rounded(y) if x.dtype == jnp.bfloat16 else y
+
+
+def kernel_output(y: jax.Array, dtype: Any) -> jax.Array:
+    """A CPU kernel's fp32 ``y`` in ``dtype``; a bf16 result rounded explicitly (``kernel_input``),
+    so a use that converts it back to fp32 (the logits) reads the rounded number in every
+    program."""
+    return (_bf16_rounded(y) if jnp.dtype(dtype) == jnp.bfloat16 else y).astype(dtype)
+
+
 def log_softmax(z: jax.Array) -> jax.Array:
     """``jax.nn.log_softmax`` over the last axis; under ``decode_arithmetic`` with its sum in the
     kernel's fixed order (``cpu_kernels.row_sums``: the sampler's and the training forward's
@@ -62,7 +84,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm as OLMo-core/HF: fp32 compute, weight multiplied in fp32, then cast back (under
     ``decode_arithmetic`` in the CPU kernel, ``cpu_kernels.rms_norm``, with this gradient)."""
     x32, w32 = x.astype(jnp.float32), weight.astype(jnp.float32)
-    return (_kernel_rms_norm(x32, w32, eps) if decoding_arithmetic() else _rms_norm(x32, w32, eps)).astype(x.dtype)
+    if decoding_arithmetic():
+        return kernel_output(_kernel_rms_norm(kernel_input(x), w32, eps), x.dtype)
+    return _rms_norm(x32, w32, eps).astype(x.dtype)
 
 
 def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -151,6 +175,14 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     x1, x2 = x[..., :half], x[..., half:]
     rot = jnp.concatenate([-x2, x1], axis=-1)
     c, s = (cos[None, :, None, :], sin[None, :, None, :]) if cos.ndim == 2 else (cos[:, :, None, :], sin[:, :, None, :])
+    if decoding_arithmetic() and x.dtype == jnp.bfloat16:
+        # XLA CPU contracts one of the two products into the add (a multiply-add) or not,
+        # depending on the fusion around it, which differs between a decode step and a training
+        # forward; the 1-ulp difference decides a tie when the sum is rounded to bf16 (seen). With
+        # the tables rounded to 16 significant bits, a bf16 number (8) times them is exact in
+        # fp32, so every contraction gives the one correctly rounded sum. The tables move by at
+        # most 2^-16 relative, far under the output's bf16 rounding (2^-9).
+        c, s = (jax.lax.reduce_precision(a, exponent_bits=8, mantissa_bits=15) for a in (c, s))
     out = x.astype(jnp.float32) * c + rot.astype(jnp.float32) * s
     return out.astype(x.dtype)
 

@@ -30,7 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 from olmax.config import ConfigError, ModelConfig
 from olmax.model.attention import attend, kernel_attention, target_platform
 from olmax.model.cpu_kernels import matmul as kernel_matmul, skinny_matmul
-from olmax.model.layers import apply_rope, decoding_arithmetic, rms_norm, rope_at, rope_cos_sin, rope_inv_freq
+from olmax.model.layers import apply_rope, decoding_arithmetic, kernel_input, kernel_output, rms_norm, rope_at, rope_cos_sin, rope_inv_freq
 from olmax.sharding import constrain
 
 # Tensors a remat policy may keep (names given with ``checkpoint_name`` below).
@@ -118,9 +118,9 @@ class Packed:
         return cls(children[0], out)
 
     def apply(self, x: jax.Array) -> jax.Array:
-        """``x [..., in] @ w`` -> ``[..., out]`` in ``x``'s dtype (fp32)."""
-        y = skinny_matmul(x.reshape(-1, x.shape[-1]), self.p, self.out)
-        return y.reshape(*x.shape[:-1], self.out)
+        """``x [..., in] @ w`` -> ``[..., out]`` in ``x``'s dtype (computed in fp32, rounded to it)."""
+        y = skinny_matmul(kernel_input(x.reshape(-1, x.shape[-1])), self.p, self.out)
+        return kernel_output(y.reshape(*x.shape[:-1], self.out), x.dtype)
 
 
 def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -133,7 +133,9 @@ def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
     if isinstance(w, (OutIn, Packed)):
         return w.apply(x)
     if decoding_arithmetic():
-        return kernel_matmul(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[-1])
+        # bf16 enters the fp32 kernel exactly and its output is rounded back, as ``Packed``'s
+        y = kernel_matmul(kernel_input(x.reshape(-1, x.shape[-1])), w.astype(jnp.float32))
+        return kernel_output(y.reshape(*x.shape[:-1], w.shape[-1]), x.dtype)
     if target_platform() == "cpu":
         return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[-1])
     return jnp.einsum("bti,io->bto", x, w)
