@@ -8,7 +8,8 @@ initialisation, for peaked distributions like a trained model's.
 - fp32: the training forward as RL runs it (``grpo._logps``; on one CPU device with olmax's
   kernels it repeats the decode steps' arithmetic, ``layers.decode_arithmetic``), and XLA's own
   forward for comparison.
-- bf16 (compute bf16, parameters fp32; the decode steps are XLA's): the gap, and two floors of
+- bf16 (compute bf16, parameters fp32; on one CPU device with olmax's kernels the decode
+  arithmetic too, in fp32 on bf16 numbers): the gap, XLA's forward's, and two floors of
   the training forward itself: the same rows computed in two micro-batches instead of one, and
   the bf16 forward against the fp32 one.
 

@@ -83,7 +83,7 @@ KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 def layout(rows: int, cfg: ModelConfig, one_device: bool = True) -> str:
     """The layout of the ``prepare``d weights a batch of ``rows`` decodes fastest with:
 
-    - ``packed`` (CPU, fp32, one device): olmax's CPU kernel (``olmax.model.cpu_kernels``,
+    - ``packed`` (CPU, fp32 or bf16, one device): olmax's CPU kernel (``olmax.model.cpu_kernels``,
       ``olmax.model.olmo3.Packed``) at every row count, where it could be built;
     - ``streamed`` (CPU, 2 rows and up): ``[out, in]`` (``olmax.model.olmo3.OutIn``), whose speed is
       YNNPACK's: XLA CPU hands the multiply-and-reduce to it under jax's default fusion settings
@@ -283,7 +283,7 @@ def decode_step(prepared: dict, tokens: jax.Array, cache: dict, cfg: ModelConfig
         where[kind] = length % p.shape[1]
         pos[kind] = p.at[rows, where[kind]].set(length)
     q_pos = length[:, None]
-    # The packed layout means olmax's CPU kernel is in use (CPU, fp32, one device): its attention too.
+    # The packed layout means olmax's CPU kernel is in use (CPU, one device): its attention too.
     kernel = layout_of(prepared) == "packed"
 
     def op(full: bool, window: int | None):

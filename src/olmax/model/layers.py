@@ -35,8 +35,11 @@ def decode_arithmetic(on: bool = True):
     a decode step and not in the forward of a sequence). In the kernels each output is one fixed
     order of operations, so the CPU decode steps (the ``packed`` layout of ``olmax.model.decode``,
     which run inside this block) and a training forward inside it give a token the same bits: RL's
-    log-probs are the sampler's. The gradients are XLA's. Only where the kernels run (CPU, fp32,
-    one device); one sequence per row, no segments."""
+    log-probs are the sampler's. The gradients are XLA's. Only where the kernels run (CPU, fp32
+    or bf16, one device); one sequence per row, no segments. In bf16 the kernels compute in fp32
+    on bf16 numbers, rounded explicitly at their inputs and outputs (``kernel_input``,
+    ``kernel_output``), and RoPE's tables are rounded so that its products are exact
+    (``apply_rope``)."""
     token = _DECODE_ARITHMETIC.set(on)
     try:
         yield

@@ -105,7 +105,8 @@ class Packed:
     """A projection weight ``[in, out]`` packed in panels of 16 output columns, ``[panels, in,
     16]``, for olmax's CPU decode kernel (``olmax.model.cpu_kernels``; ``decode.prepare(layout=
     "packed")``). Every row count goes through the kernel: the steps' few rows and the prefill's
-    many. fp32 only."""
+    many. fp32 panels (a bf16 model's weights as fp32 numbers; ``apply`` rounds its output to
+    ``x``'s dtype)."""
 
     def __init__(self, p: jax.Array, out: int):
         self.p, self.out = p, out
