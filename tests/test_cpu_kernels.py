@@ -144,7 +144,6 @@ def test_decoding_uses_the_kernel_and_keeps_the_tokens(monkeypatch) -> None:
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
     monkeypatch.setattr(cpu_kernels, "_STATE", {"why": None})
     assert layout(8, replace(TINY, compute_dtype="bfloat16")) == "packed"
-    assert layout(8, TINY, one_device=False) == "streamed"
 
 
 def test_unbuildable_kernel_names_the_reason_and_decoding_goes_on(monkeypatch, tmp_path, caplog) -> None:

@@ -5,6 +5,12 @@ is checked against XLA and float64, and the gradients through it are XLA's."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -34,34 +40,36 @@ def _params(cfg: ModelConfig, seed: int = 0):
     return jax.tree.map(lambda a: a * 3 if a.ndim == 2 else a, init_params(cfg, jax.random.key(seed)))
 
 
-@needs_kernel
-@pytest.mark.parametrize("dtype,xla_bound", [("float32", 1e-5), ("bfloat16", 0.1)])
-def test_rl_log_probs_are_the_samplers_bit_for_bit(dtype: str, xla_bound: float) -> None:
+def sampled_gaps(model: ModelConfig, mesh=None) -> dict[bool, float]:
     """Prompts of 2 to 9 tokens (right-padded in the prefill), two completions of each (the
     prompt prefilled once and copied, as GRPO's groups are), 16 sampled tokens at temperature 1:
-    the training forward's log-prob of every sampled token is the one the sampler reported, to
-    the bit, in fp32 and in bf16 (whose kernel inputs and outputs are rounded to bf16 explicitly,
-    ``layers.kernel_input``). Without the decode arithmetic the same forward differs (a different
-    order of the same sums; in bf16 by bf16's rounding), which is what the vLLM-free design still
-    had to remove."""
-    from dataclasses import replace
-    model = replace(TINY, compute_dtype=dtype)
+    the largest |sampler's log-prob - training forward's| with the decode arithmetic (True) and
+    with XLA's forward (False), on one device or on ``mesh`` (parameters and rows sharded as RL
+    shards them). Asserts bit equality row by row with the decode arithmetic."""
+    from olmax.model.params import logical_axes
+    from olmax.sharding import activation_mesh, batch_sharding, param_shardings
     cfg = Config(model=model)
-    assert decode.kernel_arithmetic(model)
     params = _params(model)
     rng = np.random.default_rng(0)
     prompts = [list(map(int, rng.integers(0, model.vocab_size, n))) for n in (2, 9, 5, 7)]
     prompts = [p for p in prompts for _ in range(2)]
-    out = generate(params, model, prompts, max_new_tokens=16, sampling=Sampling(temperature=1.0), batch_size=8)
+    out = generate(params, model, prompts, max_new_tokens=16, sampling=Sampling(temperature=1.0), batch_size=8,
+                   mesh=mesh)
     L = 32
     toks = np.zeros((len(prompts), L), np.int32)
     mask = np.zeros((len(prompts), L), bool)
     for i, (p, c) in enumerate(zip(prompts, out)):
         seq = p + c.token_ids
         toks[i, :len(seq)], mask[i, len(p):len(seq)] = seq, True
+    if mesh is not None:
+        params = jax.device_put(params, param_shardings(logical_axes(model), mesh))
+        toks, mask = (jax.device_put(a, batch_sharding(mesh, 2)) for a in (toks, mask))
     gaps = {}
     for exact in (True, False):
-        lp = np.asarray(jax.jit(lambda p, t, m, e=exact: grpo._logps(p, t, m, cfg, e))(params, toks, mask))
+        def logps(p, t, m, e=exact):
+            with activation_mesh(mesh):
+                return grpo._logps(p, t, m, cfg, e)
+        lp = np.asarray(jax.jit(logps)(params, toks, mask))
         got = [lp[i, len(p) - 1:len(p) - 1 + len(c.token_ids)] for i, (p, c) in enumerate(zip(prompts, out))]
         want = [np.asarray(c.logprobs, np.float32) for c in out]
         assert all(len(c.token_ids) == 16 for c in out)
@@ -69,7 +77,49 @@ def test_rl_log_probs_are_the_samplers_bit_for_bit(dtype: str, xla_bound: float)
             for i, (g, w) in enumerate(zip(got, want)):
                 assert np.array_equal(g, w), (i, np.abs(g - w).max())
         gaps[exact] = max(float(np.abs(g - w).max()) for g, w in zip(got, want))
+    return gaps
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,xla_bound", [("float32", 1e-5), ("bfloat16", 0.1)])
+def test_rl_log_probs_are_the_samplers_bit_for_bit(dtype: str, xla_bound: float) -> None:
+    """The training forward's log-prob of every sampled token is the one the sampler reported,
+    to the bit (``sampled_gaps``), in fp32 and in bf16 (whose kernel inputs and outputs are
+    rounded to bf16 explicitly, ``layers.kernel_input``). Without the decode arithmetic the same
+    forward differs (a different order of the same sums; in bf16 by bf16's rounding), which is
+    what the vLLM-free design still had to remove."""
+    from dataclasses import replace
+    model = replace(TINY, compute_dtype=dtype)
+    assert decode.kernel_arithmetic(model)
+    gaps = sampled_gaps(model)
     assert gaps[True] == 0.0 and 0 < gaps[False] <= xla_bound, gaps
+
+
+@needs_kernel
+def test_rl_log_probs_are_the_samplers_on_a_mesh() -> None:
+    """The same on 4 CPU devices, as fsdp 4 and as fsdp 2 x tensor 2 (rows over fsdp, heads over
+    tensor): each device runs the kernels on its own rows (``cpu_kernels._per_batch_shard``), so
+    every log-prob is the sampler's to the bit, in fp32 and bf16. (XLA's forward on the mesh
+    differed by fp32 rounding, and on bench-rl's d_model 512 model by 3.0e-5.)"""
+    code = textwrap.dedent("""
+        import json
+        from dataclasses import replace
+        from olmax.config import MeshConfig
+        from olmax.model import decode
+        from olmax.sharding import make_mesh
+        from test_decode_arithmetic import TINY, sampled_gaps
+        out = []
+        for dtype, shape in (("float32", dict(fsdp=4)), ("float32", dict(fsdp=2, tensor=2)), ("bfloat16", dict(fsdp=4))):
+            mesh = make_mesh(MeshConfig(**shape))
+            model = replace(TINY, compute_dtype=dtype)
+            out.append([decode.kernel_arithmetic(model, mesh), sampled_gaps(model, mesh)[True]])
+        print(json.dumps(out))
+    """)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.path.dirname(__file__)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [[True, 0.0]] * 3
 
 
 @needs_kernel
@@ -178,7 +228,7 @@ def test_segments_are_refused_under_the_decode_arithmetic() -> None:
 
 
 def test_token_logps_outside_the_block_are_unchanged() -> None:
-    """``decode_arithmetic(False)`` (RL off the kernels: a mesh, TPUs, GPUs) is the plain
+    """``decode_arithmetic(False)`` (RL off the kernels: TPUs, GPUs, no kernel built) is the plain
     forward, to the bit."""
     cfg = Config(model=TINY)
     params = init_params(TINY, jax.random.key(0))
@@ -190,9 +240,9 @@ def test_token_logps_outside_the_block_are_unchanged() -> None:
 
 
 def test_only_the_kernels_devices_turn_it_on() -> None:
-    """RL repeats the decode arithmetic only where the generator decodes with the kernels: one CPU
-    device, in fp32 or bf16. A one-chip TPU mesh (an ahead-of-time compile runs on a CPU host) and
-    a mesh of several devices keep XLA's forward."""
+    """RL repeats the decode arithmetic only where the generator decodes with the kernels: CPU
+    devices, any count, in fp32 or bf16. A one-chip TPU mesh (an ahead-of-time compile runs on a
+    CPU host) keeps XLA's forward."""
     from dataclasses import replace
     from types import SimpleNamespace
 
@@ -200,6 +250,6 @@ def test_only_the_kernels_devices_turn_it_on() -> None:
     assert decode.kernel_arithmetic(TINY, tpu) is False
     assert decode.kernel_arithmetic(replace(TINY, compute_dtype="bfloat16")) is cpu_kernels.available()
     two = SimpleNamespace(devices=np.array([SimpleNamespace(platform="cpu")] * 2), size=2)
-    assert decode.kernel_arithmetic(TINY, two) is False
+    assert decode.kernel_arithmetic(TINY, two) is cpu_kernels.available()
     one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     assert decode.kernel_arithmetic(TINY, one) is decode.kernel_arithmetic(TINY) is cpu_kernels.available()

@@ -23,7 +23,8 @@ FMA; where the CPU also has AVX-512F and AVX-512VL the build may use 32 vector r
 block holds 12 rows instead of 6 (``isa()``; the same multiply-add chains, so the same bits as
 the AVX2 build, tested). Where it cannot be built or loaded, ``available()`` is False with the
 reason in ``unavailable_reason()`` (logged once) and decoding keeps XLA's products and
-attention; ``OLMAX_CPU_KERNELS=0`` turns it off.
+attention; ``OLMAX_CPU_KERNELS=0`` turns it off. Traced for a CPU mesh of several devices, each
+device runs a kernel on its block of the batch (``_per_batch_shard``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
+
+from olmax.sharding import BATCH_AXES, current_mesh
 
 log = logging.getLogger(__name__)
 
@@ -201,10 +205,31 @@ def _require(*arrays: jax.Array) -> None:
         raise RuntimeError(f"olmax's CPU decode kernel is not available: {unavailable_reason()}")
 
 
+def _per_batch_shard(fn, batched: tuple, replicated: tuple = (), dims: tuple | None = None,
+                     out_dim: int = 0) -> jax.Array:
+    """``fn(*batched, *replicated)``; traced for a mesh of several devices (``olmax.sharding.
+    activation_mesh``), each device runs it on its block of the batch (``batched`` split over
+    the data-parallel axes along ``dims``, default the leading axis of each; ``replicated``
+    whole). The kernels are row by row, so a row's bits are those of one device; without this
+    XLA would run the call on every device over the whole batch."""
+    mesh = current_mesh()
+    axes = () if mesh is None else tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
+    if not axes:
+        return fn(*batched, *replicated)
+    dims = dims or (0,) * len(batched)
+
+    def spec(dim: int) -> PartitionSpec:
+        return PartitionSpec(*([None] * dim), axes)
+
+    return jax.shard_map(fn, mesh=mesh, in_specs=(*map(spec, dims), *(PartitionSpec(),) * len(replicated)),
+                         out_specs=spec(out_dim), check_vma=False)(*batched, *replicated)
+
+
 def skinny_matmul(x: jax.Array, p: jax.Array, out: int) -> jax.Array:
     """x [rows, in] fp32 @ the packed weight -> [rows, out] fp32, in the kernel."""
     _require(x, p)
-    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], p.shape[0] * PANEL), jnp.float32))(x, p)
+    y = _per_batch_shard(lambda x, p: jax.ffi.ffi_call(
+        TARGET, jax.ShapeDtypeStruct((x.shape[0], p.shape[0] * PANEL), jnp.float32))(x, p), (x,), (p,))
     return y if y.shape[1] == out else y[:, :out]
 
 
@@ -214,8 +239,9 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, seen: jax.Array) -
     kv_heads, g, e], fp32: ``olmax.model.attention.cache_attention`` for one query per row."""
     _require(q, k, v)
     scale = np.float32(q.shape[-1] ** -0.5)
-    return jax.ffi.ffi_call(ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q, k, v, seen.astype(jnp.int32), scale=scale)
+    stacked = int(k.ndim == 5)  # a layer's stack of one: the batch is its second axis
+    return _per_batch_shard(lambda q, k, v, seen: jax.ffi.ffi_call(ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q, k, v, seen, scale=scale), (q, k, v, seen.astype(jnp.int32)), dims=(0, stacked, stacked, 0))
 
 
 def sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None) -> jax.Array:
@@ -227,8 +253,8 @@ def sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | N
     ``olmax.model.attention.kernel_attention`` for the gradient."""
     _require(q, k, v)
     scale = np.float32(q.shape[-1] ** -0.5)
-    return jax.ffi.ffi_call(SEQUENCE, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q, k, v, scale=scale, window=np.int64(window or 0))
+    return _per_batch_shard(lambda q, k, v: jax.ffi.ffi_call(SEQUENCE, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q, k, v, scale=scale, window=np.int64(window or 0)), (q, k, v))
 
 
 @jax.custom_vjp
@@ -257,7 +283,8 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     and gives it XLA's RMSNorm's gradient."""
     _require(x, w)
     rows = x.reshape(-1, x.shape[-1])
-    y = jax.ffi.ffi_call(NORM, jax.ShapeDtypeStruct(rows.shape, jnp.float32))(rows, w, eps=np.float32(eps))
+    y = _per_batch_shard(lambda r, w: jax.ffi.ffi_call(NORM, jax.ShapeDtypeStruct(r.shape, jnp.float32))(
+        r, w, eps=np.float32(eps)), (rows,), (w,))
     return y.reshape(x.shape)
 
 
@@ -267,7 +294,8 @@ def row_sums(x: jax.Array) -> jax.Array:
     batch and any program (``olmax.model.layers.log_softmax`` under ``decode_arithmetic``)."""
     _require(x)
     rows = x.reshape(-1, x.shape[-1])
-    return jax.ffi.ffi_call(SUMS, jax.ShapeDtypeStruct(rows.shape[:1], jnp.float32))(rows).reshape(*x.shape[:-1], 1)
+    sums = _per_batch_shard(lambda r: jax.ffi.ffi_call(SUMS, jax.ShapeDtypeStruct(r.shape[:1], jnp.float32))(r), (rows,))
+    return sums.reshape(*x.shape[:-1], 1)
 
 
 row_sums.defvjp(lambda x: (row_sums(x), x.shape), lambda shape, dy: (jnp.broadcast_to(dy, shape),))

@@ -80,11 +80,12 @@ LAYOUTS = ("plain", "streamed", "packed")
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-def layout(rows: int, cfg: ModelConfig, one_device: bool = True) -> str:
+def layout(rows: int, cfg: ModelConfig) -> str:
     """The layout of the ``prepare``d weights a batch of ``rows`` decodes fastest with:
 
-    - ``packed`` (CPU, fp32 or bf16, one device): olmax's CPU kernel (``olmax.model.cpu_kernels``,
-      ``olmax.model.olmo3.Packed``) at every row count, where it could be built;
+    - ``packed`` (CPU, fp32 or bf16): olmax's CPU kernel (``olmax.model.cpu_kernels``,
+      ``olmax.model.olmo3.Packed``) at every row count, where it could be built; on a mesh of
+      several devices each runs it on its rows (``cpu_kernels`` splits the batch);
     - ``streamed`` (CPU, 2 rows and up): ``[out, in]`` (``olmax.model.olmo3.OutIn``), whose speed is
       YNNPACK's: XLA CPU hands the multiply-and-reduce to it under jax's default fusion settings
       (``tests/test_decode.py`` checks that it does); where ``XLA_FLAGS`` sets the YNNPACK fusion
@@ -92,7 +93,7 @@ def layout(rows: int, cfg: ModelConfig, one_device: bool = True) -> str:
     - ``plain`` ([in, out]) otherwise."""
     if target_platform() != "cpu":
         return "plain"
-    if one_device and jnp.dtype(cfg.compute_dtype) in KERNEL_DTYPES and cpu_kernels.available():
+    if jnp.dtype(cfg.compute_dtype) in KERNEL_DTYPES and cpu_kernels.available():
         return "packed"
     if rows >= 2 and "ynn_fusion_type" not in os.environ.get("XLA_FLAGS", ""):
         return "streamed"
@@ -101,12 +102,12 @@ def layout(rows: int, cfg: ModelConfig, one_device: bool = True) -> str:
 
 def kernel_arithmetic(cfg: ModelConfig, mesh: Any = None) -> bool:
     """Whether decoding on ``mesh`` (None: one device) uses olmax's CPU kernels (the ``packed``
-    layout, at any batch): then a training forward under ``layers.decode_arithmetic`` gives the
-    decode steps' bits (RL). The mesh's own devices decide (an ahead-of-time compile for a TPU
-    runs on a CPU host)."""
+    layout, at any batch and device count): then a training forward under ``layers.
+    decode_arithmetic`` gives the decode steps' bits (RL). The mesh's own devices decide (an
+    ahead-of-time compile for a TPU runs on a CPU host)."""
     if mesh is not None and mesh.devices.flat[0].platform != "cpu":
         return False
-    return layout(1, cfg, mesh is None or mesh.size == 1) == "packed"
+    return layout(1, cfg) == "packed"
 
 
 def layout_of(prepared: dict) -> str:
@@ -283,7 +284,7 @@ def decode_step(prepared: dict, tokens: jax.Array, cache: dict, cfg: ModelConfig
         where[kind] = length % p.shape[1]
         pos[kind] = p.at[rows, where[kind]].set(length)
     q_pos = length[:, None]
-    # The packed layout means olmax's CPU kernel is in use (CPU, one device): its attention too.
+    # The packed layout means olmax's CPU kernel is in use (CPU): its attention too.
     kernel = layout_of(prepared) == "packed"
 
     def op(full: bool, window: int | None):

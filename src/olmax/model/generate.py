@@ -263,7 +263,7 @@ class Generator:
         self.prepared = self._prepare(params, layout=layout)
 
     def _wanted(self, rows: int) -> str:
-        return layout(rows, self.cfg, self.mesh is None or self.mesh.size == 1)
+        return layout(rows, self.cfg)
 
     def weights(self, rows: int) -> dict:
         """The prepared weights in the layout a batch of ``rows`` decodes fastest with

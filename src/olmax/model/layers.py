@@ -36,7 +36,7 @@ def decode_arithmetic(on: bool = True):
     order of operations, so the CPU decode steps (the ``packed`` layout of ``olmax.model.decode``,
     which run inside this block) and a training forward inside it give a token the same bits: RL's
     log-probs are the sampler's. The gradients are XLA's. Only where the kernels run (CPU, fp32
-    or bf16, one device); one sequence per row, no segments. In bf16 the kernels compute in fp32
+    or bf16; on a mesh each device on its rows); one sequence per row, no segments. In bf16 the kernels compute in fp32
     on bf16 numbers, rounded explicitly at their inputs and outputs (``kernel_input``,
     ``kernel_output``), and RoPE's tables are rounded so that its products are exact
     (``apply_rope``)."""

@@ -4,7 +4,7 @@ optimizer updates out (``olmax.rl.grpo``), on the trainer's mesh.
 Before the first update the policy's log-probs of the batch (``old_logps``) are computed by the
 training forward; they are the ratio's denominator, the truncated-importance-sampling reference,
 and, against the log-probs the generator reported while sampling, the proof that rollouts came
-from these very weights: ``rl/max_logprob_gap`` (0 on one CPU device in fp32 and bf16, where the training
+from these very weights: ``rl/max_logprob_gap`` (0 on CPU devices in fp32 and bf16, where the training
 forward repeats the kernels' decode arithmetic; rounding elsewhere; vLLM-based trainers see 1e-2
 and more, hence their importance-weight truncation).
 """
