@@ -205,12 +205,12 @@ def _require(*arrays: jax.Array) -> None:
         raise RuntimeError(f"olmax's CPU decode kernel is not available: {unavailable_reason()}")
 
 
-def _per_batch_shard(fn, batched: tuple, replicated: tuple = (), dims: tuple | None = None,
-                     out_dim: int = 0) -> jax.Array:
+def _per_batch_shard(fn, batched: tuple, replicated: tuple = (), dims: tuple | None = None) -> jax.Array:
     """``fn(*batched, *replicated)``; traced for a mesh of several devices (``olmax.sharding.
     activation_mesh``), each device runs it on its block of the batch (``batched`` split over
     the data-parallel axes along ``dims``, default the leading axis of each; ``replicated``
-    whole). The kernels are row by row, so a row's bits are those of one device; without this
+    whole; the output split along its leading axis). The kernels are row by row, so a row's bits
+    are those of one device; without this
     XLA would run the call on every device over the whole batch."""
     mesh = current_mesh()
     axes = () if mesh is None else tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
@@ -222,7 +222,7 @@ def _per_batch_shard(fn, batched: tuple, replicated: tuple = (), dims: tuple | N
         return PartitionSpec(*([None] * dim), axes)
 
     return jax.shard_map(fn, mesh=mesh, in_specs=(*map(spec, dims), *(PartitionSpec(),) * len(replicated)),
-                         out_specs=spec(out_dim), check_vma=False)(*batched, *replicated)
+                         out_specs=spec(0), check_vma=False)(*batched, *replicated)
 
 
 def skinny_matmul(x: jax.Array, p: jax.Array, out: int) -> jax.Array:

@@ -36,8 +36,8 @@ def decode_arithmetic(on: bool = True):
     order of operations, so the CPU decode steps (the ``packed`` layout of ``olmax.model.decode``,
     which run inside this block) and a training forward inside it give a token the same bits: RL's
     log-probs are the sampler's. The gradients are XLA's. Only where the kernels run (CPU, fp32
-    or bf16; on a mesh each device on its rows); one sequence per row, no segments. In bf16 the kernels compute in fp32
-    on bf16 numbers, rounded explicitly at their inputs and outputs (``kernel_input``,
+    or bf16; on a mesh each device on its rows); one sequence per row, no segments. In bf16 the
+    kernels compute in fp32 on bf16 numbers, rounded explicitly at their inputs and outputs (``kernel_input``,
     ``kernel_output``), and RoPE's tables are rounded so that its products are exact
     (``apply_rope``)."""
     token = _DECODE_ARITHMETIC.set(on)
@@ -86,10 +86,10 @@ def log_softmax(z: jax.Array) -> jax.Array:
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm as OLMo-core/HF: fp32 compute, weight multiplied in fp32, then cast back (under
     ``decode_arithmetic`` in the CPU kernel, ``cpu_kernels.rms_norm``, with this gradient)."""
-    x32, w32 = x.astype(jnp.float32), weight.astype(jnp.float32)
+    w32 = weight.astype(jnp.float32)
     if decoding_arithmetic():
         return kernel_output(_kernel_rms_norm(kernel_input(x), w32, eps), x.dtype)
-    return _rms_norm(x32, w32, eps).astype(x.dtype)
+    return _rms_norm(x.astype(jnp.float32), w32, eps).astype(x.dtype)
 
 
 def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
