@@ -193,6 +193,8 @@ def test_tiny_dpo_run_resumes_bit_for_bit(tmp_path):
     assert sorted(a) == list(range(1, 7)) and a == b
     assert a[1]["dpo/loss"] == pytest.approx(np.log(2), abs=1e-5)  # reference = the initial policy
     assert a[6]["dpo/loss"] < a[1]["dpo/loss"]
+    # the closing line names the objective's loss (not a cross-entropy) and gives the last step's
+    assert f"trained steps 3..6 in {tmp_path / 'resumed'}; last DPO loss {a[6]['dpo/loss']:.4f}" in second.stderr
     from olmax.checkpoint.load import load_params
     pa, _ = load_params(str(tmp_path / "straight"))
     pb, _ = load_params(str(tmp_path / "resumed"))

@@ -88,7 +88,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     last = res.losses.get(res.end_step)
     msg = f"trained steps {res.start_step}..{res.end_step} in {res.run_dir}"
     if last is not None:
-        msg += f"; last CE loss {last:.4f}"
+        kind = {"lm": "CE loss", "dpo": "DPO loss", "grpo": "policy loss"}[cfg.train.objective]
+        msg += f"; last {kind} {last:.4f}"
     if res.stopped_early:
         msg += " (stopped early; run the same command to resume)"
     print(msg, file=sys.stderr)
