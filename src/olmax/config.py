@@ -367,7 +367,7 @@ class RlConfig:
     num_mini_batches: int = 1
     num_epochs: int = 1
     # Truncated importance sampling cap against the generation log-probs; None = off. In olmax
-    # they are the trainer's own, so the weight is 1 up to rounding.
+    # they are the trainer's own: the weight is exactly 1 on the CPU, 1 up to rounding elsewhere.
     tis_cap: float | None = 2.0
     # Completions that hit max_response_length train nothing (open-instruct mask_truncated_completions).
     mask_truncated: bool = False

@@ -16,7 +16,8 @@ Sources (allenai/open-instruct; ``../shared/spec/olmo3_post_training.md`` §1 an
 
 What differs on purpose: rollouts are on-policy (open-instruct ran ``async_steps 8`` with
 in-flight weight updates: rollouts up to 8 policy versions old); olmax samples from the weights
-being trained, so the TIS weight is 1 up to rounding. The optimizer's settings other than the
+being trained, so the TIS weight is exactly 1 on the CPU (the generator's log-probs are the
+training forward's bits) and 1 up to rounding elsewhere. The optimizer's settings other than the
 learning rate are not in the spec: torch AdamW's defaults (betas 0.9 / 0.999, eps 1e-8), weight
 decay 0, gradient clipping at 1.0, no z-loss and no skip-step (its loss-spike test is meaningless
 for a policy loss around 0).
