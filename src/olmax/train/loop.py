@@ -39,12 +39,16 @@ from olmax.train.runlock import RunLock
 from olmax.train.step import jit_train_step
 
 
+# What each objective's loss is called in messages (``TrainResult.losses`` holds it).
+LOSS_NAMES = {"lm": "CE loss", "dpo": "DPO loss", "grpo": "policy loss"}
+
+
 @dataclasses.dataclass
 class TrainResult:
     run_dir: str
     start_step: int
     end_step: int
-    losses: dict[int, float]          # step (1-based) -> CE loss
+    losses: dict[int, float]          # step (1-based) -> the objective's loss (LOSS_NAMES)
     stopped_early: bool
 
 
@@ -257,8 +261,9 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
         nonfinite_run[:] = nonfinite_run + [step] if bad else []
         if bad and is_main and failure is None:  # past the limit the run is stopping: no more warnings
             what = "skipped" if m["step_skipped"] else "APPLIED (optim.skip_step.olmo_core_nonfinite)"
-            say(f"olmax: WARNING step {step}: non-finite CE loss {m['ce_loss']} / grad norm {m['grad_norm']}; "
-                f"update {what} ({len(nonfinite_run)} in a row; the run stops at {max_nonfinite})")
+            say(f"olmax: WARNING step {step}: non-finite {LOSS_NAMES[cfg.train.objective]} {m['ce_loss']} / "
+                f"grad norm {m['grad_norm']}; update {what} ({len(nonfinite_run)} in a row; the run stops at "
+                f"{max_nonfinite})")
         if bad and len(nonfinite_run) >= max_nonfinite and failure is None:
             failure = (f"{len(nonfinite_run)} consecutive updates had a non-finite loss or gradient norm (steps "
                        f"{nonfinite_run[0]}..{nonfinite_run[-1]}); none of them was checkpointed; "
