@@ -9,7 +9,6 @@ import keyword
 import math
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
@@ -138,8 +137,7 @@ def test_warm_start_and_heldout_accuracy(tmp_path: Path) -> None:
     rcfg = get_recipe(str(demo / "rl" / "rl_run" / "config.yaml"))
     assert rcfg.train.init_from == f"olmax:{dpo}"                            # RL starts from the DPO run
     assert sum(1 for _ in open(demo / "rl" / "dpo_pairs.jsonl")) == len(train)
-    # one CPU device, fp32: the training forward repeats the kernels' decode arithmetic (README, RL)
+    # CPU devices (one or a mesh): the training forward repeats the kernels' decode arithmetic (README, RL)
     from olmax.model.decode import kernel_arithmetic
-    assert out["max_logprob_gap"] == 0.0 if kernel_arithmetic(rcfg.model) and jax.device_count() == 1 \
-        else 0 <= out["max_logprob_gap"] <= 1e-5
+    assert out["max_logprob_gap"] == 0.0 if kernel_arithmetic(rcfg.model) else 0 <= out["max_logprob_gap"] <= 1e-5
     assert {"accuracy_before_se", "accuracy_after_se", "greedy_before", "greedy_after"} <= set(out)
