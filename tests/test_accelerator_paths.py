@@ -277,3 +277,61 @@ def test_rope_tables_built_once_per_distinct_frequencies():
     text = jax.jit(lambda p, x: olmo3.forward(p, x, m)).lower(params, jax.ShapeDtypeStruct((1, 16), jnp.int32)).as_text()
     import re
     assert len(re.findall(r"= stablehlo.constant dense[^\n]*tensor<16x32xf32>", text)) == 2  # one cos, one sin
+
+
+# --------------------------------------------------------------------------- float32 products
+
+
+def _dot_precisions(closed) -> list:
+    """The ``precision`` of every dot_general in a jaxpr, nested ones (scan, remat, custom_vjp,
+    jit) included."""
+    found = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "dot_general":
+                found.append(e.params["precision"])
+            for v in e.params.values():
+                for x in v if isinstance(v, (list, tuple)) else (v,):
+                    if hasattr(x, "eqns"):
+                        walk(x)
+                    elif hasattr(getattr(x, "jaxpr", None), "eqns"):
+                        walk(x.jaxpr)
+    walk(closed.jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu", "cpu"])
+def test_float32_compute_multiplies_in_float32_on_accelerators(platform, monkeypatch):
+    """JAX's default precision lets a GPU multiply float32 on TF32 tensor cores and a TPU in one
+    bf16 pass (on an H200 RL's fp32 log-prob gap was 4.4e-3 so, 8.6e-6 exact). With the compute
+    dtype float32, every dot the training step (forward, the loss head and every gradient, the
+    blocked kernel's hand-written backward) and decoding (prefill, decode step) trace for a GPU or
+    TPU asks for float32 ("highest"); bf16 compute keeps the backend's default, and the CPU's
+    programs (float32 either way) are as they were: no dot asks for more."""
+    from olmax.config import Config
+    from olmax.model import attention, decode, loss
+    for mod in (attention, olmo3, decode):
+        monkeypatch.setattr(mod, "target_platform", lambda: platform)
+    impls = ("xla", "blocked") if platform != "cpu" else ("auto",)
+    highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 200, (2, 64)), jnp.int32)
+    batch = {"input_ids": ids, "label_mask": jnp.ones(ids.shape, bool)}
+    for dtype in ("float32", "bfloat16"):
+        for impl in impls:
+            m = _model(dtype, attention_impl=impl)
+            cfg = Config(model=m)
+            params = init_params(m, jax.random.key(0))
+            grad = _dot_precisions(jax.make_jaxpr(jax.grad(lambda p: loss.head_loss(p, batch, cfg)[0]))(params))
+            prepared = decode.prepare(params, m)
+            lengths = jnp.full((2,), 64, jnp.int32)
+            pre = jax.make_jaxpr(lambda w, t, n: decode.prefill(w, t, n, m, 128))(prepared, ids, lengths)
+            _, cache = jax.eval_shape(lambda w, t, n: decode.prefill(w, t, n, m, 128), prepared, ids, lengths)
+            cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache)
+            step = jax.make_jaxpr(lambda w, t, c: decode.decode_step(w, t, c, m, 128))(prepared, ids[:, 0], cache)
+            dots = grad + _dot_precisions(pre) + _dot_precisions(step)
+            assert len(grad) >= 20 and len(_dot_precisions(step)) >= 8, (len(grad), impl)
+            if dtype == "float32" and platform != "cpu":
+                assert all(p == highest for p in dots), (platform, impl, {str(p) for p in dots})
+            else:
+                assert not any(p == highest for p in dots), (platform, dtype, impl)

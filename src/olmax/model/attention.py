@@ -26,6 +26,10 @@ mask rule is ``layers.position_mask`` in both cases.
 
 from __future__ import annotations
 
+import contextlib
+from functools import wraps
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -42,6 +46,35 @@ def target_platform() -> str:
     if mesh is not None:
         return mesh.devices.flat[0].platform
     return jax.default_backend()
+
+
+def fp32_products(dtype: Any) -> contextlib.AbstractContextManager:
+    """A context in which the dots traced for a model computing in ``dtype`` are exact when that
+    is float32. JAX's default precision lets an accelerator compute a float32 dot coarser and
+    faster: NVIDIA GPUs since Ampere with TF32 (10-bit mantissa), TPUs in one bf16 pass. PyTorch
+    (transformers, OLMo-core) multiplies float32 in float32 unless told otherwise, and so does
+    olmax: measured on an H200 (2026-12-04, jax 0.11.2), RL's fp32 log-prob gap
+    (``benchmarks/bench_logprob_gap.py``) was 4.4e-3 under the default and 8.6e-6 with float32
+    products. bf16 compute is left as it is (its float32 dots keep the backend's default, as
+    training's speed and the TPU compiles assume), and so is the CPU, whose float32 dots are
+    float32 either way: its programs stay as they were. Gradients inherit the precision of the
+    dots they transpose; a ``custom_vjp`` backward is traced apart and enters this itself (the
+    blocked kernel's). Not covered: splash's Pallas backward kernels (TPU, fp32 compute only),
+    which keep Mosaic's default."""
+    if jnp.dtype(dtype) != jnp.float32 or target_platform() == "cpu":
+        return contextlib.nullcontext()
+    return jax.default_matmul_precision("float32")
+
+
+def exact_fp32(fn: Any) -> Any:
+    """``fn`` (which takes a ``ModelConfig`` among its arguments) traced inside
+    ``fp32_products(cfg.compute_dtype)``."""
+    @wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        cfg = next(a for a in (*args, *kwargs.values()) if isinstance(a, ModelConfig))
+        with fp32_products(cfg.compute_dtype):
+            return fn(*args, **kwargs)
+    return wrapped
 
 
 def resolve_impl(requested: str, dtype: jnp.dtype | None = None, platform: str | None = None) -> str:
@@ -172,6 +205,11 @@ def _blocked_forward(qh: jax.Array, kh: jax.Array, vh: jax.Array, seg: jax.Array
 
 
 def _blocked_backward(window: int | None, block: int, res: tuple, dout: jax.Array) -> tuple[jax.Array, ...]:
+    with fp32_products(res[0].dtype):  # a custom_vjp backward is traced apart from its forward
+        return _blocked_grads(window, block, res, dout)
+
+
+def _blocked_grads(window: int | None, block: int, res: tuple, dout: jax.Array) -> tuple[jax.Array, ...]:
     """Per query block: probabilities recomputed from the saved log-sum-exp, then dq. Per key
     block: dk and dv from the query blocks that see it, their rows of ds and p side by side."""
     qh, kh, vh, seg, out, lses = res

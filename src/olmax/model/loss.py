@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from olmax.config import Config, ModelConfig
+from olmax.model.attention import exact_fp32
 from olmax.model.layers import decoding_arithmetic, log_softmax
 from olmax.model.olmo3 import document_segments, hidden_states, lm_head
 from olmax.sharding import constrain
@@ -109,6 +110,7 @@ def _chunked(x: jax.Array, targets: jax.Array, valid: jax.Array, chunk: int | No
     return unchunk, (split(x), split(targets), split(valid))
 
 
+@exact_fp32
 def _head_sums(head: jax.Array, x: jax.Array, input_ids: jax.Array, label_mask: jax.Array, cfg: ModelConfig,
                z_mult: float = 0.0, grad: bool = False) -> tuple[tuple[jax.Array, jax.Array], Any]:
     """``((CE sum, lse^2 sum), grads)`` over the counted labels of hidden states ``x`` [b, t, d].

@@ -28,7 +28,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from olmax.config import ConfigError, ModelConfig
-from olmax.model.attention import attend, kernel_attention, target_platform
+from olmax.model.attention import attend, exact_fp32, kernel_attention, target_platform
 from olmax.model.cpu_kernels import matmul as kernel_matmul, skinny_matmul
 from olmax.model.layers import apply_rope, decoding_arithmetic, kernel_input, kernel_output, rms_norm, rope_at, rope_cos_sin, rope_inv_freq
 from olmax.sharding import constrain
@@ -273,6 +273,7 @@ def stack_layers(params: Any, cfg: ModelConfig, unrolled: bool = False) -> dict[
     return {"groups": stacked, "rest": [_cast(layers[i], cdt) for i in range(groups * period, cfg.n_layers)]}
 
 
+@exact_fp32
 def run_layers(cfg: ModelConfig, layers: dict[str, list], x: jax.Array, tables: dict[bool, tuple], *,
                segment_ids: jax.Array | None = None, caches: Any = None,
                cache_ops: dict[bool, Callable] | None = None, hidden: list | None = None) -> tuple[jax.Array, Any]:
@@ -373,6 +374,7 @@ def hidden_states(params: Any, tokens: jax.Array, cfg: ModelConfig, *, positions
     return (x, hidden) if return_hidden else x
 
 
+@exact_fp32
 def lm_head(params: Any, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Logits in fp32 [b, t, embedding_rows] from the final hidden states (padded rows included)."""
     w = params["lm_head"]
