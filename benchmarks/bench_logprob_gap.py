@@ -32,6 +32,57 @@ from olmax.model.params import init_params
 from olmax.rl import grpo
 
 
+def measure(d: int = 512, layers: int = 8, rows: int = 8, new: int = 40, seed: int = 0,
+            dtypes: tuple[str, ...] = ("float32", "bfloat16"), attention: str = "auto") -> dict:
+    """The gaps of one sampled batch per compute dtype, as a dict (``main`` prints it; the GPU
+    check records it): ``gap`` (the training forward as RL runs it), ``forward`` (which one),
+    ``gap_xla_forward`` (where that is the decode arithmetic), and in bf16 the two floors
+    ``floor_two_micro_batches`` and ``floor_bf16_vs_fp32`` and ``mean_abs_logprob``. ``attention``:
+    ``model.attention_impl``."""
+    base = ModelConfig(d_model=d, n_layers=layers, n_heads=8, n_kv_heads=8, head_dim=d // 8, mlp_hidden=3 * d,
+                       vocab_size=16384, padded_vocab_size=16384, sliding_window=16, max_position_embeddings=1024,
+                       param_dtype="float32", attention_impl=attention)
+    params = jax.tree.map(lambda a: a * 3 if a.ndim == 2 else a, init_params(base, jax.random.key(seed)))
+    rng = np.random.default_rng(seed)
+    prompts = [list(map(int, rng.integers(0, base.vocab_size, rng.integers(5, 20)))) for _ in range(rows)]
+    length = 20 + new
+    res: dict = {"d_model": d, "layers": layers, "rows": rows, "new_tokens": new, "backend": jax.default_backend()}
+    for dtype in dtypes:
+        m = dataclasses.replace(base, compute_dtype=dtype)
+        out = generate(params, m, prompts, max_new_tokens=new, sampling=Sampling(temperature=1.0, seed=seed),
+                       batch_size=rows)
+        toks = np.zeros((rows, length), np.int32)
+        mask = np.zeros((rows, length), bool)
+        gen = np.zeros((rows, length), np.float32)
+        sel = np.zeros((rows, length), bool)
+        for i, (p, c) in enumerate(zip(prompts, out)):
+            seq = p + c.token_ids
+            toks[i, :len(seq)], mask[i, len(p):len(seq)] = seq, True
+            at = slice(len(p) - 1, len(p) - 1 + len(c.token_ids))  # token_logps' layout
+            gen[i, at], sel[i, at] = c.logprobs, True
+
+        def logps(model: ModelConfig, part: slice, exact: bool) -> np.ndarray:
+            cfg = Config(model=model)
+            return np.asarray(jax.jit(lambda p, t, k: grpo._logps(p, t, k, cfg, exact))(params, toks[part], mask[part]))
+
+        def worst(a: np.ndarray) -> float:
+            return float(np.abs(a[sel]).max())
+
+        exact = kernel_arithmetic(m)
+        train = logps(m, slice(None), exact)
+        r: dict = {"gap": worst(gen - train), "forward": "the decode arithmetic" if exact else "XLA"}
+        if exact:
+            r["gap_xla_forward"] = worst(gen - logps(m, slice(None), False))
+        if dtype == "bfloat16":
+            half = rows // 2
+            split = np.concatenate([logps(m, slice(0, half), False), logps(m, slice(half, None), False)])
+            fp32 = logps(dataclasses.replace(m, compute_dtype="float32"), slice(None), False)
+            r.update(floor_two_micro_batches=worst(split - train), floor_bf16_vs_fp32=worst(fp32 - train),
+                     mean_abs_logprob=float(np.abs(train[sel]).mean()))
+        res[dtype] = r
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--d-model", type=int, default=512)
@@ -40,48 +91,16 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    d = args.d_model
-    base = ModelConfig(d_model=d, n_layers=args.layers, n_heads=8, n_kv_heads=8, head_dim=d // 8, mlp_hidden=3 * d,
-                       vocab_size=16384, padded_vocab_size=16384, sliding_window=16, max_position_embeddings=1024,
-                       param_dtype="float32")
-    params = jax.tree.map(lambda a: a * 3 if a.ndim == 2 else a, init_params(base, jax.random.key(args.seed)))
-    rng = np.random.default_rng(args.seed)
-    prompts = [list(map(int, rng.integers(0, base.vocab_size, rng.integers(5, 20)))) for _ in range(args.rows)]
-    length = 20 + args.new
-    print(f"[gap] random OLMo 3 d_model {d} x {args.layers} layers, {args.rows} rows x {args.new} sampled tokens")
+    print(f"[gap] random OLMo 3 d_model {args.d_model} x {args.layers} layers, {args.rows} rows x {args.new} sampled tokens")
+    res = measure(args.d_model, args.layers, args.rows, args.new, args.seed)
     for dtype in ("float32", "bfloat16"):
-        m = dataclasses.replace(base, compute_dtype=dtype)
-        out = generate(params, m, prompts, max_new_tokens=args.new, sampling=Sampling(temperature=1.0, seed=args.seed),
-                       batch_size=args.rows)
-        toks = np.zeros((args.rows, length), np.int32)
-        mask = np.zeros((args.rows, length), bool)
-        gen = np.zeros((args.rows, length), np.float32)
-        sel = np.zeros((args.rows, length), bool)
-        for i, (p, c) in enumerate(zip(prompts, out)):
-            seq = p + c.token_ids
-            toks[i, :len(seq)], mask[i, len(p):len(seq)] = seq, True
-            at = slice(len(p) - 1, len(p) - 1 + len(c.token_ids))  # token_logps' layout
-            gen[i, at], sel[i, at] = c.logprobs, True
-
-        def logps(model: ModelConfig, rows: slice, exact: bool) -> np.ndarray:
-            cfg = Config(model=model)
-            return np.asarray(jax.jit(lambda p, t, k: grpo._logps(p, t, k, cfg, exact))(params, toks[rows], mask[rows]))
-
-        def worst(a: np.ndarray) -> float:
-            return float(np.abs(a[sel]).max())
-
-        exact = kernel_arithmetic(m)
-        train = logps(m, slice(None), exact)
-        line = f"  {dtype}: gap {worst(gen - train):.3g} (training forward as RL runs it: " \
-               f"{'the decode arithmetic' if exact else 'XLA'})"
-        if exact:
-            line += f"; XLA's forward instead: {worst(gen - logps(m, slice(None), False)):.3g}"
+        r = res[dtype]
+        line = f"  {dtype}: gap {r['gap']:.3g} (training forward as RL runs it: {r['forward']})"
+        if "gap_xla_forward" in r:
+            line += f"; XLA's forward instead: {r['gap_xla_forward']:.3g}"
         if dtype == "bfloat16":
-            half = args.rows // 2
-            split = np.concatenate([logps(m, slice(0, half), False), logps(m, slice(half, None), False)])
-            fp32 = logps(dataclasses.replace(m, compute_dtype="float32"), slice(None), False)
-            line += (f"; floor: 2 micro-batches vs 1 {worst(split - train):.3g}, bf16 vs fp32 {worst(fp32 - train):.3g}"
-                     f"; mean |log-prob| {float(np.abs(train[sel]).mean()):.2f}")
+            line += (f"; floor: 2 micro-batches vs 1 {r['floor_two_micro_batches']:.3g}, bf16 vs fp32 "
+                     f"{r['floor_bf16_vs_fp32']:.3g}; mean |log-prob| {r['mean_abs_logprob']:.2f}")
         print(line, flush=True)
 
 

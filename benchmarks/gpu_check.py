@@ -10,8 +10,9 @@ Sections, in order (each timed; an exception is recorded in the JSON and the exi
    the roofline of the decode section.
 4. ``parity``: a random tiny OLMo 3 built by transformers (sequence 512, longer than its window
    128), ``olmax.verify.parity.run_parity`` in bf16 through cuDNN attention against transformers'
-   fp32 eager model: KL mean/max, top-1. Without torch/transformers installed at all, olmax fp32
-   (reference kernel) is the reference instead.
+   fp32 eager model: KL mean/max, top-1; and olmax fp32 (XLA's attention, float32 products)
+   against the same reference (``float32``). Without torch/transformers installed at all, olmax
+   fp32 (reference kernel) is the reference instead.
 5. ``train``: 8 layers of the 7B (d 4096, 32 heads x 128, MLP 11008, window 4096 on 3 of 4
    layers), 8192 context, the full vocabulary, the production step (fp32 master weights and
    Adam, bf16 compute, cuDNN, scanned layers, chunked loss): step time, tokens/s, MFU against
@@ -21,6 +22,11 @@ Sections, in order (each timed; an exception is recorded in the JSON and the exi
    token), greedy, prompts of 128 tokens, at batch 1 and 32: decode tokens/s, and the HBM
    roofline: bytes of the prepared weights one step reads / step time, against the measured copy
    bandwidth (and the same with the KV cache's bytes added).
+7. ``logprob_gap``: RL's rollout fidelity (``benchmarks/bench_logprob_gap.py``'s model and
+   measure) on this device, fp32 and bf16, with the bf16 floors.
+8. ``generate_peer``: the decode section's model and prompts through olmax and through
+   transformers' ``generate`` on the same device (bf16 both; transformers' dynamic cache, and its
+   static cache compiled by torch.compile while the deadline allows): decode step times, ratios.
 
 ``--rehearse``: the same code on the CPU at tiny shapes (4 layers x d 128, sequence 256), olmax
 told it compiles for a GPU (``trace_as_gpu``), cuDNN replaced by the ``xla`` implementation of the
@@ -162,9 +168,15 @@ class Check:
                                      max_position_embeddings=1024, rms_norm_eps=1e-6, eos_token_id=0, pad_token_id=1)
             r = run_parity(hf_dir, dtype="bfloat16", attention_impl=self.attention,
                            seq_len=self.shape["parity_seq"], batch=2)
-        return {k: r[k] for k in ("reference", "attention_impl", "dtype", "batch", "seq_len", "kl_mean", "kl_max",
-                                  "top1_agreement", "top10_overlap", "max_abs_logit_diff", "first_divergent",
-                                  "noise_floor_kl")}
+            # fp32 through XLA's attention ("auto" on a GPU in fp32), float32 products
+            # (``olmax.model.attention.fp32_products``)
+            r32 = run_parity(hf_dir, dtype="float32", attention_impl="xla", seq_len=self.shape["parity_seq"], batch=2)
+        out = {k: r[k] for k in ("reference", "attention_impl", "dtype", "batch", "seq_len", "kl_mean", "kl_max",
+                                 "top1_agreement", "top10_overlap", "max_abs_logit_diff", "first_divergent",
+                                 "noise_floor_kl")}
+        out["float32"] = {k: r32[k] for k in ("attention_impl", "kl_mean", "kl_max", "top1_agreement",
+                                              "max_abs_logit_diff", "first_divergent")}
+        return out
 
     def _parity_olmax_only(self) -> dict:
         from olmax.model.olmo3 import forward
@@ -284,6 +296,115 @@ class Check:
         del gen
         return res
 
+    def logprob_gap(self) -> dict:
+        """RL's rollout fidelity on this device (``bench_logprob_gap.measure``: its d512 x 8 model,
+        8 rows x 40 tokens sampled at temperature 1) in fp32 and bf16, and in fp32 again under
+        ``jax.default_matmul_precision("float32")``: equal, since olmax computes float32 in float32
+        (``olmax.model.attention.fp32_products``; JAX's default on a GPU is TF32, which gave 4.4e-3)."""
+        from bench_logprob_gap import measure
+        kw = dict(d=128, layers=2, rows=4, new=8, attention="xla") if self.args.rehearse else {}
+        out = {"default_precision": measure(**kw)}
+        with jax.default_matmul_precision("float32"):  # olmax's own choice for fp32 compute: the same
+            out["float32_precision"] = measure(**kw, dtypes=("float32",))
+        return out
+
+    def generate_peer(self) -> dict:
+        """olmax's KV-cache generation against transformers' ``generate`` on the same device and
+        the same random model (the decode section's 7B-width slice, built by transformers, bf16 on
+        both sides), greedy, the decode section's prompts and lengths. Per batch: each system's
+        median decode step, read from the host as each token arrives (olmax's ``on_token``,
+        transformers' streamer ``put``, which copies the token to the host), after a warm-up
+        call; transformers with its default dynamic cache, and with ``cache_implementation=
+        "static"`` (which ``generate`` compiles with torch.compile) while --deadline-s allows.
+        ``identical_rows``: greedy rows both systems produced token for token (bf16 kernels
+        differ, so a near-tie may flip a row; a sanity check, not parity)."""
+        if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+            return {"skipped": "torch or transformers is not installed"}
+        import tempfile
+
+        import torch
+        from transformers import Olmo3ForCausalLM
+        from transformers.generation.streamers import BaseStreamer
+
+        from olmax.checkpoint.load import load_params
+        from olmax.compat.hf import olmax_to_hf_config, random_hf_model
+        from olmax.model.generate import Generator, Sampling, cache_length
+        dev = "cpu" if self.args.rehearse or not torch.cuda.is_available() else "cuda"
+        sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+        hf_cfg = olmax_to_hf_config(self.config(1), "bfloat16")
+        P, N = self.shape["prompt"], self.shape["new_tokens"]
+        max_length = cache_length(P, N)
+
+        class Stamps(BaseStreamer):
+            def __init__(self) -> None:
+                self.t: list[float] = []
+
+            def put(self, value: Any) -> None:  # the prompt first, then each new token (on the host)
+                self.t.append(time.perf_counter())
+
+            def end(self) -> None:
+                pass
+
+        with tempfile.TemporaryDirectory() as d:
+            t0 = time.perf_counter()
+            random_hf_model(d, seed=0, dtype="bfloat16", **{k: v for k, v in hf_cfg.items()
+                                                             if k not in ("architectures", "model_type", "dtype")})
+            params, cfg = load_params(f"hf:{d}")
+            m = replace(cfg.model, attention_impl=self.attention, remat="none")
+            gen = Generator(jax.device_put(params), m, Sampling())
+            del params
+            hf = Olmo3ForCausalLM.from_pretrained(d, dtype=torch.bfloat16).to(dev).eval()
+            build = time.perf_counter() - t0
+        res: dict[str, Any] = {"layers": m.n_layers, "d_model": m.d_model, "vocab": m.vocab_size, "prompt": P,
+                               "new_tokens": N, "dtype": "bfloat16", "torch": torch.__version__,
+                               "hf_attention": hf.config._attn_implementation, "build_seconds": build, "batches": {}}
+        rng = np.random.default_rng(1)
+
+        def hf_run(ids: Any, n: int, **kw: Any) -> tuple[list[list[int]], list[float]]:
+            st = Stamps()
+            with torch.no_grad():
+                out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                  min_new_tokens=n, do_sample=False, pad_token_id=1, streamer=st, **kw)
+            sync()
+            return out[:, P:].tolist(), st.t
+
+        for b in self.shape["decode_batches"]:
+            prompts = [list(map(int, rng.integers(2, m.vocab_size, P))) for _ in range(b)]
+            gen.run(prompts, list(range(b)), b, P, max_length, 3, set(), None, None)  # compiles
+            stamps: list[float] = []
+            outs = gen.run(prompts, list(range(b)), b, P, max_length, N, set(), None,
+                           lambda i, tok: stamps.append(time.perf_counter()) if i == 0 else None)
+            ox_step = float(np.median(np.diff(stamps)))
+            ids = torch.tensor(prompts, device=dev)
+            hf_run(ids, 3)  # warm-up
+            toks, t = hf_run(ids, N)
+            hf_step = float(np.median(np.diff(t[2:])))  # t[0]: the prompt, t[1]: the prefill's token
+            ox_toks = [o.token_ids for o in outs]
+            row: dict[str, Any] = {
+                "olmax_decode_step_seconds": ox_step, "olmax_tokens_per_second": b / ox_step,
+                "transformers_decode_step_seconds": hf_step, "transformers_tokens_per_second": b / hf_step,
+                "ratio_vs_transformers": hf_step / ox_step,
+                "identical_rows": sum(a == c for a, c in zip(ox_toks, toks)),
+                "first_token_agreement": float(np.mean([a[0] == c[0] for a, c in zip(ox_toks, toks)]))}
+            if time.perf_counter() - self.t0 < self.args.deadline_s:
+                try:
+                    tc = time.perf_counter()
+                    hf_run(ids, N, cache_implementation="static")  # compiles
+                    row["transformers_static_compile_seconds"] = time.perf_counter() - tc
+                    _, t = hf_run(ids, N, cache_implementation="static")
+                    st_step = float(np.median(np.diff(t[2:])))
+                    row.update(transformers_static_decode_step_seconds=st_step,
+                               transformers_static_tokens_per_second=b / st_step,
+                               ratio_vs_transformers_static=st_step / ox_step)
+                except Exception as e:  # recorded; the dynamic-cache comparison stands
+                    row["transformers_static_error"] = f"{type(e).__name__}: {e}"[:500]
+            else:
+                row["transformers_static_error"] = "skipped: past --deadline-s"
+            res["batches"][str(b)] = row
+            print(f"[gpu_check] generate_peer batch {b}: {json.dumps(row, default=str)}", flush=True)
+        del gen, hf
+        return res
+
 
 def trace_as_gpu() -> None:
     """--rehearse: olmax picks a few code paths by the platform it compiles for (separate q/k/v
@@ -325,7 +446,7 @@ def main() -> int:
             warnings.filterwarnings("error", category=DeprecationWarning, module=mod)
         trace_as_gpu()
     c = Check(args)
-    sections = ["env", "matmul", "bandwidth", "parity", "train", "decode"]
+    sections = ["env", "matmul", "bandwidth", "parity", "train", "decode", "logprob_gap", "generate_peer"]
     for name in args.only.split(",") if args.only else sections:
         c.section(name, getattr(c, name))
     c.out["memory_end"] = memory()

@@ -7,6 +7,7 @@ module the check imports and runs its ``env`` section. `make rehearse-gpu` runs 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +16,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "benchmarks" / "gpu_check.py"
+# The benchmarks whose code the check's sections import (``logprob_gap``).
+SECTIONS_FROM = [ROOT / "benchmarks" / "bench_logprob_gap.py"]
 # In requirements.lock, not on the image (the device tool's KINDS.md package list).
 NOT_ON_IMAGE = ["grain", "tensorboardX", "zstandard", "lm_eval", "olmo_core", "libtpu", "datasets", "evaluate",
                 "boto3", "botocore", "moto", "portpicker", "nltk", "trl", "array_record", "cached_path"]
@@ -39,12 +42,21 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a name inside a module, not a submodule
+        return False
+
+
 def check_imports() -> list[str]:
-    """Every ``olmax...`` module gpu_check.py imports, at the top or inside a section."""
+    """Every ``olmax...`` module gpu_check.py (and the benchmarks it takes sections from)
+    imports, at the top or inside a section."""
     mods = set()
-    for node in ast.walk(ast.parse(CHECK.read_text())):
+    for node in (n for f in (CHECK, *SECTIONS_FROM) for n in ast.walk(ast.parse(f.read_text()))):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "olmax":
             mods.add(node.module)
+            mods.update(f"{node.module}.{a.name}" for a in node.names if _is_module(f"{node.module}.{a.name}"))
         elif isinstance(node, ast.Import):
             mods.update(a.name for a in node.names if a.name.split(".")[0] == "olmax")
     return sorted(mods)
@@ -52,7 +64,8 @@ def check_imports() -> list[str]:
 
 def test_gpu_check_imports_without_install_or_missing_packages(tmp_path):
     mods = check_imports()
-    assert {"olmax.train.step", "olmax.model.generate", "olmax.verify.parity"} <= set(mods)
+    assert {"olmax.train.step", "olmax.model.generate", "olmax.verify.parity", "olmax.rl.grpo"} <= set(mods)
+    assert "from bench_logprob_gap import" in CHECK.read_text()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OLMAX_MALLOC")}
     env.update(PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu")
     out = tmp_path / "gpu_check.json"
