@@ -71,7 +71,9 @@ def exact_fp32(fn: Any) -> Any:
     ``fp32_products(cfg.compute_dtype)``."""
     @wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        cfg = next(a for a in (*args, *kwargs.values()) if isinstance(a, ModelConfig))
+        cfg = next((a for a in (*args, *kwargs.values()) if isinstance(a, ModelConfig)), None)
+        if cfg is None:
+            raise TypeError(f"{fn.__name__} was called without a ModelConfig")
         with fp32_products(cfg.compute_dtype):
             return fn(*args, **kwargs)
     return wrapped
