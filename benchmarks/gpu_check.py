@@ -378,7 +378,9 @@ class Check:
             ids = torch.tensor(prompts, device=dev)
             hf_run(ids, 3)  # warm-up
             toks, t = hf_run(ids, N)
-            hf_step = float(np.median(np.diff(t[2:])))  # t[0]: the prompt, t[1]: the prefill's token
+            # t[0]: the prompt, t[1]: the prefill's token; from there on one stamp per decode step,
+            # as olmax's stamps[0] is its prefill's token
+            hf_step = float(np.median(np.diff(t[1:])))
             ox_toks = [o.token_ids for o in outs]
             row: dict[str, Any] = {
                 "olmax_decode_step_seconds": ox_step, "olmax_tokens_per_second": b / ox_step,
@@ -392,7 +394,7 @@ class Check:
                     hf_run(ids, N, cache_implementation="static")  # compiles
                     row["transformers_static_compile_seconds"] = time.perf_counter() - tc
                     _, t = hf_run(ids, N, cache_implementation="static")
-                    st_step = float(np.median(np.diff(t[2:])))
+                    st_step = float(np.median(np.diff(t[1:])))
                     row.update(transformers_static_decode_step_seconds=st_step,
                                transformers_static_tokens_per_second=b / st_step,
                                ratio_vs_transformers_static=st_step / ox_step)

@@ -304,7 +304,7 @@ def _dot_precisions(closed) -> list:
 @pytest.mark.parametrize("platform", ["gpu", "tpu", "cpu"])
 def test_float32_compute_multiplies_in_float32_on_accelerators(platform, monkeypatch):
     """JAX's default precision lets a GPU multiply float32 on TF32 tensor cores and a TPU in one
-    bf16 pass (on an H200 RL's fp32 log-prob gap was 4.4e-3 so, 8.6e-6 exact). With the compute
+    bf16 pass (on an H200 RL's fp32 log-prob gap was 4.4e-3 that way, 8.6e-6 exact). With the compute
     dtype float32, every dot the training step (forward, the loss head and every gradient, the
     blocked kernel's hand-written backward) and decoding (prefill, decode step) trace for a GPU or
     TPU asks for float32 ("highest"); bf16 compute keeps the backend's default, and the CPU's
