@@ -20,7 +20,7 @@ import pytest
 from olmax.compile import parse_topology
 from olmax.config import ConfigError
 from olmax.eval.heldout import make_eval_step
-from olmax.model import olmo3
+from olmax.model import cpu_kernels, olmo3
 from olmax.model.attention import (_head_major, blocked_attention, reference_attention, resolve_impl,
                                    splash_attention)
 from olmax.model.loss import head_loss, loss_denominator, loss_sums
@@ -114,7 +114,8 @@ def test_auto_attention_per_platform():
     assert resolve_impl("auto", jnp.bfloat16, "tpu") == "splash"
     assert resolve_impl("auto", jnp.bfloat16, "gpu") == "cudnn"
     assert resolve_impl("auto", jnp.float32, "gpu") == "xla"
-    assert resolve_impl("auto", jnp.float32, "cpu") == "blocked"
+    assert resolve_impl("auto", jnp.float32, "cpu") == ("cpu" if cpu_kernels.available() else "blocked")
+    assert resolve_impl("auto", jnp.bfloat16, "cpu") == "blocked"
     assert resolve_impl("splash", jnp.float32, "cpu") == "splash"
 
 

@@ -67,10 +67,11 @@ class ModelConfig:
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
     # Attention kernel (olmax.model.attention picks per platform for "auto"): splash (Pallas
     # flash attention on TPU, skips blocks outside the sliding window), cudnn (flash attention
-    # on GPU), xla (jax.nn.dot_product_attention's XLA path), blocked (the reference's arithmetic
-    # per block of queries over the keys they can see: CPU), reference (exact einsum that
-    # materialises [t, s] scores: tests, short sequences).
-    attention_impl: Literal["auto", "reference", "blocked", "splash", "cudnn", "xla"] = "auto"
+    # on GPU), xla (jax.nn.dot_product_attention's XLA path), cpu (olmax's C++ kernel, forward
+    # and backward: CPU, fp32, heads a multiple of 16 wide; elsewhere blocked), blocked (the
+    # reference's arithmetic per block of queries over the keys they can see, in XLA: CPU),
+    # reference (exact einsum that materialises [t, s] scores: tests, short sequences).
+    attention_impl: Literal["auto", "reference", "blocked", "cpu", "splash", "cudnn", "xla"] = "auto"
     # Splash attention tile sizes (query block, key/value block), forward and backward.
     attention_block_q: int = 512
     attention_block_kv: int = 512

@@ -15,6 +15,10 @@ mask rule is ``layers.position_mask`` in both cases.
   (its window, or the causal prefix): fewer FLOPs and a much smaller score matrix. The CPU's
   kernel; it agrees with ``reference`` to fp32 rounding (keys outside a row's window add an
   exact zero in ``reference``), with a hand-written backward pass (see ``blocked_attention``).
+- ``cpu``: the same blocks in olmax's C++ kernel (``cpu_kernels.flash_attention``), forward and
+  backward: each block's scores, softmax and products in one piece of work in cache, the
+  exponentials vectorised, q, k and v read in place. What "auto" picks on a CPU in fp32 where
+  the kernel is built; elsewhere (bf16, heads not a multiple of 16 wide, no kernel) ``blocked``.
 - ``splash``: TPU Pallas flash attention (``jax.experimental.pallas.ops.tpu.splash_attention``);
   the mask is lazy (causal, or local with ``window_size=(W-1, 0)``), so blocks outside the window
   are never computed. Runs per device under ``shard_map`` (batch over the data-parallel axes,
@@ -34,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from olmax.config import ConfigError, ModelConfig
+from olmax.model import cpu_kernels
 from olmax.model.cpu_kernels import sequence_attention
 from olmax.model.layers import attention_mask, kernel_input, kernel_output, position_mask, segment_mask
 from olmax.sharding import activation_spec, current_mesh, single_device
@@ -81,8 +86,8 @@ def exact_fp32(fn: Any) -> Any:
 
 def resolve_impl(requested: str, dtype: jnp.dtype | None = None, platform: str | None = None) -> str:
     """``model.attention_impl`` -> a kernel. "auto": splash on TPU; on GPU cuDNN when the compute
-    dtype is bf16/fp16 (cuDNN has no fp32 kernel), XLA's fused path otherwise; the exact
-    reference on CPU."""
+    dtype is bf16/fp16 (cuDNN has no fp32 kernel), XLA's fused path otherwise; on CPU olmax's
+    kernel in fp32 where it is built, else the XLA ``blocked`` kernel."""
     platform = platform or target_platform()
     if requested != "auto":
         return requested
@@ -90,6 +95,8 @@ def resolve_impl(requested: str, dtype: jnp.dtype | None = None, platform: str |
         return "splash"
     if platform == "gpu":
         return "cudnn" if dtype is None or jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
+    if dtype is not None and jnp.dtype(dtype) == jnp.float32 and cpu_kernels.available():
+        return "cpu"
     return "blocked"
 
 
@@ -378,7 +385,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, cfg: Mo
     impl = resolve_impl(cfg.attention_impl, q.dtype)
     if impl == "reference":
         return reference_attention(q, k, v, window, segment_ids)
-    if impl == "blocked":
+    if impl == "cpu" and target_platform() == "cpu" and cpu_kernels.flash_supported(q, k):
+        return cpu_kernels.flash_attention(q, k, v, window, segment_ids)
+    if impl in ("blocked", "cpu"):
         return blocked_attention(q, k, v, window, segment_ids=segment_ids)
     if impl == "splash":
         return splash_attention(q, k, v, window, cfg, segment_ids=segment_ids)

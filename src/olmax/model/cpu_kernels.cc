@@ -494,6 +494,340 @@ ffi::Error RmsNorm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------
+// Training attention on the CPU (``olmax.model.cpu_kernels.flash_attention``): causal
+// self-attention of whole sequences, forward and backward, fp32, computed per block of queries
+// over only the keys the block sees (its window or the causal prefix), as the ``blocked`` XLA
+// kernel computes it, but with the scores, the softmax and both products of a block in one
+// piece of work, in cache, and the exponentials vectorised. q [B, T, H, E], k and v [B, T, KV, E]
+// (H = KV x G, head h = kv x G + g), ``seg`` [B, T] (compared only when ``segments``), read in
+// place: no head-major copies. E must be a multiple of 16.
+//
+// The products go through ``Tile``: MR rows of x against 16 columns of a panel whose rows are
+// ``ldp`` floats apart, each output element one multiply-add chain over i in order. Every piece
+// of work is computed by one thread in one fixed order, so the results do not depend on the
+// number of threads or on which thread takes which piece: the same bits on every run, and, as a
+// sequence is never split across pieces, the same bits for a row in any batch.
+
+template <int MR, bool ACC, bool TRANS>
+void Tile(const float* x, int64_t ldx, const float* p, int64_t ldp, int64_t I, float* y, int64_t ldy) {
+  static_assert(MR >= 1 && MR <= kMaxRows, "row block size");
+  const __m256 z = _mm256_setzero_ps();
+  // Element (r, i) of x: x[r * ldx + i], or with TRANS x[i * ldx + r] (x^T's rows).
+  const int64_t step = TRANS ? ldx : 1;
+#define OLMAX_DECLARE(r) \
+  __m256 a##r##_0 = z, a##r##_1 = z; \
+  const float* x##r = x + (MR > r ? (TRANS ? r : r * ldx) : 0); \
+  if (ACC && MR > r) { a##r##_0 = _mm256_loadu_ps(y + r * ldy); a##r##_1 = _mm256_loadu_ps(y + r * ldy + 8); }
+  OLMAX_ROWS(OLMAX_DECLARE)
+#undef OLMAX_DECLARE
+  for (int64_t i = 0; i < I; ++i) {
+    const __m256 w0 = _mm256_loadu_ps(p + i * ldp);
+    const __m256 w1 = _mm256_loadu_ps(p + i * ldp + 8);
+#define OLMAX_FMA(r)                                           \
+    if (MR > r) {                                              \
+      const __m256 b = _mm256_broadcast_ss(x##r + i * step);   \
+      a##r##_0 = _mm256_fmadd_ps(b, w0, a##r##_0);             \
+      a##r##_1 = _mm256_fmadd_ps(b, w1, a##r##_1);             \
+    }
+    OLMAX_ROWS(OLMAX_FMA)
+#undef OLMAX_FMA
+  }
+#define OLMAX_STORE(r) if (MR > r) Store(y + r * ldy, a##r##_0, a##r##_1);
+  OLMAX_ROWS(OLMAX_STORE)
+#undef OLMAX_STORE
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
+
+template <bool ACC, bool TRANS>
+TileFn TileFor(int mr) {
+  switch (mr) {
+#define OLMAX_CASE(r) \
+    case r + 1: return Tile<(r + 1 < kMaxRows ? r + 1 : kMaxRows), ACC, TRANS>;
+    OLMAX_ROWS(OLMAX_CASE)
+#undef OLMAX_CASE
+  }
+  return nullptr;
+}
+
+// y [R, C] (=, or += with ``acc``) x [R, I] @ p [I, C], C a multiple of 16; rows of x, p and y
+// ldx, ldp and ldy floats apart (with ``trans``, x is stored as its transpose, [I, R], rows ldx
+// apart). Row blocks of at most kMaxRows, as even as possible; each block against every panel
+// of 16 columns in turn (its rows of x stay in L1).
+void Product(const float* x, int64_t ldx, int64_t R, const float* p, int64_t ldp, int64_t I, int64_t C,
+             float* y, int64_t ldy, bool acc, bool trans = false) {
+  const int64_t blocks = (R + kMaxRows - 1) / kMaxRows;
+  int64_t r = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int mr = static_cast<int>((R - r) / (blocks - b));
+    const TileFn tile = trans ? (acc ? TileFor<true, true>(mr) : TileFor<false, true>(mr))
+                              : (acc ? TileFor<true, false>(mr) : TileFor<false, false>(mr));
+    const float* xr = x + (trans ? r : r * ldx);
+    for (int64_t c = 0; c < C; c += kNR) tile(xr, ldx, p + c, ldp, I, y + r * ldy + c, ldy);
+    r += mr;
+  }
+}
+
+// exp(x) in eight lanes (Cephes' single-precision method: x = n ln2 + r, |r| <= ln2 / 2, a
+// degree-5 polynomial for exp(r), then 2^n; within 2 ulp of the exact value over the range
+// where exp is normal). Below -87.34 (exp is subnormal or zero there, and -inf) the result is
+// exactly 0, as XLA CPU reads subnormals; NaN stays NaN.
+inline __m256 Exp(__m256 x) {
+  const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3365478515625f), _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), x);  // NaN passes (the second operand)
+  x = _mm256_max_ps(_mm256_set1_ps(-87.3365478515625f), x);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+  return _mm256_andnot_ps(under, y);
+}
+
+inline float Lanes(__m256 a) {
+  alignas(32) float l[8];
+  _mm256_store_ps(l, a);
+  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
+// The shape of a call and the keys each query sees.
+struct Flash {
+  int64_t B, T, H, KV, G, E, window, block;
+  bool segments;
+  float scale;
+  const int32_t* seg;
+  // Query block [q0, q1) reads keys [k0, q1): from the first key its first query's window holds.
+  int64_t K0(int64_t q0) const { return window ? std::max<int64_t>(0, q0 - window + 1) : 0; }
+  // Query t sees keys [lo, t] (and, with segments, only those of its own segment).
+  int64_t Lo(int64_t t) const { return window ? std::max<int64_t>(0, t - window + 1) : 0; }
+  bool Hidden(int64_t b, int64_t t, int64_t key) const { return segments && seg[b * T + key] != seg[b * T + t]; }
+};
+
+// The keys [k0, k0 + n) of (row b, kv head) transposed into panels: out[e * ld + j] = key j's
+// element e, the columns from n to ld (a multiple of 16) zero.
+void Transposed(const float* src, int64_t row, int64_t n, int64_t E, float* out, int64_t ld) {
+  for (int64_t e = 0; e < E; ++e) std::memset(out + e * ld + n, 0, (ld - n) * sizeof(float));
+  for (int64_t j = 0; j < n; ++j) {
+    const float* s = src + j * row;
+    for (int64_t e = 0; e < E; ++e) out[e * ld + j] = s[e];
+  }
+}
+
+// The probabilities of one query's row of scores s [n] (keys k0 .. k0 + n - 1), in place: scaled,
+// those it does not see zero, the others exp(score - max) / total. Returns the log-sum-exp.
+float Softmax(const Flash& f, int64_t b, int64_t t, int64_t k0, float* s, int64_t n) {
+  const int64_t lo = f.Lo(t) - k0, hi = t - k0 + 1;  // seen: [lo, hi)
+  const float lowest = -std::numeric_limits<float>::infinity();
+  if (f.segments)
+    for (int64_t j = lo; j < hi; ++j)
+      if (f.Hidden(b, t, k0 + j)) s[j] = lowest;
+  const __m256 scale = _mm256_set1_ps(f.scale);
+  __m256 most = _mm256_set1_ps(lowest);
+  int64_t j = lo;
+  for (; j + 8 <= hi; j += 8) {
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + j), scale);
+    _mm256_storeu_ps(s + j, x);
+    most = _mm256_max_ps(most, x);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, most);
+  float top = lowest;
+  for (float x : lanes) top = std::max(top, x);
+  for (; j < hi; ++j) top = std::max(top, s[j] *= f.scale);
+  const __m256 shift = _mm256_set1_ps(top);
+  __m256 acc = _mm256_setzero_ps();
+  j = lo;
+  for (; j + 8 <= hi; j += 8) {
+    const __m256 e = Exp(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift));
+    _mm256_storeu_ps(s + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float total = Lanes(acc);
+  if (j < hi) {
+    alignas(32) float tail[8] = {0};
+    for (int64_t i = j; i < hi; ++i) tail[i - j] = s[i] - top;
+    for (int64_t i = hi - j; i < 8; ++i) tail[i] = lowest;
+    _mm256_store_ps(tail, Exp(_mm256_load_ps(tail)));
+    for (int64_t i = j; i < hi; ++i) total += (s[i] = tail[i - j]);
+  }
+  const float inv = 1.f / total;
+  for (int64_t i = 0; i < lo; ++i) s[i] = 0.f;
+  for (int64_t i = lo; i < hi; ++i) s[i] *= inv;
+  for (int64_t i = hi; i < n; ++i) s[i] = 0.f;
+  return top + std::log(total);
+}
+
+
+// One query's row of the backward, in place: s [n] (its raw scores q . k) becomes the
+// probabilities exp(score x scale - lse), zero for the keys it does not see; dp [n] (dout . v)
+// becomes ds = p (dp - rowsum) x scale.
+void Recompute(const Flash& f, int64_t b, int64_t t, int64_t k0, float lse, float rowsum, float* s, float* dp,
+               int64_t n) {
+  const int64_t lo = f.Lo(t) - k0, hi = t - k0 + 1;
+  const __m256 scale = _mm256_set1_ps(f.scale), l = _mm256_set1_ps(lse), sum = _mm256_set1_ps(rowsum);
+  int64_t j = lo;
+  for (; j + 8 <= hi; j += 8) {
+    const __m256 p = Exp(_mm256_fmsub_ps(_mm256_loadu_ps(s + j), scale, l));
+    _mm256_storeu_ps(s + j, p);
+    _mm256_storeu_ps(dp + j, _mm256_mul_ps(_mm256_mul_ps(p, _mm256_sub_ps(_mm256_loadu_ps(dp + j), sum)), scale));
+  }
+  if (j < hi) {
+    alignas(32) float ts[8] = {0}, td[8] = {0};
+    for (int64_t i = j; i < hi; ++i) ts[i - j] = s[i], td[i - j] = dp[i];
+    const __m256 p = Exp(_mm256_fmsub_ps(_mm256_load_ps(ts), scale, l));
+    _mm256_store_ps(ts, p);
+    _mm256_store_ps(td, _mm256_mul_ps(_mm256_mul_ps(p, _mm256_sub_ps(_mm256_load_ps(td), sum)), scale));
+    for (int64_t i = j; i < hi; ++i) s[i] = ts[i - j], dp[i] = td[i - j];
+  }
+  for (int64_t i = 0; i < lo; ++i) s[i] = dp[i] = 0.f;
+  for (int64_t i = hi; i < n; ++i) s[i] = dp[i] = 0.f;
+  if (f.segments)
+    for (int64_t i = lo; i < hi; ++i)
+      if (f.Hidden(b, t, k0 + i)) s[i] = dp[i] = 0.f;
+}
+
+struct FlashScratch {
+  std::vector<float> kt, vt, s, dp;
+};
+
+FlashScratch& Scratch() {
+  thread_local FlashScratch scratch;
+  return scratch;
+}
+
+int64_t Up16(int64_t n) { return (n + kNR - 1) / kNR * kNR; }
+
+ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> seg, ffi::ResultBuffer<ffi::F32> out,
+                        ffi::ResultBuffer<ffi::F32> lse, float scale, int64_t window, int64_t block,
+                        int64_t segments) {
+  const std::vector<int64_t> qd(q.dimensions().begin(), q.dimensions().end());
+  const std::vector<int64_t> kd(k.dimensions().begin(), k.dimensions().end());
+  const std::vector<int64_t> vd(v.dimensions().begin(), v.dimensions().end());
+  const std::vector<int64_t> sd(seg.dimensions().begin(), seg.dimensions().end());
+  const std::vector<int64_t> od(out->dimensions().begin(), out->dimensions().end());
+  const std::vector<int64_t> ld(lse->dimensions().begin(), lse->dimensions().end());
+  if (qd.size() != 4 || kd.size() != 4 || vd != kd || od != qd || kd[0] != qd[0] || kd[1] != qd[1] ||
+      kd[3] != qd[3] || kd[2] == 0 || qd[2] % kd[2] != 0 || qd[3] % kNR != 0 || sd.size() != 2 ||
+      sd[0] != qd[0] || sd[1] != qd[1] || ld.size() != 3 || ld[0] != qd[0] || ld[1] != qd[2] || ld[2] != qd[1] ||
+      window < 0 || block < 1) {
+    return ffi::Error::InvalidArgument(
+        "olmax_flash_forward: expected q [B, T, H, E] (E a multiple of 16), k and v [B, T, KV, E] with H a multiple "
+        "of KV, seg [B, T], out like q, lse [B, H, T], window >= 0, block >= 1");
+  }
+  const Flash f{qd[0], qd[1], qd[2], kd[2], qd[2] / kd[2], qd[3], window, block, segments != 0, scale, seg.typed_data()};
+  if (f.B * f.T * f.H == 0) return ffi::Error::Success();
+  const float* qp = q.typed_data();
+  const float* kp = k.typed_data();
+  const float* vp = v.typed_data();
+  float* op = out->typed_data();
+  float* lp = lse->typed_data();
+  const int64_t blocks = (f.T + block - 1) / block;
+  Parallel(pool, f.B * f.KV * blocks, [=](int64_t item) {
+    const int64_t b = item / (f.KV * blocks), kv = item / blocks % f.KV, q0 = item % blocks * f.block;
+    const int64_t q1 = std::min(f.T, q0 + f.block), m = q1 - q0, k0 = f.K0(q0), n = q1 - k0, n16 = Up16(n);
+    const int64_t krow = f.KV * f.E, qrow = f.H * f.E;
+    const float* keys = kp + ((b * f.T + k0) * f.KV + kv) * f.E;
+    const float* values = vp + ((b * f.T + k0) * f.KV + kv) * f.E;
+    FlashScratch& w = Scratch();
+    w.kt.resize(f.E * n16);
+    w.s.resize(m * n16);
+    Transposed(keys, krow, n, f.E, w.kt.data(), n16);
+    for (int64_t g = 0; g < f.G; ++g) {
+      const int64_t h = kv * f.G + g;
+      const float* qs = qp + ((b * f.T + q0) * f.H + h) * f.E;
+      Product(qs, qrow, m, w.kt.data(), n16, f.E, n16, w.s.data(), n16, false);
+      for (int64_t r = 0; r < m; ++r)
+        lp[(b * f.H + h) * f.T + q0 + r] = Softmax(f, b, q0 + r, k0, w.s.data() + r * n16, n);
+      Product(w.s.data(), n16, m, values, krow, n, f.E, op + ((b * f.T + q0) * f.H + h) * f.E, qrow, false);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// The gradients, per (row, kv head), in one piece of work (dk and dv of the head sum over every
+// block of queries and every query head of the group, in order). Per block of queries: its
+// probabilities again from the saved log-sum-exp, dp = dout v^T, ds = p (dp - rowsum(dout out))
+// x scale, then dq = ds k, dk += ds^T q and dv += p^T dout over the keys the block sees.
+ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> seg, ffi::Buffer<ffi::F32> out,
+                         ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout, ffi::ResultBuffer<ffi::F32> dq,
+                         ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv, float scale,
+                         int64_t window, int64_t block, int64_t segments) {
+  const std::vector<int64_t> qd(q.dimensions().begin(), q.dimensions().end());
+  const std::vector<int64_t> kd(k.dimensions().begin(), k.dimensions().end());
+  const std::vector<int64_t> vd(v.dimensions().begin(), v.dimensions().end());
+  const std::vector<int64_t> sd(seg.dimensions().begin(), seg.dimensions().end());
+  const std::vector<int64_t> od(out.dimensions().begin(), out.dimensions().end());
+  const std::vector<int64_t> gd(dout.dimensions().begin(), dout.dimensions().end());
+  const std::vector<int64_t> ld(lse.dimensions().begin(), lse.dimensions().end());
+  const std::vector<int64_t> dqd(dq->dimensions().begin(), dq->dimensions().end());
+  const std::vector<int64_t> dkd(dk->dimensions().begin(), dk->dimensions().end());
+  const std::vector<int64_t> dvd(dv->dimensions().begin(), dv->dimensions().end());
+  if (qd.size() != 4 || kd.size() != 4 || vd != kd || od != qd || gd != qd || dqd != qd || dkd != kd || dvd != kd ||
+      kd[0] != qd[0] || kd[1] != qd[1] || kd[3] != qd[3] || kd[2] == 0 || qd[2] % kd[2] != 0 || qd[3] % kNR != 0 ||
+      sd.size() != 2 || sd[0] != qd[0] || sd[1] != qd[1] || ld.size() != 3 || ld[0] != qd[0] || ld[1] != qd[2] ||
+      ld[2] != qd[1] || window < 0 || block < 1) {
+    return ffi::Error::InvalidArgument(
+        "olmax_flash_backward: expected q, out, dout and dq [B, T, H, E] (E a multiple of 16), k, v, dk and dv "
+        "[B, T, KV, E] with H a multiple of KV, seg [B, T], lse [B, H, T], window >= 0, block >= 1");
+  }
+  const Flash f{qd[0], qd[1], qd[2], kd[2], qd[2] / kd[2], qd[3], window, block, segments != 0, scale, seg.typed_data()};
+  if (f.B * f.T * f.H == 0) return ffi::Error::Success();
+  const float* qp = q.typed_data();
+  const float* kp = k.typed_data();
+  const float* vp = v.typed_data();
+  const float* op = out.typed_data();
+  const float* lp = lse.typed_data();
+  const float* gp = dout.typed_data();
+  float* dqp = dq->typed_data();
+  float* dkp = dk->typed_data();
+  float* dvp = dv->typed_data();
+  const int64_t blocks = (f.T + block - 1) / block;
+  Parallel(pool, f.B * f.KV, [=](int64_t item) {
+    const int64_t b = item / f.KV, kv = item % f.KV, krow = f.KV * f.E, qrow = f.H * f.E;
+    for (int64_t t = 0; t < f.T; ++t) {
+      std::memset(dkp + ((b * f.T + t) * f.KV + kv) * f.E, 0, f.E * sizeof(float));
+      std::memset(dvp + ((b * f.T + t) * f.KV + kv) * f.E, 0, f.E * sizeof(float));
+    }
+    FlashScratch& w = Scratch();
+    for (int64_t i = 0; i < blocks; ++i) {
+      const int64_t q0 = i * f.block, q1 = std::min(f.T, q0 + f.block), m = q1 - q0;
+      const int64_t k0 = f.K0(q0), n = q1 - k0, n16 = Up16(n);
+      const int64_t kat = ((b * f.T + k0) * f.KV + kv) * f.E;
+      w.kt.resize(f.E * n16);
+      w.vt.resize(f.E * n16);
+      w.s.resize(m * n16);
+      w.dp.resize(m * n16);
+      Transposed(kp + kat, krow, n, f.E, w.kt.data(), n16);
+      Transposed(vp + kat, krow, n, f.E, w.vt.data(), n16);
+      for (int64_t g = 0; g < f.G; ++g) {
+        const int64_t h = kv * f.G + g, qat = ((b * f.T + q0) * f.H + h) * f.E;
+        Product(qp + qat, qrow, m, w.kt.data(), n16, f.E, n16, w.s.data(), n16, false);
+        Product(gp + qat, qrow, m, w.vt.data(), n16, f.E, n16, w.dp.data(), n16, false);
+        for (int64_t r = 0; r < m; ++r) {
+          const int64_t t = q0 + r;
+          const float rowsum = Dot(gp + qat + r * qrow, op + qat + r * qrow, f.E);
+          Recompute(f, b, t, k0, lp[(b * f.H + h) * f.T + t], rowsum, w.s.data() + r * n16, w.dp.data() + r * n16, n);
+        }
+        Product(w.dp.data(), n16, m, kp + kat, krow, n, f.E, dqp + qat, qrow, false);
+        Product(w.dp.data(), n16, n, qp + qat, qrow, m, f.E, dkp + kat, krow, true, true);
+        Product(w.s.data(), n16, n, gp + qat, qrow, m, f.E, dvp + kat, krow, true, true);
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxSkinnyMatmul, SkinnyMatmul,
@@ -542,3 +876,35 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxRmsNorm, RmsNorm,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxFlashForward, FlashForward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("block")
+                                  .Attr<int64_t>("segments"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxFlashBackward, FlashBackward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window")
+                                  .Attr<int64_t>("block")
+                                  .Attr<int64_t>("segments"));

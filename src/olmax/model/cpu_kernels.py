@@ -38,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -55,6 +56,8 @@ ATTENTION = "olmax_cache_attention"
 SEQUENCE = "olmax_sequence_attention"
 NORM = "olmax_rms_norm"
 SUMS = "olmax_row_sums"
+FLASH_FWD = "olmax_flash_forward"
+FLASH_BWD = "olmax_flash_backward"
 PACK = "olmax_pack"
 PANEL = 16
 _STATE: dict[str, object] = {}
@@ -155,6 +158,8 @@ def _load() -> str | None:
         jax.ffi.register_ffi_target(SEQUENCE, jax.ffi.pycapsule(lib.OlmaxSequenceAttention), platform="cpu")
         jax.ffi.register_ffi_target(NORM, jax.ffi.pycapsule(lib.OlmaxRmsNorm), platform="cpu")
         jax.ffi.register_ffi_target(SUMS, jax.ffi.pycapsule(lib.OlmaxRowSums), platform="cpu")
+        jax.ffi.register_ffi_target(FLASH_FWD, jax.ffi.pycapsule(lib.OlmaxFlashForward), platform="cpu")
+        jax.ffi.register_ffi_target(FLASH_BWD, jax.ffi.pycapsule(lib.OlmaxFlashBackward), platform="cpu")
     except (RuntimeError, OSError, AttributeError, ValueError) as e:
         return str(e)
     return None
@@ -299,3 +304,62 @@ def row_sums(x: jax.Array) -> jax.Array:
 
 
 row_sums.defvjp(lambda x: (row_sums(x), x.shape), lambda shape, dy: (jnp.broadcast_to(dy, shape),))
+
+
+def flash_supported(q: jax.Array, k: jax.Array) -> bool:
+    """Whether ``flash_attention`` runs these: fp32, heads a multiple of 16 wide, a kernel built."""
+    return (q.dtype == jnp.float32 and k.dtype == jnp.float32 and q.shape[-1] % PANEL == 0
+            and q.shape[2] % k.shape[2] == 0 and available())
+
+
+def _flash_attrs(q: jax.Array, window: int | None, block: int, segments: bool) -> dict:
+    return dict(scale=np.float32(q.shape[-1] ** -0.5), window=np.int64(window or 0), block=np.int64(block),
+                segments=np.int64(segments))
+
+
+def _flash_forward(q, k, v, seg, window, block, segments):
+    b, t, h, _ = q.shape
+    attrs = _flash_attrs(q, window, block, segments)
+    return _per_batch_shard(lambda q, k, v, seg: tuple(jax.ffi.ffi_call(
+        FLASH_FWD, (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct((q.shape[0], h, t), jnp.float32)))(
+        q, k, v, seg, **attrs)), (q, k, v, seg))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _flash(q, k, v, seg, window, block, segments):
+    return _flash_forward(q, k, v, seg, window, block, segments)[0]
+
+
+def _flash_fwd(q, k, v, seg, window, block, segments):
+    out, lse = _flash_forward(q, k, v, seg, window, block, segments)
+    return out, (q, k, v, seg, out, lse)
+
+
+def _flash_bwd(window, block, segments, res, dout):
+    q, k, v, seg, out, lse = res
+    attrs = _flash_attrs(q, window, block, segments)
+    dq, dk, dv = _per_batch_shard(lambda q, k, v, seg, out, lse, dout: tuple(jax.ffi.ffi_call(
+        FLASH_BWD, (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(k.shape, jnp.float32),
+                    jax.ShapeDtypeStruct(v.shape, jnp.float32)))(q, k, v, seg, out, lse, dout, **attrs)),
+        (q, k, v, seg, out, lse, dout.astype(jnp.float32)))
+    return dq, dk, dv, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, segment_ids: jax.Array | None = None,
+                    block: int = 64) -> jax.Array:
+    """Causal self-attention for training on the CPU, forward and backward in the kernel: q [b, t,
+    h, e], k, v [b, t, kv_heads, e] -> [b, t, h, e], fp32 (``flash_supported``). The function
+    ``olmax.model.attention.blocked_attention`` computes, block by block of ``block`` queries
+    over the keys each block sees, with each block's scores, softmax and products in one piece
+    of work in cache and the exponentials vectorised (within fp32 rounding of it, tested); the
+    backward recomputes the probabilities from the saved log-sum-exp. ``segment_ids`` [b, t]: a
+    query sees only keys of its own segment."""
+    _require(q, k, v)
+    if not flash_supported(q, k):
+        raise ValueError(f"flash_attention: heads must be a multiple of {PANEL} wide and q's a multiple of k's, "
+                         f"got q {q.shape}, k {k.shape}")
+    seg = jnp.zeros(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    return _flash(q, k, v, seg, window, block, segment_ids is not None)

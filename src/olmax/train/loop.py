@@ -107,6 +107,8 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
     if cfg.model.attention_impl == "cudnn" and platform != "gpu":  # a user's choice, not a crash to retry
         raise ConfigError(f"model.attention_impl=cudnn needs GPUs, these devices are {platform}: use auto, xla, "
                           "blocked or reference")
+    if cfg.model.attention_impl == "cpu" and platform != "cpu":
+        raise ConfigError(f"model.attention_impl=cpu is olmax's CPU kernel, these devices are {platform}: use auto")
     from olmax.rl.rollout import updates_per_step
     rl = cfg.train.objective == "grpo"
     updates = updates_per_step(cfg)  # optimizer updates per step (RL: per rollout batch)

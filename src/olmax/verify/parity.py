@@ -259,7 +259,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", dest="batch_size", type=positive_int, default=argparse.SUPPRESS,
                    help=argparse.SUPPRESS)  # the old spelling, kept until the next release
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="olmax compute dtype")
-    p.add_argument("--attention", default=None, choices=["auto", "reference", "blocked", "splash", "cudnn", "xla"],
+    p.add_argument("--attention", default=None, choices=["auto", "reference", "blocked", "cpu", "splash", "cudnn", "xla"],
                    help="attention kernel (default: reference in fp32, the config's choice in bf16; splash "
                         "runs in Pallas interpret mode off TPU)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="model.KEY=VALUE",

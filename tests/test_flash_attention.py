@@ -1,0 +1,170 @@
+"""The CPU's training attention kernel (``cpu_kernels.flash_attention``, ``attention_impl=cpu``,
+what "auto" picks on a CPU in fp32): forward and gradients against the exact reference and
+against float64, with windows, GQA/MQA, packed segments, ragged blocks and every head width it
+takes; the same bits on every run and for a row in any batch (so resume and data-parallel
+meshes stay bitwise); NaN propagates; unsupported inputs fall back to the XLA ``blocked``
+kernel; a CPU mesh runs it per batch shard with one device's bits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from olmax.model import cpu_kernels
+from olmax.model.attention import attend, blocked_attention, reference_attention, resolve_impl
+from olmax.recipes import get_recipe
+
+needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason=f"{cpu_kernels.unavailable_reason()}")
+
+
+def _inputs(b, t, h, kv, e, seed=0, segments=False):
+    ks = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(ks[0], (b, t, h, e), jnp.float32)
+    k = jax.random.normal(ks[1], (b, t, kv, e), jnp.float32)
+    v = jax.random.normal(ks[2], (b, t, kv, e), jnp.float32)
+    seg = None
+    if segments:  # documents of random lengths, a padding run (0) at the end of row 0
+        seg = jnp.cumsum(jax.random.bernoulli(ks[3], 0.03, (b, t)), axis=1).astype(jnp.int32) + 1
+        seg = seg.at[0, t - t // 5:].set(0)
+    return q, k, v, seg
+
+
+def _loss(fn):
+    return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)) * jnp.cos(jnp.arange(q.shape[1], dtype=jnp.float32))[:, None, None])
+
+
+CASES = [  # b, t, h, kv, e, window, block, segments
+    (2, 256, 4, 4, 64, None, 64, False),   # the small benchmark's heads, causal
+    (2, 200, 4, 2, 64, 100, 64, False),    # GQA, a window across blocks, a partial last block
+    (1, 130, 2, 1, 128, None, 64, True),   # MQA, heads of 128 (the 7B's), packed documents
+    (2, 333, 6, 2, 32, 7, 32, True),       # a window shorter than a block, segments, 333 = 10 x 32 + 13
+    (3, 40, 4, 4, 16, 64, 64, False),      # one block for the whole sequence, window longer than it
+    (1, 1, 2, 2, 16, None, 64, False),     # one token
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("b,t,h,kv,e,window,block,segments", CASES)
+def test_forward_and_gradients_equal_the_reference(b, t, h, kv, e, window, block, segments) -> None:
+    """Output and the gradients of a nonlinear loss within 1e-5 of the largest magnitude of the
+    exact reference (the bound the XLA kernels are held to), and the output as close to float64
+    as the reference is (a few fp32 roundings)."""
+    q, k, v, seg = _inputs(b, t, h, kv, e, seed=t, segments=segments)
+    kernel = lambda q, k, v: cpu_kernels.flash_attention(q, k, v, window, seg, block=block)
+    ref = lambda q, k, v: reference_attention(q, k, v, window, seg)
+    out, want = jax.jit(kernel)(q, k, v), ref(q, k, v)
+    assert float(jnp.abs(out - want).max()) <= 1e-5 * max(1.0, float(jnp.abs(want).max()))
+    got = jax.jit(jax.grad(_loss(kernel), argnums=(0, 1, 2)))(q, k, v)
+    exp = jax.grad(_loss(ref), argnums=(0, 1, 2))(q, k, v)
+    for name, a, r in zip("qkv", got, exp):
+        assert float(jnp.abs(a - r).max()) <= 1e-5 * max(1.0, float(jnp.abs(r).max())), f"d{name}"
+    # float64 on the host: each query's softmax over the keys it sees
+    q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
+    g = h // kv
+    pos = np.arange(t)
+    seen = (pos[None, :] <= pos[:, None]) & ((pos[None, :] > pos[:, None] - window) if window else True)
+    seen = np.broadcast_to(seen, (b, t, t))
+    if seg is not None:
+        s = np.asarray(seg)
+        seen = seen & (s[:, :, None] == s[:, None, :])
+    scores = np.einsum("bthe,bshe->bhts", q64, np.repeat(k64, g, axis=2)) * e ** -0.5
+    scores = np.where(seen[:, None], scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    exact = np.einsum("bhts,bshe->bthe", p / p.sum(-1, keepdims=True), np.repeat(v64, g, axis=2))
+    assert np.abs(np.asarray(out, np.float64) - exact).max() <= 2 * np.abs(np.asarray(want, np.float64) - exact).max() + 1e-6
+
+
+@needs_kernel
+def test_the_same_bits_every_run_and_for_a_row_in_any_batch() -> None:
+    """Each piece of work has one thread and one order: two runs give the same bits (a resumed run
+    repeats them), and a row alone gives the bits it gives among others (a data-parallel mesh,
+    which runs the kernel per batch shard, gives one device's bits)."""
+    q, k, v, seg = _inputs(4, 192, 4, 2, 64, seed=1, segments=True)
+    f = jax.jit(lambda q, k, v, seg: jax.value_and_grad(_loss(lambda q, k, v: cpu_kernels.flash_attention(
+        q, k, v, 64, seg)), argnums=(0, 1, 2))(q, k, v))
+    (l1, g1), (l2, g2) = f(q, k, v, seg), f(q, k, v, seg)
+    assert float(l1) == float(l2) and all(np.array_equal(a, b) for a, b in zip(g1, g2))
+    fwd = jax.jit(lambda q, k, v, seg: cpu_kernels.flash_attention(q, k, v, 64, seg))
+    bwd = jax.jit(lambda q, k, v, seg, do: jax.vjp(lambda q, k, v: cpu_kernels.flash_attention(q, k, v, 64, seg),
+                                                   q, k, v)[1](do))
+    do = jax.random.normal(jax.random.key(9), q.shape)
+    whole, grads = fwd(q, k, v, seg), bwd(q, k, v, seg, do)
+    one = lambda x: x[2:3]
+    assert np.array_equal(fwd(one(q), one(k), one(v), one(seg)), one(whole))
+    for a, b in zip(bwd(one(q), one(k), one(v), one(seg), one(do)), grads):
+        assert np.array_equal(a, one(b))
+
+
+@needs_kernel
+def test_nan_in_a_query_reaches_its_output_and_no_other_row() -> None:
+    """A non-finite input is not hidden by the vectorised exponential: the row that reads it is
+    NaN (the training loop's non-finite check sees it), the other rows are untouched."""
+    q, k, v, _ = _inputs(2, 96, 2, 2, 16, seed=2)
+    out = np.asarray(jax.jit(lambda q: cpu_kernels.flash_attention(q, k, v, None))(q.at[1, 50, 0, 3].set(jnp.nan)))
+    clean = np.asarray(cpu_kernels.flash_attention(q, k, v, None))
+    assert np.isnan(out[1, 50, 0]).all() and not np.isnan(np.delete(out.reshape(-1, 16), 1 * 96 * 2 + 50 * 2, 0)).any()
+    assert np.array_equal(out[0], clean[0])
+
+
+@needs_kernel
+def test_auto_picks_the_kernel_on_a_cpu_in_fp32_and_falls_back_where_it_cannot_run() -> None:
+    """"auto" on a CPU: ``cpu`` in fp32 (where the kernel is built), ``blocked`` in bf16; ``cpu``
+    with heads it cannot take (not a multiple of 16 wide) computes with ``blocked`` instead, the
+    same function."""
+    assert resolve_impl("auto", jnp.float32, "cpu") == "cpu"
+    assert resolve_impl("auto", jnp.bfloat16, "cpu") == "blocked"
+    cfg = get_recipe("tiny", ["model.attention_impl=cpu"]).model
+    q, k, v, _ = _inputs(1, 70, 2, 1, 20, seed=3)
+    assert not cpu_kernels.flash_supported(q, k)
+    assert np.array_equal(attend(q, k, v, 16, cfg), blocked_attention(q, k, v, 16))
+    q, k, v, _ = _inputs(1, 70, 2, 1, 32, seed=3)
+    assert np.array_equal(jax.jit(lambda q, k, v: attend(q, k, v, 16, cfg))(q, k, v),
+                          jax.jit(lambda q, k, v: cpu_kernels.flash_attention(q, k, v, 16))(q, k, v))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_kernels.flash_attention(*_inputs(1, 8, 2, 1, 20)[:3], None)
+
+
+def test_unavailable_kernel_leaves_auto_on_blocked(monkeypatch) -> None:
+    """Where the kernel cannot be built (or ``OLMAX_CPU_KERNELS=0``), "auto" is the XLA kernel."""
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    assert resolve_impl("auto", jnp.float32, "cpu") == "blocked"
+
+
+@needs_kernel
+def test_a_cpu_mesh_runs_the_kernel_per_batch_shard_with_one_devices_bits() -> None:
+    """On 4 CPU devices (batch over fsdp 2 x data 2, and fsdp 2 x tensor 2) the training step's
+    attention gives the single device's output and gradients bit for bit."""
+    code = textwrap.dedent("""
+        import json
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from olmax.config import MeshConfig
+        from olmax.model import cpu_kernels
+        from olmax.sharding import activation_mesh, make_mesh
+        from test_flash_attention import _inputs, _loss
+        q, k, v, seg = _inputs(4, 160, 4, 2, 32, seed=4, segments=True)
+        f = lambda q, k, v: cpu_kernels.flash_attention(q, k, v, 48, seg)
+        step = lambda q, k, v: jax.value_and_grad(_loss(f), argnums=(0, 1, 2))(q, k, v)
+        l0, g0 = jax.jit(step)(q, k, v)
+        out = []
+        for shape in (dict(data=2, fsdp=2), dict(fsdp=2, tensor=2)):
+            mesh = make_mesh(MeshConfig(**shape))
+            with activation_mesh(mesh):
+                l1, g1 = jax.jit(step)(q, k, v)
+            out.append(bool(float(l0) == float(l1) and all(np.array_equal(a, b) for a, b in zip(g0, g1))))
+        print(json.dumps(out))
+    """)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.path.dirname(__file__)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [True, True]
