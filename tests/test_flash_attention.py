@@ -168,3 +168,16 @@ def test_a_cpu_mesh_runs_the_kernel_per_batch_shard_with_one_devices_bits() -> N
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == [True, True]
+
+
+@needs_kernel
+def test_the_training_step_of_the_tiny_recipe_runs_the_kernel() -> None:
+    """Not a silent fallback: the compiled forward and backward of the default CPU training step
+    call the kernel's two entry points."""
+    from olmax.model.olmo3 import forward
+    from olmax.model.params import init_params
+    m = get_recipe("tiny").model
+    params = init_params(m, jax.random.key(0))
+    ids = jnp.zeros((2, 64), jnp.int32)
+    hlo = jax.jit(jax.grad(lambda p: jnp.sum(forward(p, ids, m)))).lower(params).as_text()
+    assert cpu_kernels.FLASH_FWD in hlo and cpu_kernels.FLASH_BWD in hlo

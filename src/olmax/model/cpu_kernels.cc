@@ -3,7 +3,8 @@
 // and the attention over the cache (``CacheAttention``, below). For a training forward that must
 // give a token the decode steps' bits (RL's log-probs, ``layers.decode_arithmetic``): the same
 // attention over whole sequences (``SequenceAttention``), RMSNorm and row sums, each in one fixed
-// order of operations.
+// order of operations. And the training attention, forward and backward (``FlashForward``,
+// ``FlashBackward``, at the end).
 //
 // A decode step multiplies a few rows by every weight of the model once, so it is a pass over
 // the weights, which XLA CPU's products make below the machine's speed for a few rows (see

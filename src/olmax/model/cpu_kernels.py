@@ -8,7 +8,8 @@ each panel once for all rows, and shares the panels out between the calling thre
 intra-op thread pool. The attention kernel (``cache_attention``) reads each row's and kv head's
 cached keys and values once, only the slots its query sees. ``pack`` itself runs in the kernel
 too (RL packs the weights again after every update). The README (Benchmarks, decode speed) has
-what they gain end to end. ``matmul``, ``sequence_attention``, ``rms_norm`` and ``row_sums`` let a
+what they gain end to end. ``flash_attention`` is the training attention on the CPU (forward and
+backward; ``olmax.model.attention``'s ``cpu`` kernel, what "auto" picks in fp32). ``matmul``, ``sequence_attention``, ``rms_norm`` and ``row_sums`` let a
 training forward repeat the decode steps' arithmetic (``olmax.model.layers.decode_arithmetic``:
 RL's log-probs equal the sampler's), with XLA's gradients.
 
