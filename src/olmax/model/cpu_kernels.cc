@@ -30,6 +30,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -552,22 +553,28 @@ TileFn TileFor(int mr) {
   return nullptr;
 }
 
-// y [R, C] (=, or += with ``acc``) x [R, I] @ p [I, C], C a multiple of 16; rows of x, p and y
-// ldx, ldp and ldy floats apart (with ``trans``, x is stored as its transpose, [I, R], rows ldx
-// apart). Row blocks of at most kMaxRows, as even as possible; each block against every panel
-// of 16 columns in turn (its rows of x stay in L1).
-void Product(const float* x, int64_t ldx, int64_t R, const float* p, int64_t ldp, int64_t I, int64_t C,
-             float* y, int64_t ldy, bool acc, bool trans = false) {
+// Rows [0, R) in blocks of at most kMaxRows, as even as possible: fn(first row, rows).
+template <typename F>
+void ForRowBlocks(int64_t R, F fn) {
   const int64_t blocks = (R + kMaxRows - 1) / kMaxRows;
   int64_t r = 0;
   for (int64_t b = 0; b < blocks; ++b) {
-    const int mr = static_cast<int>((R - r) / (blocks - b));
-    const TileFn tile = trans ? (acc ? TileFor<true, true>(mr) : TileFor<false, true>(mr))
-                              : (acc ? TileFor<true, false>(mr) : TileFor<false, false>(mr));
-    const float* xr = x + (trans ? r : r * ldx);
-    for (int64_t c = 0; c < C; c += kNR) tile(xr, ldx, p + c, ldp, I, y + r * ldy + c, ldy);
+    const int64_t mr = (R - r) / (blocks - b);
+    fn(r, mr);
     r += mr;
   }
+}
+
+// One block of mr rows: y [mr, c0:c1) (=, or += with ``acc``) x [mr, I] @ p [I, c0:c1), c0 and c1
+// multiples of 16; rows of x, p and y ldx, ldp and ldy floats apart (with ``trans``, x is stored
+// as its transpose, [I, mr], rows ldx apart). The block against each panel of 16 columns in
+// turn (its rows of x stay in L1).
+void Tiles(const float* x, int64_t ldx, int64_t mr, const float* p, int64_t ldp, int64_t I, int64_t c0, int64_t c1,
+           float* y, int64_t ldy, bool acc, bool trans) {
+  const int r = static_cast<int>(mr);
+  const TileFn tile = trans ? (acc ? TileFor<true, true>(r) : TileFor<false, true>(r))
+                            : (acc ? TileFor<true, false>(r) : TileFor<false, false>(r));
+  for (int64_t c = c0; c < c1; c += kNR) tile(x, ldx, p + c, ldp, I, y + c, ldy);
 }
 
 // exp(x) in eight lanes (Cephes' single-precision method: x = n ln2 + r, |r| <= ln2 / 2, a
@@ -611,6 +618,8 @@ struct Flash {
   // Query t sees keys [lo, t] (and, with segments, only those of its own segment).
   int64_t Lo(int64_t t) const { return window ? std::max<int64_t>(0, t - window + 1) : 0; }
   bool Hidden(int64_t b, int64_t t, int64_t key) const { return segments && seg[b * T + key] != seg[b * T + t]; }
+  // The keys (from k0, as offsets) that queries [t, t + rows) see between them: [j0, j1).
+  std::pair<int64_t, int64_t> Seen(int64_t t, int64_t rows, int64_t k0) const { return {Lo(t) - k0, t + rows - k0}; }
 };
 
 // The keys [k0, k0 + n) of (row b, kv head) transposed into panels: out[e * ld + j] = key j's
@@ -746,10 +755,14 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
     for (int64_t g = 0; g < f.G; ++g) {
       const int64_t h = kv * f.G + g;
       const float* qs = qp + ((b * f.T + q0) * f.H + h) * f.E;
-      Product(qs, qrow, m, w.kt.data(), n16, f.E, n16, w.s.data(), n16, false);
-      for (int64_t r = 0; r < m; ++r)
-        lp[(b * f.H + h) * f.T + q0 + r] = Softmax(f, b, q0 + r, k0, w.s.data() + r * n16, n);
-      Product(w.s.data(), n16, m, values, krow, n, f.E, op + ((b * f.T + q0) * f.H + h) * f.E, qrow, false);
+      float* o = op + ((b * f.T + q0) * f.H + h) * f.E;
+      ForRowBlocks(m, [&](int64_t r, int64_t mr) {
+        const auto [j0, j1] = f.Seen(q0 + r, mr, k0);
+        float* s = w.s.data() + r * n16;
+        Tiles(qs + r * qrow, qrow, mr, w.kt.data(), n16, f.E, j0 / kNR * kNR, Up16(j1), s, n16, false, false);
+        for (int64_t i = 0; i < mr; ++i) lp[(b * f.H + h) * f.T + q0 + r + i] = Softmax(f, b, q0 + r + i, k0, s + i * n16, n);
+        Tiles(s + j0, n16, mr, values + j0 * krow, krow, j1 - j0, 0, f.E, o + r * qrow, qrow, false, false);
+      });
     }
   });
   return ffi::Error::Success();
@@ -813,16 +826,28 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
       Transposed(vp + kat, krow, n, f.E, w.vt.data(), n16);
       for (int64_t g = 0; g < f.G; ++g) {
         const int64_t h = kv * f.G + g, qat = ((b * f.T + q0) * f.H + h) * f.E;
-        Product(qp + qat, qrow, m, w.kt.data(), n16, f.E, n16, w.s.data(), n16, false);
-        Product(gp + qat, qrow, m, w.vt.data(), n16, f.E, n16, w.dp.data(), n16, false);
-        for (int64_t r = 0; r < m; ++r) {
-          const int64_t t = q0 + r;
-          const float rowsum = Dot(gp + qat + r * qrow, op + qat + r * qrow, f.E);
-          Recompute(f, b, t, k0, lp[(b * f.H + h) * f.T + t], rowsum, w.s.data() + r * n16, w.dp.data() + r * n16, n);
-        }
-        Product(w.dp.data(), n16, m, kp + kat, krow, n, f.E, dqp + qat, qrow, false);
-        Product(w.dp.data(), n16, n, qp + qat, qrow, m, f.E, dkp + kat, krow, true, true);
-        Product(w.s.data(), n16, n, gp + qat, qrow, m, f.E, dvp + kat, krow, true, true);
+        ForRowBlocks(m, [&](int64_t r, int64_t mr) {
+          const auto [j0, j1] = f.Seen(q0 + r, mr, k0);
+          float* s = w.s.data() + r * n16;
+          float* dp = w.dp.data() + r * n16;
+          Tiles(qp + qat + r * qrow, qrow, mr, w.kt.data(), n16, f.E, j0 / kNR * kNR, Up16(j1), s, n16, false, false);
+          Tiles(gp + qat + r * qrow, qrow, mr, w.vt.data(), n16, f.E, j0 / kNR * kNR, Up16(j1), dp, n16, false, false);
+          for (int64_t i = 0; i < mr; ++i) {
+            const int64_t t = q0 + r + i, at = qat + (r + i) * qrow;
+            Recompute(f, b, t, k0, lp[(b * f.H + h) * f.T + t], Dot(gp + at, op + at, f.E), s + i * n16, dp + i * n16, n);
+          }
+          Tiles(dp + j0, n16, mr, kp + kat + j0 * krow, krow, j1 - j0, 0, f.E, dqp + qat + r * qrow, qrow, false, false);
+        });
+        // dk and dv, a block of keys at a time, over only the queries of this block that see them.
+        ForRowBlocks(n, [&](int64_t j, int64_t mr) {
+          const int64_t i0 = std::max<int64_t>(0, k0 + j - q0);
+          const int64_t i1 = f.window ? std::min(m, k0 + j + mr - 1 + f.window - q0) : m;
+          if (i0 >= i1) return;
+          Tiles(w.dp.data() + i0 * n16 + j, n16, mr, qp + qat + i0 * qrow, qrow, i1 - i0, 0, f.E, dkp + kat + j * krow,
+                krow, true, true);
+          Tiles(w.s.data() + i0 * n16 + j, n16, mr, gp + qat + i0 * qrow, qrow, i1 - i0, 0, f.E, dvp + kat + j * krow,
+                krow, true, true);
+        });
       }
     }
   });
