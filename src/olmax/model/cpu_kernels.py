@@ -23,8 +23,8 @@ jaxlib, compiler and instruction set. Used only where it can run: an x86-64 CPU 
 FMA; where the CPU also has AVX-512F and AVX-512VL the build may use 32 vector registers, and a
 block holds 12 rows instead of 6 (``isa()``; the same multiply-add chains, so the same bits as
 the AVX2 build, tested). Where it cannot be built or loaded, ``available()`` is False with the
-reason in ``unavailable_reason()`` (logged once) and decoding keeps XLA's products and
-attention; ``OLMAX_CPU_KERNELS=0`` turns it off. Traced for a CPU mesh of several devices, each
+reason in ``unavailable_reason()`` (logged once), decoding keeps XLA's products and
+attention and training XLA's ``blocked`` attention; ``OLMAX_CPU_KERNELS=0`` turns it off. Traced for a CPU mesh of several devices, each
 device runs a kernel on its block of the batch (``_per_batch_shard``).
 """
 
@@ -129,7 +129,7 @@ def _build() -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     # A few seconds, once per machine: say so on stderr (stdout may be a command's JSON).
-    print(f"[olmax] building the CPU decode kernel ({isa()}; once, a few seconds): {out}", file=sys.stderr, flush=True)
+    print(f"[olmax] building olmax's CPU kernels ({isa()}; once, a few seconds): {out}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         part = Path(tmp) / out.name
         cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(part)]
@@ -171,7 +171,8 @@ def available() -> bool:
     if "why" not in _STATE:
         _STATE["why"] = _load()
         if _STATE["why"] is not None and os.environ.get("OLMAX_CPU_KERNELS", "1") != "0":
-            log.warning("olmax's CPU decode kernel is not used (decoding keeps XLA's products): %s", _STATE["why"])
+            log.warning("olmax's CPU kernels are not used (decoding keeps XLA's products, training XLA's blocked "
+                        "attention): %s", _STATE["why"])
     return _STATE["why"] is None
 
 
@@ -206,9 +207,9 @@ def unpack(p: jax.Array, out: int) -> jax.Array:
 def _require(*arrays: jax.Array) -> None:
     """fp32 inputs and a kernel that is built (registered with XLA on first use), or the reason."""
     if not all(a.dtype == jnp.float32 for a in arrays):
-        raise TypeError(f"the CPU decode kernel is fp32 only, got {', '.join(str(a.dtype) for a in arrays)}")
+        raise TypeError(f"olmax's CPU kernels are fp32 only, got {', '.join(str(a.dtype) for a in arrays)}")
     if not available():
-        raise RuntimeError(f"olmax's CPU decode kernel is not available: {unavailable_reason()}")
+        raise RuntimeError(f"olmax's CPU kernels are not available: {unavailable_reason()}")
 
 
 def _per_batch_shard(fn, batched: tuple, replicated: tuple = (), dims: tuple | None = None) -> jax.Array:
