@@ -135,7 +135,7 @@ def test_auto_picks_the_kernel_on_a_cpu_in_fp32_and_falls_back_where_it_cannot_r
 
 def test_unavailable_kernel_leaves_auto_on_blocked(monkeypatch) -> None:
     """Where the kernel cannot be built (or ``OLMAX_CPU_KERNELS=0``), "auto" is the XLA kernel."""
-    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "_STATE", {"why": "turned off by OLMAX_CPU_KERNELS=0"})
     assert resolve_impl("auto", jnp.float32, "cpu") == "blocked"
 
 

@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 
 from olmax.config import ConfigError, ModelConfig
-from olmax.model import cpu_kernels
-from olmax.model.cpu_kernels import sequence_attention
+from olmax.model.cpu_kernels import available as cpu_kernels_available
+from olmax.model.cpu_kernels import flash_attention, flash_supported, sequence_attention
 from olmax.model.layers import attention_mask, kernel_input, kernel_output, position_mask, segment_mask
 from olmax.sharding import activation_spec, current_mesh, single_device
 
@@ -95,7 +95,7 @@ def resolve_impl(requested: str, dtype: jnp.dtype | None = None, platform: str |
         return "splash"
     if platform == "gpu":
         return "cudnn" if dtype is None or jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
-    if dtype is not None and jnp.dtype(dtype) == jnp.float32 and cpu_kernels.available():
+    if dtype is not None and jnp.dtype(dtype) == jnp.float32 and cpu_kernels_available():
         return "cpu"
     return "blocked"
 
@@ -385,8 +385,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, cfg: Mo
     impl = resolve_impl(cfg.attention_impl, q.dtype)
     if impl == "reference":
         return reference_attention(q, k, v, window, segment_ids)
-    if impl == "cpu" and target_platform() == "cpu" and cpu_kernels.flash_supported(q, k):
-        return cpu_kernels.flash_attention(q, k, v, window, segment_ids)
+    if impl == "cpu" and target_platform() == "cpu" and flash_supported(q, k):
+        return flash_attention(q, k, v, window, segment_ids)
     if impl in ("blocked", "cpu"):
         return blocked_attention(q, k, v, window, segment_ids=segment_ids)
     if impl == "splash":
