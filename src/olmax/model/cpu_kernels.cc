@@ -624,9 +624,42 @@ struct Flash {
 
 // The keys [k0, k0 + n) of (row b, kv head) transposed into panels: out[e * ld + j] = key j's
 // element e, the columns from n to ld (a multiple of 16) zero.
+// Eight keys at a time as 8 x 8 blocks transposed in registers (E is a multiple of 8), the
+// last n % 8 one element at a time.
 void Transposed(const float* src, int64_t row, int64_t n, int64_t E, float* out, int64_t ld) {
   for (int64_t e = 0; e < E; ++e) std::memset(out + e * ld + n, 0, (ld - n) * sizeof(float));
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const float* s = src + j * row;
+    for (int64_t e = 0; e < E; e += 8) {
+      __m256 r0 = _mm256_loadu_ps(s + e), r1 = _mm256_loadu_ps(s + row + e);
+      __m256 r2 = _mm256_loadu_ps(s + 2 * row + e), r3 = _mm256_loadu_ps(s + 3 * row + e);
+      __m256 r4 = _mm256_loadu_ps(s + 4 * row + e), r5 = _mm256_loadu_ps(s + 5 * row + e);
+      __m256 r6 = _mm256_loadu_ps(s + 6 * row + e), r7 = _mm256_loadu_ps(s + 7 * row + e);
+      const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+      const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+      const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+      const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m256 u1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m256 u3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m256 u5 = _mm256_shuffle_ps(t4, t6, _MM_SHUFFLE(3, 2, 3, 2));
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(1, 0, 1, 0));
+      const __m256 u7 = _mm256_shuffle_ps(t5, t7, _MM_SHUFFLE(3, 2, 3, 2));
+      float* o = out + e * ld + j;
+      _mm256_storeu_ps(o, _mm256_permute2f128_ps(u0, u4, 0x20));
+      _mm256_storeu_ps(o + ld, _mm256_permute2f128_ps(u1, u5, 0x20));
+      _mm256_storeu_ps(o + 2 * ld, _mm256_permute2f128_ps(u2, u6, 0x20));
+      _mm256_storeu_ps(o + 3 * ld, _mm256_permute2f128_ps(u3, u7, 0x20));
+      _mm256_storeu_ps(o + 4 * ld, _mm256_permute2f128_ps(u0, u4, 0x31));
+      _mm256_storeu_ps(o + 5 * ld, _mm256_permute2f128_ps(u1, u5, 0x31));
+      _mm256_storeu_ps(o + 6 * ld, _mm256_permute2f128_ps(u2, u6, 0x31));
+      _mm256_storeu_ps(o + 7 * ld, _mm256_permute2f128_ps(u3, u7, 0x31));
+    }
+  }
+  for (; j < n; ++j) {
     const float* s = src + j * row;
     for (int64_t e = 0; e < E; ++e) out[e * ld + j] = s[e];
   }
@@ -706,7 +739,7 @@ void Recompute(const Flash& f, int64_t b, int64_t t, int64_t k0, float lse, floa
 }
 
 struct FlashScratch {
-  std::vector<float> kt, vt, s, dp;
+  std::vector<float> kt, vt, s, dp, qc, vc, kc, gc;
 };
 
 FlashScratch& Scratch() {
@@ -715,6 +748,19 @@ FlashScratch& Scratch() {
 }
 
 int64_t Up16(int64_t n) { return (n + kNR - 1) / kNR * kNR; }
+
+// A row stride for scratch rows at least n wide: an odd number of 16-float panels (64-byte cache
+// lines), so the rows of a panel fall in every set of the L1 cache. At a power-of-two stride
+// (2 KiB: 512 keys, or 8 heads of 64 read in place) they fell in two sets and evicted each other.
+int64_t Stride(int64_t n) {
+  const int64_t n16 = Up16(n);
+  return (n16 / kNR) % 2 ? n16 : n16 + kNR;
+}
+
+// Rows [0, n) of E floats, ``row`` apart, copied ``ld`` apart.
+void CopyRows(const float* src, int64_t row, int64_t n, int64_t E, float* out, int64_t ld) {
+  for (int64_t j = 0; j < n; ++j) std::memcpy(out + j * ld, src + j * row, E * sizeof(float));
+}
 
 ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> seg, ffi::ResultBuffer<ffi::F32> out,
@@ -744,24 +790,28 @@ ffi::Error FlashForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
   const int64_t blocks = (f.T + block - 1) / block;
   Parallel(pool, f.B * f.KV * blocks, [=](int64_t item) {
     const int64_t b = item / (f.KV * blocks), kv = item / blocks % f.KV, q0 = item % blocks * f.block;
-    const int64_t q1 = std::min(f.T, q0 + f.block), m = q1 - q0, k0 = f.K0(q0), n = q1 - k0, n16 = Up16(n);
+    const int64_t q1 = std::min(f.T, q0 + f.block), m = q1 - q0, k0 = f.K0(q0), n = q1 - k0;
     const int64_t krow = f.KV * f.E, qrow = f.H * f.E;
     const float* keys = kp + ((b * f.T + k0) * f.KV + kv) * f.E;
     const float* values = vp + ((b * f.T + k0) * f.KV + kv) * f.E;
+    const int64_t ld = Stride(n), le = Stride(f.E);
     FlashScratch& w = Scratch();
-    w.kt.resize(f.E * n16);
-    w.s.resize(m * n16);
-    Transposed(keys, krow, n, f.E, w.kt.data(), n16);
+    w.kt.resize(f.E * ld);
+    w.s.resize(m * ld);
+    w.vc.resize(n * le);
+    w.qc.resize(m * le);
+    Transposed(keys, krow, n, f.E, w.kt.data(), ld);
+    CopyRows(values, krow, n, f.E, w.vc.data(), le);
     for (int64_t g = 0; g < f.G; ++g) {
       const int64_t h = kv * f.G + g;
-      const float* qs = qp + ((b * f.T + q0) * f.H + h) * f.E;
       float* o = op + ((b * f.T + q0) * f.H + h) * f.E;
+      CopyRows(qp + ((b * f.T + q0) * f.H + h) * f.E, qrow, m, f.E, w.qc.data(), le);
       ForRowBlocks(m, [&](int64_t r, int64_t mr) {
         const auto [j0, j1] = f.Seen(q0 + r, mr, k0);
-        float* s = w.s.data() + r * n16;
-        Tiles(qs + r * qrow, qrow, mr, w.kt.data(), n16, f.E, j0 / kNR * kNR, Up16(j1), s, n16, false, false);
-        for (int64_t i = 0; i < mr; ++i) lp[(b * f.H + h) * f.T + q0 + r + i] = Softmax(f, b, q0 + r + i, k0, s + i * n16, n);
-        Tiles(s + j0, n16, mr, values + j0 * krow, krow, j1 - j0, 0, f.E, o + r * qrow, qrow, false, false);
+        float* s = w.s.data() + r * ld;
+        Tiles(w.qc.data() + r * le, le, mr, w.kt.data(), ld, f.E, j0 / kNR * kNR, Up16(j1), s, ld, false, false);
+        for (int64_t i = 0; i < mr; ++i) lp[(b * f.H + h) * f.T + q0 + r + i] = Softmax(f, b, q0 + r + i, k0, s + i * ld, n);
+        Tiles(s + j0, ld, mr, w.vc.data() + j0 * le, le, j1 - j0, 0, f.E, o + r * qrow, qrow, false, false);
       });
     }
   });
@@ -854,6 +904,264 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------
+// SwiGLU on the CPU (``olmax.model.cpu_kernels.swiglu``): y = silu(g) u of each row of gu = [g | u]
+// [R, 2F] (F wide each), and its gradient dgu = [dy u s (1 + g (1 - s)) | dy g s] with s =
+// sigmoid(g) = 1 / (1 + exp(-g)), each in one pass over the rows (XLA made three passes of the
+// forward and kept sigmoid(g) and g s in memory for the backward). Every element is computed by
+// the same eight-lane arithmetic (the last F % 8 of a row through a padded copy), so its bits
+// depend on its inputs alone: not on the row, the batch or the thread.
+
+inline __m256 Sigmoid(__m256 g) {
+  const __m256 one = _mm256_set1_ps(1.f);
+  return _mm256_div_ps(one, _mm256_add_ps(one, Exp(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
+
+inline __m256 SwigluLanes(__m256 g, __m256 u) { return _mm256_mul_ps(_mm256_mul_ps(g, Sigmoid(g)), u); }
+
+inline void SwigluGradLanes(__m256 g, __m256 u, __m256 dy, __m256* dg, __m256* du) {
+  const __m256 one = _mm256_set1_ps(1.f), s = Sigmoid(g), gs = _mm256_mul_ps(g, s);
+  *dg = _mm256_mul_ps(_mm256_mul_ps(dy, u), _mm256_mul_ps(s, _mm256_add_ps(one, _mm256_mul_ps(g, _mm256_sub_ps(one, s)))));
+  *du = _mm256_mul_ps(dy, gs);
+}
+
+bool SwigluShape(const ffi::Buffer<ffi::F32>& gu, int64_t* R, int64_t* F) {
+  const auto d = gu.dimensions();
+  if (d.size() != 2 || d[1] % 2 != 0) return false;
+  *R = d[0];
+  *F = d[1] / 2;
+  return true;
+}
+
+constexpr int64_t kSwigluFloats = 32768;  // elements of y per piece of work
+
+ffi::Error SwigluForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gu, ffi::ResultBuffer<ffi::F32> y) {
+  int64_t R, F;
+  const auto yd = y->dimensions();
+  if (!SwigluShape(gu, &R, &F) || yd.size() != 2 || yd[0] != R || yd[1] != F) {
+    return ffi::Error::InvalidArgument("olmax_swiglu_forward: expected gu [R, 2F], y [R, F]");
+  }
+  if (R * F == 0) return ffi::Error::Success();
+  const float* in = gu.typed_data();
+  float* out = y->typed_data();
+  const int64_t per = std::max<int64_t>(1, kSwigluFloats / F);
+  Parallel(pool, (R + per - 1) / per, [=](int64_t c) {
+    for (int64_t r = c * per; r < std::min(R, (c + 1) * per); ++r) {
+      const float* g = in + r * 2 * F;
+      const float* u = g + F;
+      float* o = out + r * F;
+      int64_t i = 0;
+      for (; i + 8 <= F; i += 8) _mm256_storeu_ps(o + i, SwigluLanes(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+      if (i < F) {
+        alignas(32) float tg[8] = {0}, tu[8] = {0};
+        for (int64_t j = i; j < F; ++j) tg[j - i] = g[j], tu[j - i] = u[j];
+        _mm256_store_ps(tg, SwigluLanes(_mm256_load_ps(tg), _mm256_load_ps(tu)));
+        for (int64_t j = i; j < F; ++j) o[j] = tg[j - i];
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error SwigluBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gu, ffi::Buffer<ffi::F32> dy,
+                          ffi::ResultBuffer<ffi::F32> dgu) {
+  int64_t R, F;
+  const auto yd = dy.dimensions();
+  const auto gd = dgu->dimensions();
+  if (!SwigluShape(gu, &R, &F) || yd.size() != 2 || yd[0] != R || yd[1] != F || gd.size() != 2 || gd[0] != R ||
+      gd[1] != 2 * F) {
+    return ffi::Error::InvalidArgument("olmax_swiglu_backward: expected gu [R, 2F], dy [R, F], dgu [R, 2F]");
+  }
+  if (R * F == 0) return ffi::Error::Success();
+  const float* in = gu.typed_data();
+  const float* dyp = dy.typed_data();
+  float* out = dgu->typed_data();
+  const int64_t per = std::max<int64_t>(1, kSwigluFloats / F);
+  Parallel(pool, (R + per - 1) / per, [=](int64_t c) {
+    for (int64_t r = c * per; r < std::min(R, (c + 1) * per); ++r) {
+      const float* g = in + r * 2 * F;
+      const float* u = g + F;
+      const float* d = dyp + r * F;
+      float* dg = out + r * 2 * F;
+      float* du = dg + F;
+      int64_t i = 0;
+      __m256 a, b;
+      for (; i + 8 <= F; i += 8) {
+        SwigluGradLanes(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i), _mm256_loadu_ps(d + i), &a, &b);
+        _mm256_storeu_ps(dg + i, a);
+        _mm256_storeu_ps(du + i, b);
+      }
+      if (i < F) {
+        alignas(32) float tg[8] = {0}, tu[8] = {0}, td[8] = {0};
+        for (int64_t j = i; j < F; ++j) tg[j - i] = g[j], tu[j - i] = u[j], td[j - i] = d[j];
+        SwigluGradLanes(_mm256_load_ps(tg), _mm256_load_ps(tu), _mm256_load_ps(td), &a, &b);
+        _mm256_store_ps(tg, a);
+        _mm256_store_ps(tu, b);
+        for (int64_t j = i; j < F; ++j) dg[j] = tg[j - i], du[j] = tu[j - i];
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The attention's inputs from its projection on the CPU (``olmax.model.cpu_kernels.qkv``): each
+// row n of x = [q | k | v] [N, (H + 2 KV) E] gives q and k RMSNormed over their whole width (H E
+// and KV E), times their weights, then rotated per head (RoPE, rotate-half layout, with row n mod
+// T of the tables cos/sin [T, E]: one table for every sequence, or one row per row), and v as it is; the backward gives dx = [dq | dk | dv] in one buffer
+// and the weights' gradients as sums over chunks of ``chunk`` rows (summed by XLA after). Per
+// row one pass over the data, where XLA made five to seven (the split, the norm's sum, the
+// normalised copy kept for the backward, RoPE, the concatenation of the gradients). Every row is
+// computed alone in one order, and each chunk's sums over its rows in order: the same bits for a
+// row in any batch, and for the weights' gradient at any thread count.
+
+struct QkvShape {
+  int64_t N, T, H, KV, E, D;
+  float eps;
+};
+
+bool QkvCheck(const QkvShape& a, int64_t cos_t, int64_t cos_e) {
+  return a.H > 0 && a.KV > 0 && a.E > 0 && a.E % kNR == 0 && a.T > 0 && a.N % a.T == 0 && cos_t == a.T &&
+         cos_e == a.E && a.D == (a.H + 2 * a.KV) * a.E;
+}
+
+// RMSNorm over ``width`` (heads of E) of x, times w, then RoPE per head: out; returns 1 / rms.
+float NormRope(const float* x, int64_t width, const float* w, const float* c, const float* s, int64_t E, float eps,
+               float* out) {
+  const float r = 1.f / std::sqrt(Dot(x, x, width) / static_cast<float>(width) + eps);
+  const __m256 rv = _mm256_set1_ps(r);
+  const int64_t half = E / 2;
+  for (int64_t h0 = 0; h0 < width; h0 += E) {
+    for (int64_t e = 0; e < half; e += 8) {
+      const int64_t a = h0 + e, b = a + half;
+      const __m256 y1 = _mm256_mul_ps(_mm256_loadu_ps(w + a), _mm256_mul_ps(_mm256_loadu_ps(x + a), rv));
+      const __m256 y2 = _mm256_mul_ps(_mm256_loadu_ps(w + b), _mm256_mul_ps(_mm256_loadu_ps(x + b), rv));
+      const __m256 c1 = _mm256_loadu_ps(c + e), c2 = _mm256_loadu_ps(c + e + half);
+      const __m256 s1 = _mm256_loadu_ps(s + e), s2 = _mm256_loadu_ps(s + e + half);
+      _mm256_storeu_ps(out + a, _mm256_sub_ps(_mm256_mul_ps(y1, c1), _mm256_mul_ps(y2, s1)));
+      _mm256_storeu_ps(out + b, _mm256_add_ps(_mm256_mul_ps(y2, c2), _mm256_mul_ps(y1, s2)));
+    }
+  }
+  return r;
+}
+
+// NormRope's backward for one row: dx from dout, and dw += dy x r (dy: dout through RoPE's
+// transpose); g [width] is scratch.
+void NormRopeGrad(const float* x, int64_t width, const float* w, const float* c, const float* s, int64_t E, float r,
+                  const float* dout, float* dx, float* dw, float* g) {
+  const __m256 rv = _mm256_set1_ps(r);
+  const int64_t half = E / 2;
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t h0 = 0; h0 < width; h0 += E) {
+    for (int64_t e = 0; e < half; e += 8) {
+      const int64_t a = h0 + e, b = a + half;
+      const __m256 d1 = _mm256_loadu_ps(dout + a), d2 = _mm256_loadu_ps(dout + b);
+      const __m256 c1 = _mm256_loadu_ps(c + e), c2 = _mm256_loadu_ps(c + e + half);
+      const __m256 s1 = _mm256_loadu_ps(s + e), s2 = _mm256_loadu_ps(s + e + half);
+      const __m256 dy1 = _mm256_add_ps(_mm256_mul_ps(d1, c1), _mm256_mul_ps(d2, s2));
+      const __m256 dy2 = _mm256_sub_ps(_mm256_mul_ps(d2, c2), _mm256_mul_ps(d1, s1));
+      const __m256 n1 = _mm256_mul_ps(_mm256_loadu_ps(x + a), rv), n2 = _mm256_mul_ps(_mm256_loadu_ps(x + b), rv);
+      _mm256_storeu_ps(dw + a, _mm256_fmadd_ps(dy1, n1, _mm256_loadu_ps(dw + a)));
+      _mm256_storeu_ps(dw + b, _mm256_fmadd_ps(dy2, n2, _mm256_loadu_ps(dw + b)));
+      const __m256 g1 = _mm256_mul_ps(dy1, _mm256_loadu_ps(w + a)), g2 = _mm256_mul_ps(dy2, _mm256_loadu_ps(w + b));
+      _mm256_storeu_ps(g + a, g1);
+      _mm256_storeu_ps(g + b, g2);
+      acc = _mm256_fmadd_ps(g1, n1, acc);
+      acc = _mm256_fmadd_ps(g2, n2, acc);
+    }
+  }
+  // d/dx of w (x r): r (g - n mean(g n)), n = x r
+  const __m256 mean = _mm256_set1_ps(Lanes(acc) / static_cast<float>(width));
+  for (int64_t i = 0; i < width; i += 8) {
+    const __m256 n = _mm256_mul_ps(_mm256_loadu_ps(x + i), rv);
+    _mm256_storeu_ps(dx + i, _mm256_mul_ps(rv, _mm256_fnmadd_ps(n, mean, _mm256_loadu_ps(g + i))));
+  }
+}
+
+ffi::Error QkvForward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wq, ffi::Buffer<ffi::F32> wk,
+                      ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin, ffi::ResultBuffer<ffi::F32> q,
+                      ffi::ResultBuffer<ffi::F32> k, ffi::ResultBuffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> r,
+                      int64_t heads, int64_t kv_heads, float eps) {
+  const auto xd = x.dimensions();
+  const auto cd = cos.dimensions();
+  const auto sd = sin.dimensions();
+  const int64_t E = xd.size() == 2 && heads + 2 * kv_heads > 0 ? xd[1] / (heads + 2 * kv_heads) : 0;
+  const QkvShape a{xd.size() == 2 ? xd[0] : 0, cd.size() == 2 ? cd[0] : 0, heads, kv_heads, E,
+                   xd.size() == 2 ? xd[1] : -1, eps};
+  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 || sd[0] != cd[0] || sd[1] != cd[1] ||
+      !QkvCheck(a, cd[0], cd[1]) || wq.element_count() != a.H * a.E || wk.element_count() != a.KV * a.E ||
+      q->element_count() != a.N * a.H * a.E || k->element_count() != a.N * a.KV * a.E ||
+      v->element_count() != a.N * a.KV * a.E || r->element_count() != 2 * a.N) {
+    return ffi::Error::InvalidArgument(
+        "olmax_qkv_forward: expected x [N, (H + 2 KV) E] (E a multiple of 16, N a multiple of T), wq [H E], wk "
+        "[KV E], cos and sin [T, E], q [N, H E], k and v [N, KV E], r [N, 2]");
+  }
+  if (a.N == 0) return ffi::Error::Success();
+  const float *xp = x.typed_data(), *wqp = wq.typed_data(), *wkp = wk.typed_data();
+  const float *cp = cos.typed_data(), *sp = sin.typed_data();
+  float *qp = q->typed_data(), *kp = k->typed_data(), *vp = v->typed_data(), *rp = r->typed_data();
+  constexpr int64_t kRows = 16;  // per piece of work
+  Parallel(pool, (a.N + kRows - 1) / kRows, [=](int64_t chunk) {
+    for (int64_t n = chunk * kRows; n < std::min(a.N, (chunk + 1) * kRows); ++n) {
+      const float* row = xp + n * a.D;
+      const int64_t t = n % a.T;
+      rp[2 * n] = NormRope(row, a.H * a.E, wqp, cp + t * a.E, sp + t * a.E, a.E, a.eps, qp + n * a.H * a.E);
+      rp[2 * n + 1] = NormRope(row + a.H * a.E, a.KV * a.E, wkp, cp + t * a.E, sp + t * a.E, a.E, a.eps,
+                               kp + n * a.KV * a.E);
+      std::memcpy(vp + n * a.KV * a.E, row + (a.H + a.KV) * a.E, a.KV * a.E * sizeof(float));
+    }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error QkvBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wq,
+                       ffi::Buffer<ffi::F32> wk, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
+                       ffi::Buffer<ffi::F32> r, ffi::Buffer<ffi::F32> dq, ffi::Buffer<ffi::F32> dk,
+                       ffi::Buffer<ffi::F32> dv, ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> dwq,
+                       ffi::ResultBuffer<ffi::F32> dwk, int64_t heads, int64_t kv_heads, int64_t chunk, float eps) {
+  const auto xd = x.dimensions();
+  const auto cd = cos.dimensions();
+  const auto sd = sin.dimensions();
+  const int64_t E = xd.size() == 2 && heads + 2 * kv_heads > 0 ? xd[1] / (heads + 2 * kv_heads) : 0;
+  const QkvShape a{xd.size() == 2 ? xd[0] : 0, cd.size() == 2 ? cd[0] : 0, heads, kv_heads, E,
+                   xd.size() == 2 ? xd[1] : -1, eps};
+  if (xd.size() != 2 || cd.size() != 2 || sd.size() != 2 || sd[0] != cd[0] || sd[1] != cd[1] ||
+      !QkvCheck(a, cd[0], cd[1]) || chunk < 1 || a.N % chunk != 0 || wq.element_count() != a.H * a.E ||
+      wk.element_count() != a.KV * a.E || r.element_count() != 2 * a.N || dq.element_count() != a.N * a.H * a.E ||
+      dk.element_count() != a.N * a.KV * a.E || dv.element_count() != a.N * a.KV * a.E ||
+      dx->element_count() != a.N * a.D || dwq->element_count() != a.N / chunk * a.H * a.E ||
+      dwk->element_count() != a.N / chunk * a.KV * a.E) {
+    return ffi::Error::InvalidArgument(
+        "olmax_qkv_backward: expected x and dx [N, (H + 2 KV) E] (E a multiple of 16, N a multiple of T and of "
+        "chunk), wq [H E], wk [KV E], cos and sin [T, E], r [N, 2], dq [N, H E], dk and dv [N, KV E], dwq "
+        "[N / chunk, H E], dwk [N / chunk, KV E]");
+  }
+  if (a.N == 0) return ffi::Error::Success();
+  const float *xp = x.typed_data(), *wqp = wq.typed_data(), *wkp = wk.typed_data();
+  const float *cp = cos.typed_data(), *sp = sin.typed_data(), *rp = r.typed_data();
+  const float *dqp = dq.typed_data(), *dkp = dk.typed_data(), *dvp = dv.typed_data();
+  float *dxp = dx->typed_data(), *dwqp = dwq->typed_data(), *dwkp = dwk->typed_data();
+  const int64_t Q = a.H * a.E, K = a.KV * a.E;
+  Parallel(pool, a.N / chunk, [=](int64_t c) {
+    thread_local std::vector<float> g;
+    g.resize(std::max(Q, K));
+    float* wq_sum = dwqp + c * Q;
+    float* wk_sum = dwkp + c * K;
+    std::memset(wq_sum, 0, Q * sizeof(float));
+    std::memset(wk_sum, 0, K * sizeof(float));
+    for (int64_t n = c * chunk; n < (c + 1) * chunk; ++n) {
+      const float* row = xp + n * a.D;
+      float* out = dxp + n * a.D;
+      const int64_t t = n % a.T;
+      NormRopeGrad(row, Q, wqp, cp + t * a.E, sp + t * a.E, a.E, rp[2 * n], dqp + n * Q, out, wq_sum, g.data());
+      NormRopeGrad(row + Q, K, wkp, cp + t * a.E, sp + t * a.E, a.E, rp[2 * n + 1], dkp + n * K, out + Q, wk_sum,
+                   g.data());
+      std::memcpy(out + Q + K, dvp + n * K, K * sizeof(float));
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxSkinnyMatmul, SkinnyMatmul,
@@ -934,3 +1242,52 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxFlashBackward, FlashBackward,
                                   .Attr<int64_t>("window")
                                   .Attr<int64_t>("block")
                                   .Attr<int64_t>("segments"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxSwigluForward, SwigluForward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxSwigluBackward, SwigluBackward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxQkvForward, QkvForward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("heads")
+                                  .Attr<int64_t>("kv_heads")
+                                  .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxQkvBackward, QkvBackward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("heads")
+                                  .Attr<int64_t>("kv_heads")
+                                  .Attr<int64_t>("chunk")
+                                  .Attr<float>("eps"));

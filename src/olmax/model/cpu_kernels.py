@@ -59,6 +59,10 @@ NORM = "olmax_rms_norm"
 SUMS = "olmax_row_sums"
 FLASH_FWD = "olmax_flash_forward"
 FLASH_BWD = "olmax_flash_backward"
+SWIGLU_FWD = "olmax_swiglu_forward"
+SWIGLU_BWD = "olmax_swiglu_backward"
+QKV_FWD = "olmax_qkv_forward"
+QKV_BWD = "olmax_qkv_backward"
 PACK = "olmax_pack"
 PANEL = 16
 _STATE: dict[str, object] = {}
@@ -161,6 +165,10 @@ def _load() -> str | None:
         jax.ffi.register_ffi_target(SUMS, jax.ffi.pycapsule(lib.OlmaxRowSums), platform="cpu")
         jax.ffi.register_ffi_target(FLASH_FWD, jax.ffi.pycapsule(lib.OlmaxFlashForward), platform="cpu")
         jax.ffi.register_ffi_target(FLASH_BWD, jax.ffi.pycapsule(lib.OlmaxFlashBackward), platform="cpu")
+        jax.ffi.register_ffi_target(SWIGLU_FWD, jax.ffi.pycapsule(lib.OlmaxSwigluForward), platform="cpu")
+        jax.ffi.register_ffi_target(SWIGLU_BWD, jax.ffi.pycapsule(lib.OlmaxSwigluBackward), platform="cpu")
+        jax.ffi.register_ffi_target(QKV_FWD, jax.ffi.pycapsule(lib.OlmaxQkvForward), platform="cpu")
+        jax.ffi.register_ffi_target(QKV_BWD, jax.ffi.pycapsule(lib.OlmaxQkvBackward), platform="cpu")
     except (RuntimeError, OSError, AttributeError, ValueError) as e:
         return str(e)
     return None
@@ -365,3 +373,114 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None
                          f"got q {q.shape}, k {k.shape}")
     seg = jnp.zeros(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     return _flash(q, k, v, seg, window, block, segment_ids is not None)
+
+
+def swiglu_supported(gu: jax.Array) -> bool:
+    """Whether ``swiglu`` runs this: fp32, an even last axis, a kernel built."""
+    return gu.dtype == jnp.float32 and gu.shape[-1] % 2 == 0 and available()
+
+
+def _swiglu_call(name: str, out_cols: int, *arrays: jax.Array) -> jax.Array:
+    rows = tuple(a.reshape(-1, a.shape[-1]) for a in arrays)
+    y = _per_batch_shard(lambda *r: jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((r[0].shape[0], out_cols), jnp.float32))(
+        *r), rows)
+    return y.reshape(*arrays[0].shape[:-1], out_cols)
+
+
+@jax.custom_vjp
+def swiglu(gu: jax.Array) -> jax.Array:
+    """``silu(g) * u`` of ``gu = [g | u]`` (last axis, fp32), forward and backward in the kernel,
+    one pass over the rows each: ``olmax.model.olmo3``'s SwiGLU on the CPU (within fp32 rounding of
+    XLA's, tested). The backward keeps only ``gu``."""
+    _require(gu)
+    return _swiglu_call(SWIGLU_FWD, gu.shape[-1] // 2, gu)
+
+
+def _swiglu_bwd(gu: jax.Array, dy: jax.Array) -> tuple[jax.Array]:
+    return (_swiglu_call(SWIGLU_BWD, gu.shape[-1], gu, dy.astype(jnp.float32)),)
+
+
+swiglu.defvjp(lambda gu: (swiglu(gu), gu), _swiglu_bwd)
+
+
+def qkv_supported(x: jax.Array, wq: jax.Array, wk: jax.Array, cos: jax.Array, heads: int, kv_heads: int) -> bool:
+    """Whether ``qkv`` runs these: fp32, cos/sin tables [t, e] (every row) or [b, t, e] (per-row
+    positions: packed documents), heads a multiple of 16 wide, a kernel built."""
+    width = heads + 2 * kv_heads
+    if not (all(a.dtype == jnp.float32 for a in (x, wq, wk, cos)) and x.ndim == 3 and x.shape[-1] % width == 0):
+        return False
+    e = x.shape[-1] // width
+    return (e % PANEL == 0 and cos.shape in ((x.shape[1], e), (*x.shape[:2], e)) and wq.shape == (heads * e,)
+            and wk.shape == (kv_heads * e,) and available())
+
+
+def _qkv_chunk(t: int) -> int:
+    """Rows per partial sum of the norm weights' gradient: the largest divisor of the sequence
+    length up to 64 (whole sequences split evenly, so a batch shard holds whole chunks)."""
+    return max(c for c in range(1, min(t, 64) + 1) if t % c == 0)
+
+
+def _tables(cos: jax.Array, sin: jax.Array) -> tuple[tuple, tuple]:
+    """(batched, replicated) for ``_per_batch_shard``: per-row tables [b, t, e] go with the rows
+    (the kernel reads row n's at n), one table [t, e] to every device (row n's at n mod t)."""
+    if cos.ndim == 3:
+        return (cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])), ()
+    return (), (cos, sin)
+
+
+def _qkv_forward(x, wq, wk, cos, sin, heads, kv_heads, eps):
+    b, t, d = x.shape
+    e = d // (heads + 2 * kv_heads)
+    per_row, shared = _tables(cos, sin)
+
+    def call(rows, *rest):
+        cos, sin, wq, wk = (*rest[:len(per_row)], *rest[len(per_row):]) if per_row else (*rest[2:], *rest[:2])
+        n = rows.shape[0]
+        out = tuple(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in
+                    ((n, heads * e), (n, kv_heads * e), (n, kv_heads * e), (n, 2)))
+        return tuple(jax.ffi.ffi_call(QKV_FWD, out)(rows, wq, wk, cos, sin, heads=np.int64(heads),
+                                                     kv_heads=np.int64(kv_heads), eps=np.float32(eps)))
+
+    q, k, v, r = _per_batch_shard(call, (x.reshape(b * t, d), *per_row), (wq, wk, *shared))
+    return (q.reshape(b, t, heads, e), k.reshape(b, t, kv_heads, e), v.reshape(b, t, kv_heads, e)), r
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def qkv(x: jax.Array, wq: jax.Array, wk: jax.Array, cos: jax.Array, sin: jax.Array, heads: int, kv_heads: int,
+        eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The attention's q, k, v [b, t, heads | kv_heads, e] from its projection x = [q | k | v] [b,
+    t, (heads + 2 kv_heads) e], fp32, forward and backward in the kernel: q and k RMSNormed over
+    their whole width with weights ``wq`` / ``wk`` (``eps``), then RoPE with the tables cos/sin
+    ([t, e], or [b, t, e] per row); v as it is (``olmax.model.olmo3``'s attention on the CPU, within fp32 rounding of
+    XLA's split, ``rms_norm`` and ``apply_rope``, tested). The backward gives dx in one buffer
+    and the weights' gradients; cos and sin get none (constants)."""
+    _require(x, wq, wk, cos, sin)
+    return _qkv_forward(x, wq, wk, cos, sin, heads, kv_heads, eps)[0]
+
+
+def _qkv_fwd(x, wq, wk, cos, sin, heads, kv_heads, eps):
+    out, r = _qkv_forward(x, wq, wk, cos, sin, heads, kv_heads, eps)
+    return out, (x, wq, wk, cos, sin, r)
+
+
+def _qkv_bwd(heads, kv_heads, eps, res, grads):
+    x, wq, wk, cos, sin, r = res
+    b, t, d = x.shape
+    chunk = _qkv_chunk(t)
+    per_row, shared = _tables(cos, sin)
+    dq, dk, dv = (g.astype(jnp.float32).reshape(b * t, -1) for g in grads)
+
+    def call(rows, r, dq, dk, dv, *rest):
+        cos, sin, wq, wk = (*rest[:len(per_row)], *rest[len(per_row):]) if per_row else (*rest[2:], *rest[:2])
+        n = rows.shape[0]
+        out = (jax.ShapeDtypeStruct(rows.shape, jnp.float32), jax.ShapeDtypeStruct((n // chunk, wq.shape[0]), jnp.float32),
+               jax.ShapeDtypeStruct((n // chunk, wk.shape[0]), jnp.float32))
+        return tuple(jax.ffi.ffi_call(QKV_BWD, out)(rows, wq, wk, cos, sin, r, dq, dk, dv, heads=np.int64(heads),
+                                                     kv_heads=np.int64(kv_heads), chunk=np.int64(chunk),
+                                                     eps=np.float32(eps)))
+
+    dx, dwq, dwk = _per_batch_shard(call, (x.reshape(b * t, d), r, dq, dk, dv, *per_row), (wq, wk, *shared))
+    return dx.reshape(b, t, d), jnp.sum(dwq, axis=0), jnp.sum(dwk, axis=0), jnp.zeros_like(cos), jnp.zeros_like(sin)
+
+
+qkv.defvjp(_qkv_fwd, _qkv_bwd)

@@ -29,7 +29,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from olmax.config import ConfigError, ModelConfig
 from olmax.model.attention import attend, exact_fp32, kernel_attention, target_platform
-from olmax.model.cpu_kernels import matmul as kernel_matmul, skinny_matmul
+from olmax.model.cpu_kernels import matmul as kernel_matmul, qkv as kernel_qkv, qkv_supported, skinny_matmul
+from olmax.model.cpu_kernels import swiglu as kernel_swiglu, swiglu_supported
 from olmax.model.layers import apply_rope, decoding_arithmetic, kernel_input, kernel_output, rms_norm, rope_at, rope_cos_sin, rope_inv_freq
 from olmax.sharding import constrain
 
@@ -149,18 +150,28 @@ def _attention_block(cfg: ModelConfig, p: dict, x: jax.Array, cos: jax.Array, si
     KV cache's prefill or decode step, ``olmax.model.decode``), ``(out, cache)``."""
     b, t, _ = x.shape
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    heads = ("batch", "length", "act_heads", "head_dim")
+    kv_heads = ("batch", "length", "act_kv_heads", "head_dim")
+    fused = False
     if "qkv" in p or target_platform() == "cpu":
         # One [d, (h+2k)e] projection, as the MLP's gate and up: dx is one matmul, not a sum of three.
         # Decoding joins the weights once, before its loop (``join_projections``).
-        qkv = p["qkv"] if "qkv" in p else jnp.concatenate([p["q"], p["k"], p["v"]], axis=1)
-        q, k, v = jnp.split(_dense(x, qkv), [H * E, (H + K) * E], axis=-1)
+        qkv = _dense(x, p["qkv"] if "qkv" in p else jnp.concatenate([p["q"], p["k"], p["v"]], axis=1))
+        # Training and evaluation on the CPU in fp32: the split, both norms and RoPE in olmax's
+        # kernel, one pass each way (the decode steps and RL's forward keep this arithmetic below).
+        fused = (target_platform() == "cpu" and cache_op is None and not decoding_arithmetic()
+                 and qkv_supported(qkv, p["q_norm"], p["k_norm"], cos, H, K))
+        if fused:
+            q, k, v = kernel_qkv(qkv, p["q_norm"], p["k_norm"], cos, sin, H, K, cfg.norm_eps)
+        else:
+            q, k, v = jnp.split(qkv, [H * E, (H + K) * E], axis=-1)
     else:
         q, k, v = (_dense(x, p[name]) for name in ("q", "k", "v"))
-    q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
-    heads = ("batch", "length", "act_heads", "head_dim")
-    kv_heads = ("batch", "length", "act_kv_heads", "head_dim")
-    q = checkpoint_name(constrain(apply_rope(q.reshape(b, t, H, E), cos, sin), heads), "query")
-    k = checkpoint_name(constrain(apply_rope(k.reshape(b, t, K, E), cos, sin), kv_heads), "key")
+    if not fused:
+        q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
+        q, k = apply_rope(q.reshape(b, t, H, E), cos, sin), apply_rope(k.reshape(b, t, K, E), cos, sin)
+    q = checkpoint_name(constrain(q, heads), "query")
+    k = checkpoint_name(constrain(k, kv_heads), "key")
     v = checkpoint_name(constrain(v.reshape(b, t, K, E), kv_heads), "value")
     if cache_op is not None:
         o, cache = cache_op(q, k, v, cache)
@@ -197,6 +208,16 @@ def _swiglu_bwd(gu: jax.Array, dy: jax.Array) -> tuple[jax.Array]:
 _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
+def swiglu(gu: jax.Array) -> jax.Array:
+    """``silu(g) * u`` of ``gu = [g | u]``: on the CPU in fp32 in olmax's kernel (one pass over
+    the rows forward and one backward, where XLA made three and kept two more [b, t, f] arrays for
+    the backward), else ``_swiglu``. Every use of the model on the CPU (training, prefill, decode
+    steps, RL's forward) goes through here, so they compute it alike."""
+    if target_platform() == "cpu" and swiglu_supported(gu):
+        return kernel_swiglu(gu)
+    return _swiglu(gu)
+
+
 def _mlp_block(m: dict, h: jax.Array) -> jax.Array:
     """SwiGLU ``down(silu(gate(h)) * up(h))``."""
     hidden = ("batch", "length", "act_mlp")
@@ -206,7 +227,7 @@ def _mlp_block(m: dict, h: jax.Array) -> jax.Array:
         # sharded along f, where concatenating them would move data.
         gu = _dense(h, m["gate_up"] if "gate_up" in m else jnp.concatenate([m["gate"], m["up"]], axis=1))
         gu = checkpoint_name(constrain(gu, hidden), "mlp_gate_up")
-        out = _dense(_swiglu(gu), m["down"])
+        out = _dense(swiglu(gu), m["down"])
         return checkpoint_name(constrain(out, ("batch", "length", "act_embed")), "mlp_out")
     g = checkpoint_name(constrain(_dense(h, m["gate"]), hidden), "mlp_gate")
     u = checkpoint_name(constrain(_dense(h, m["up"]), hidden), "mlp_up")
