@@ -8,12 +8,6 @@ mesh runs it per batch shard with one device's bits."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import numpy as np
 import pytest
 
@@ -23,6 +17,7 @@ import jax.numpy as jnp
 from olmax.model import cpu_kernels
 from olmax.model.layers import apply_rope, rms_norm
 from olmax.recipes import get_recipe
+from trainlib import run_on_cpu_devices
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason=f"{cpu_kernels.unavailable_reason()}")
 EPS = 1e-6
@@ -163,7 +158,7 @@ def test_a_cpu_mesh_runs_it_per_batch_shard_with_one_devices_bits() -> None:
     """On 4 CPU devices (batch over data 2 x fsdp 2, and fsdp 2 x tensor 2): q, k, v and dx bit for
     bit the single device's, with one table and with per-row tables; the weights' gradients (a sum
     over the batch, reduced across devices) within fp32 rounding."""
-    code = textwrap.dedent("""
+    assert run_on_cpu_devices("""
         import json
         import jax, jax.numpy as jnp, numpy as np
         from olmax.config import MeshConfig
@@ -183,12 +178,7 @@ def test_a_cpu_mesh_runs_it_per_batch_shard_with_one_devices_bits() -> None:
                 close = all(np.allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(a)))) for a, b in zip(g0[1:], g1[1:]))
                 out.append(bool(exact and close))
         print(json.dumps(out))
-    """)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.path.dirname(__file__)}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == [True] * 4
+    """) == [True] * 4
 
 
 def test_other_dtypes_are_refused() -> None:

@@ -6,12 +6,6 @@ steps all call it on the CPU in fp32, and bf16 and accelerator programs keep XLA
 runs it per batch shard with one device's bits."""
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-import textwrap
 from unittest import mock
 
 import numpy as np
@@ -22,6 +16,7 @@ import jax.numpy as jnp
 
 from olmax.model import attention, cpu_kernels, olmo3
 from olmax.recipes import get_recipe
+from trainlib import run_on_cpu_devices
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason=f"{cpu_kernels.unavailable_reason()}")
 
@@ -113,7 +108,7 @@ def test_the_model_calls_it_on_the_cpu_in_fp32_only() -> None:
 def test_a_cpu_mesh_runs_it_per_batch_shard_with_one_devices_bits() -> None:
     """On 4 CPU devices (batch over data 2 x fsdp 2, and fsdp 2 x tensor 2) the forward and the
     gradient are the single device's bit for bit."""
-    code = textwrap.dedent("""
+    assert run_on_cpu_devices("""
         import json
         import jax, jax.numpy as jnp, numpy as np
         from olmax.config import MeshConfig
@@ -129,12 +124,7 @@ def test_a_cpu_mesh_runs_it_per_batch_shard_with_one_devices_bits() -> None:
                 got = jax.jit(step)(gu, dy)
             out.append(bool(np.array_equal(want, got)))
         print(json.dumps(out))
-    """)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.path.dirname(__file__)}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == [True, True]
+    """) == [True, True]
 
 
 def test_odd_widths_and_other_dtypes_are_refused() -> None:

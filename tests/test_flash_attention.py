@@ -7,12 +7,6 @@ kernel; a CPU mesh runs it per batch shard with one device's bits."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import numpy as np
 import pytest
 
@@ -22,6 +16,7 @@ import jax.numpy as jnp
 from olmax.model import cpu_kernels
 from olmax.model.attention import attend, blocked_attention, reference_attention, resolve_impl
 from olmax.recipes import get_recipe
+from trainlib import run_on_cpu_devices
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason=f"{cpu_kernels.unavailable_reason()}")
 
@@ -143,7 +138,7 @@ def test_unavailable_kernel_leaves_auto_on_blocked(monkeypatch) -> None:
 def test_a_cpu_mesh_runs_the_kernel_per_batch_shard_with_one_devices_bits() -> None:
     """On 4 CPU devices (batch over fsdp 2 x data 2, and fsdp 2 x tensor 2) the training step's
     attention gives the single device's output and gradients bit for bit."""
-    code = textwrap.dedent("""
+    assert run_on_cpu_devices("""
         import json
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import NamedSharding, PartitionSpec as P
@@ -162,12 +157,7 @@ def test_a_cpu_mesh_runs_the_kernel_per_batch_shard_with_one_devices_bits() -> N
                 l1, g1 = jax.jit(step)(q, k, v)
             out.append(bool(float(l0) == float(l1) and all(np.array_equal(a, b) for a, b in zip(g0, g1))))
         print(json.dumps(out))
-    """)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.path.dirname(__file__)}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == [True, True]
+    """) == [True, True]
 
 
 @needs_kernel

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -77,3 +83,14 @@ def rl_overrides(data: Path, *extra: str) -> list[str]:
 def rl_cfg(data: Path, *extra: str):
     from olmax.recipes import get_recipe
     return get_recipe("tiny_rl", rl_overrides(data, *extra))
+
+
+def run_on_cpu_devices(code: str, devices: int = 4) -> Any:
+    """Runs ``code`` (a script that prints JSON last) in a fresh Python with ``devices`` CPU
+    devices and this folder on the path; returns that JSON."""
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])

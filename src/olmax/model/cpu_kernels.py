@@ -9,7 +9,10 @@ intra-op thread pool. The attention kernel (``cache_attention``) reads each row'
 cached keys and values once, only the slots its query sees. ``pack`` itself runs in the kernel
 too (RL packs the weights again after every update). The README (Benchmarks, decode speed) has
 what they gain end to end. ``flash_attention`` is the training attention on the CPU (forward and
-backward; ``olmax.model.attention``'s ``cpu`` kernel, what "auto" picks in fp32). ``matmul``, ``sequence_attention``, ``rms_norm`` and ``row_sums`` let a
+backward; ``olmax.model.attention``'s ``cpu`` kernel, what "auto" picks in fp32); ``swiglu``
+(every use of the model on the CPU in fp32) and ``qkv`` (the attention's q, k and v from its
+projection: the split, q/k RMSNorm and RoPE, for training and evaluation) do the elementwise
+work around it in one pass each way. ``matmul``, ``sequence_attention``, ``rms_norm`` and ``row_sums`` let a
 training forward repeat the decode steps' arithmetic (``olmax.model.layers.decode_arithmetic``:
 RL's log-probs equal the sampler's), with XLA's gradients.
 
