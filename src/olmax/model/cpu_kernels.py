@@ -12,9 +12,10 @@ what they gain end to end. ``flash_attention`` is the training attention on the 
 backward; ``olmax.model.attention``'s ``cpu`` kernel, what "auto" picks in fp32); ``swiglu``
 (every use of the model on the CPU in fp32) and ``qkv`` (the attention's q, k and v from its
 projection: the split, q/k RMSNorm and RoPE, for training and evaluation) do the elementwise
-work around it in one pass each way. ``matmul``, ``sequence_attention``, ``rms_norm`` and ``row_sums`` let a
-training forward repeat the decode steps' arithmetic (``olmax.model.layers.decode_arithmetic``:
-RL's log-probs equal the sampler's), with XLA's gradients.
+work around it in one pass each way. ``matmul``, ``sequence_attention``, ``rms_norm`` and
+``row_sums`` let a training forward repeat the decode steps' arithmetic
+(``olmax.model.layers.decode_arithmetic``: RL's log-probs equal the sampler's), with XLA's
+gradients.
 
 Every output element is one fused multiply-add chain over the input axis in order, so a row's
 result does not depend on the other rows of the batch (tested bit for bit), and it is within
@@ -454,9 +455,9 @@ def qkv(x: jax.Array, wq: jax.Array, wk: jax.Array, cos: jax.Array, sin: jax.Arr
     """The attention's q, k, v [b, t, heads | kv_heads, e] from its projection x = [q | k | v] [b,
     t, (heads + 2 kv_heads) e], fp32, forward and backward in the kernel: q and k RMSNormed over
     their whole width with weights ``wq`` / ``wk`` (``eps``), then RoPE with the tables cos/sin
-    ([t, e], or [b, t, e] per row); v as it is (``olmax.model.olmo3``'s attention on the CPU, within fp32 rounding of
-    XLA's split, ``rms_norm`` and ``apply_rope``, tested). The backward gives dx in one buffer
-    and the weights' gradients; cos and sin get none (constants)."""
+    ([t, e], or [b, t, e] per row); v as it is (``olmax.model.olmo3``'s attention on the CPU,
+    within fp32 rounding of XLA's split, ``rms_norm`` and ``apply_rope``, tested). The backward
+    gives dx in one buffer and the weights' gradients; cos and sin get none (constants)."""
     _require(x, wq, wk, cos, sin)
     return _qkv_forward(x, wq, wk, cos, sin, heads, kv_heads, eps)[0]
 
