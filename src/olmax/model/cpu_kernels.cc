@@ -739,7 +739,7 @@ void Recompute(const Flash& f, int64_t b, int64_t t, int64_t k0, float lse, floa
 }
 
 struct FlashScratch {
-  std::vector<float> kt, vt, s, dp, qc, vc, kc, gc;
+  std::vector<float> kt, vt, s, dp, qc, vc;
 };
 
 FlashScratch& Scratch() {

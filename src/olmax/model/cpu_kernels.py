@@ -438,14 +438,14 @@ def _qkv_forward(x, wq, wk, cos, sin, heads, kv_heads, eps):
     per_row, shared = _tables(cos, sin)
 
     def call(rows, *rest):
-        cos, sin, wq, wk = (*rest[:len(per_row)], *rest[len(per_row):]) if per_row else (*rest[2:], *rest[:2])
+        cos, sin, wq, wk = rest  # the tables come first either way
         n = rows.shape[0]
         out = tuple(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in
                     ((n, heads * e), (n, kv_heads * e), (n, kv_heads * e), (n, 2)))
         return tuple(jax.ffi.ffi_call(QKV_FWD, out)(rows, wq, wk, cos, sin, heads=np.int64(heads),
                                                      kv_heads=np.int64(kv_heads), eps=np.float32(eps)))
 
-    q, k, v, r = _per_batch_shard(call, (x.reshape(b * t, d), *per_row), (wq, wk, *shared))
+    q, k, v, r = _per_batch_shard(call, (x.reshape(b * t, d), *per_row), (*shared, wq, wk))
     return (q.reshape(b, t, heads, e), k.reshape(b, t, kv_heads, e), v.reshape(b, t, kv_heads, e)), r
 
 
@@ -475,7 +475,7 @@ def _qkv_bwd(heads, kv_heads, eps, res, grads):
     dq, dk, dv = (g.astype(jnp.float32).reshape(b * t, -1) for g in grads)
 
     def call(rows, r, dq, dk, dv, *rest):
-        cos, sin, wq, wk = (*rest[:len(per_row)], *rest[len(per_row):]) if per_row else (*rest[2:], *rest[:2])
+        cos, sin, wq, wk = rest  # the tables come first either way
         n = rows.shape[0]
         out = (jax.ShapeDtypeStruct(rows.shape, jnp.float32), jax.ShapeDtypeStruct((n // chunk, wq.shape[0]), jnp.float32),
                jax.ShapeDtypeStruct((n // chunk, wk.shape[0]), jnp.float32))
@@ -483,7 +483,7 @@ def _qkv_bwd(heads, kv_heads, eps, res, grads):
                                                      kv_heads=np.int64(kv_heads), chunk=np.int64(chunk),
                                                      eps=np.float32(eps)))
 
-    dx, dwq, dwk = _per_batch_shard(call, (x.reshape(b * t, d), r, dq, dk, dv, *per_row), (wq, wk, *shared))
+    dx, dwq, dwk = _per_batch_shard(call, (x.reshape(b * t, d), r, dq, dk, dv, *per_row), (*shared, wq, wk))
     return dx.reshape(b, t, d), jnp.sum(dwq, axis=0), jnp.sum(dwk, axis=0), jnp.zeros_like(cos), jnp.zeros_like(sin)
 
 
