@@ -44,6 +44,7 @@ from olmax import jsonout
 from olmax.argtypes import positive_float, positive_int, seed as seed_flag
 from olmax.config import Config, ConfigError
 from olmax.eval.runs import metric_rows, read_metrics
+from olmax.extras import require
 
 CE_TOLERANCE = 1e-4            # issue 5: |delta CE| <= 1e-4 at every step (absolute)
 # Relative tolerances of the other quantities. They catch what a short run's CE would hide (an lr
@@ -558,7 +559,7 @@ def compare(olmax: Trace, ref: Trace, steps: int) -> dict[str, Any]:
     return {
         "steps": steps,
         "ok": first is None,
-        # The issue's target alone (ids and CE); ``ok`` also requires the other quantities.
+        # The parity target alone (ids and CE); ``ok`` also requires the other quantities.
         "target_met": same_ids and ce_all and max_ce is not None and max_ce <= CE_TOLERANCE,
         "max_abs_ce_diff": max_ce,
         "max_abs_grad_norm_diff": max_diff("grad_norm"),
@@ -585,6 +586,7 @@ def run_parity(steps: int = 100, seed: int | None = None, overrides: list[str] |
     ``olmax_overrides`` to olmax only (to show the check catches a difference, or to bisect one).
     ``out`` keeps the token files, the HF export, both runs and ``report.json`` / ``steps.jsonl``;
     it must be new or empty (nothing is overwritten). None: a temporary folder, removed after."""
+    require("verify", "torch", "olmo_core")  # before olmax's side trains
     if steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {steps}")
     cfg = parity_config(steps, seed, [*SFT_OVERRIDES, *overrides] if sft else overrides)

@@ -30,6 +30,7 @@ import numpy as np
 from olmax import jsonout
 from olmax.argtypes import positive_int, seed as seed_flag
 from olmax.eval.kl import check_tokens, load_token_array, logit_metrics, random_tokens, summarize
+from olmax.extras import require
 
 FP32_CRITERIA = {"kl_max": 1e-7, "top1_agreement": 1.0, "max_abs_logit_diff": 1e-4}
 BF16_NOISE_FLOOR_KL = 1.5e-3  # published reproduction: bf16, full 8192 context
@@ -136,6 +137,7 @@ def run_parity(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike | None =
     ``document_masking``: the tokens are packed documents ending at the config's EOS (random
     tokens get EOS planted at random places); olmax gets their positions and segment ids,
     transformers the same positions as ``position_ids``."""
+    require("hf", "torch", "transformers")  # before olmax's side loads or converts the weights
     from olmax.compat.hf import ConversionError, config_from_hf, load_hf_params, read_hf_config
     from olmax.config import RUNTIME_MODEL_FIELDS, ConfigError, model_differences, validate
 
