@@ -1,5 +1,5 @@
-"""Issue 23 item 10 (P1, P2, P11, P13, P14, P16, ...): a training run's sharp edges end in one line
-naming the field, flag or file (exit 2), or in the documented behaviour."""
+"""A training run's sharp edges end in one line naming the field, flag or file (exit 2), or in the
+documented behaviour."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _numeric_fields(obj, path=""):
             yield path + f.name
 
 
-def test_every_numeric_field_refuses_nan_and_inf():  # P1
+def test_every_numeric_field_refuses_nan_and_inf():
     fields = list(_numeric_fields(Config()))
     assert "model.norm_eps" in fields and "model.rope_scaling.factor" in fields and len(fields) > 60
     for name in fields:

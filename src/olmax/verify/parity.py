@@ -13,7 +13,7 @@ taken over the real vocabulary only):
   replaces the last entry with ``last_hidden_state``. We capture layer n-1's raw output with a
   forward hook and compare the final norm separately, so every olmax residual has its HF twin.
 
-fp32 criteria (issue 2): KL max <= 1e-7, top-1 agreement 100%, max |logit diff| <= 1e-4. In bf16
+fp32 criteria: KL max <= 1e-7, top-1 agreement 100%, max |logit diff| <= 1e-4. In bf16
 the numbers are reported against the published noise floor (KL about 1.5e-3), never as a pass.
 """
 

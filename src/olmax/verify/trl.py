@@ -26,7 +26,7 @@ One resolved olmax config drives both sides:
    (forward hooks). Both are reported; the length-normalised ones are judged (the summed ones are
    differences of two fp32 sums of tens of log-probs near -6, whose rounding alone is ~1e-5).
 
-Target (issue 21): |delta loss| <= 1e-5, |delta reward| <= 1e-5 and grad norm within 1e-5
+Target: |delta loss| <= 1e-5, |delta reward| <= 1e-5 and grad norm within 1e-5
 relative at each of 20 steps.
 """
 

@@ -24,7 +24,7 @@ rewards, so only the loss, its aggregation, the gradients and the optimizer are 
 5. Per optimizer step: the loss and the grad norm of each side (TRL's logged ``loss`` and
    ``grad_norm``), and olmax's clip fraction (TRL's ``clip_ratio/region_mean`` beside it).
 
-Target (issue 22): |delta loss| <= 1e-5 and grad norm within 1e-5 relative at every step.
+Target: |delta loss| <= 1e-5 and grad norm within 1e-5 relative at every step.
 """
 
 from __future__ import annotations
