@@ -9,9 +9,10 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
+	# Every extra (the tests and demos use them all; `pip install olmax` alone is the lean core).
 	# requirements.lock pins every package the install pulls in, so a fresh machine gets the
 	# versions the tests were run with (torch==2.13.0 is the CPU build on local disk).
-	$(VENV)/bin/pip install --quiet -c requirements.lock -e '.[test]'
+	$(VENV)/bin/pip install --quiet -c requirements.lock -e '.[all,test]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -45,7 +45,7 @@ SIZES = {
     "tiny": (4, 256, 4, 4, 64, 768, 512, 64, 256, 4, 40),
     "small": (6, 512, 8, 8, 64, 1536, 8192, 128, 512, 4, 20),
     "100m": (8, 768, 12, 12, 64, 2048, 50304, 256, 1024, 2, 12),
-    # the shape the honest-figures issue measured outside the first three
+    # a fourth shape, measured beside the first three
     "d384": (6, 384, 6, 6, 64, 1024, 512, 128, 512, 4, 20),
     # grouped-query attention (4 query heads per key/value head, as the 32B's 40 / 8 = 5)
     "gqa": (6, 512, 8, 2, 64, 1536, 8192, 128, 512, 4, 20),
@@ -129,7 +129,7 @@ def run_olmo_core(s: dict, tokens: Path, out: Path, env: dict) -> list[float]:
     try:
         import olmo_core  # noqa: F401
     except ImportError as e:
-        raise PeerUnavailable(f"OLMo-core is not installed ({e}); `pip install -e '.[test]'` brings it")
+        raise PeerUnavailable(f"OLMo-core is not installed ({e}); `pip install -e '.[verify]'` brings it")
     res = out / "olmo_core.json"
     cmd = [sys.executable, __file__, "--_olmo-core-worker", json.dumps({"shape": s, "tokens": str(tokens),
                                                                          "work": str(out / "olmo_core"),

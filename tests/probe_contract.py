@@ -1,4 +1,4 @@
-"""Issue 23 item 11: a probe of the error contract as a new user meets it (not collected by pytest).
+"""A probe of the error contract as a new user meets it (not collected by pytest).
 
     python tests/probe_contract.py [--kills N] [--kill-recipes tiny,tiny_rl,tiny_dpo] [--only-kills]
 

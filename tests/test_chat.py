@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from olmax.chat.template import load_template, render_olmo3_chat
 from olmax.data import DataError
 from olmax.data import chat
-from olmax.infer.text import render_olmo3_chat
 
 SPECIALS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
 EOS, PAD = 0, 1
@@ -200,7 +200,7 @@ def test_jinja_template_agrees_with_builtin(tok, tok_file: Path, tmp_path: Path,
     for msgs, tools in CONVS:
         if any("tool_calls" in m for m in msgs):  # the jinja above prints only function_calls strings
             msgs = [{k: v for k, v in m.items() if k != "tool_calls"} for m in msgs]
-        t = chat.load_template(str(d))
+        t = load_template(str(d))
         assert t.render(msgs, True, tools) == render_olmo3_chat(msgs, True, tools=tools, think=think)
         a = chat.encode_conversation(msgs, d / "tokenizer.json", "tokenizer", tools=tools)
         b = chat.encode_conversation(msgs, tok, builtin, tools=tools)

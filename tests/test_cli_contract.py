@@ -1,6 +1,6 @@
-"""The error contract and strict JSON (issue 23, items 7 and 10): nonsense flags and config values
-are one line naming the flag or field, exit 2 and ``{"error": ...}`` with ``--json``; every
-``--json`` output parses with a parser that rejects NaN and Infinity."""
+"""The error contract and strict JSON: nonsense flags and config values are one line naming the flag
+or field, exit 2 and ``{"error": ...}`` with ``--json``; every ``--json`` output parses with a parser
+that rejects NaN and Infinity."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def test_every_json_command_reports_argument_errors_as_strict_json(capsys):
         assert msg.startswith("olmax"), (cmd, msg)
 
 
-def test_argument_errors_honour_json(capsys):  # P5
+def test_argument_errors_honour_json(capsys):
     msg = json_error(["eval", "loss", "--checkpoint", "x", "--data", "y", "--batches", "abc"], capsys)
     assert "--batches" in msg and "abc" in msg
 
@@ -86,24 +86,24 @@ def test_argument_errors_honour_json(capsys):  # P5
 @pytest.mark.parametrize("flags,flag", [
     (["--devices", "-4"], "--devices"), (["--devices", "0"], "--devices"), (["--hbm-gib", "-1"], "--hbm-gib"),
     (["--hbm-gib", "nan"], "--hbm-gib"), (["--hbm-gib", "inf"], "--hbm-gib"), (["--hbm-gib", "0"], "--hbm-gib")])
-def test_inspect_refuses_nonsense_devices_and_hbm(flags, flag, capsys):  # P7, P8
+def test_inspect_refuses_nonsense_devices_and_hbm(flags, flag, capsys):
     assert flag in json_error(["inspect", "tiny", *flags], capsys)
 
 
-def test_inspect_json_is_strict(capsys):  # P8
+def test_inspect_json_is_strict(capsys):
     rc, out, _ = run(["inspect", "tiny", "--devices", "4", "--hbm-gib", "1e-300", "--json"], capsys)
     assert rc == 0
     assert strict_loads(out)["fits"] is False
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int8", "banana"])
-def test_eval_token_dtype_must_be_a_token_dtype(dtype, capsys):  # P4
+def test_eval_token_dtype_must_be_a_token_dtype(dtype, capsys):
     for cmd in (["eval", "loss", "--checkpoint", "x", "--data", "y"],
                 ["eval", "domains", "--checkpoint", "x", "--domain", "a=b:1"]):
         assert "--token-dtype" in json_error(cmd + ["--token-dtype", dtype], capsys)
 
 
-def test_eval_loss_json_writes_null_for_a_diverged_checkpoint(monkeypatch, capsys):  # P8
+def test_eval_loss_json_writes_null_for_a_diverged_checkpoint(monkeypatch, capsys):
     from olmax.eval import commands, heldout
 
     class Diverged:
@@ -125,7 +125,7 @@ def test_eval_loss_json_writes_null_for_a_diverged_checkpoint(monkeypatch, capsy
     assert r["loss"] is None and r["perplexity"] is None and r["per_batch_loss"] == [None]
 
 
-def test_data_audit_huge_epoch_is_an_error(capsys):  # P6
+def test_data_audit_huge_epoch_is_an_error(capsys):
     assert "--epoch" in json_error(["data", "audit", "tiny", "--epoch", "99999999999999999999"], capsys)
 
 
@@ -134,7 +134,7 @@ def test_data_audit_huge_epoch_is_an_error(capsys):  # P6
     (["--devices-before", "0"], "--devices-before"), (["--tol", "nan"], "--tol"), (["--tol", "-1"], "--tol"),
     (["--devices-before", "2", "--devices-after", "3"], "--devices-after"),
     (["--steps", "4", "--interrupt-at", "4"], "--interrupt-at")])
-def test_verify_resume_refuses_before_training(flags, flag, capsys, monkeypatch):  # P10
+def test_verify_resume_refuses_before_training(flags, flag, capsys, monkeypatch):
     from olmax.verify import resume
     monkeypatch.setattr(resume, "_train", lambda *a, **k: pytest.fail("trained before refusing"))
     msg = json_error(["verify", "resume", "tiny", "--set", "train.global_batch_size=8", *flags], capsys)
@@ -148,12 +148,12 @@ def test_verify_resume_refuses_before_training(flags, flag, capsys, monkeypatch)
     (["launch", "local", "tiny", "--backoff", "nan"], "--backoff"),
     (["launch", "local", "tiny", "--max-restarts", "-1"], "--max-restarts"),
     (["launch", "slurm", "tiny", "--nodes", "0", "--gpus-per-node", "8"], "--nodes")])
-def test_launch_refuses_nonsense_counts(argv, flag, capsys):  # P12
+def test_launch_refuses_nonsense_counts(argv, flag, capsys):
     rc, out, err = run(argv, capsys)
     assert rc == 2 and flag in err and "Traceback" not in err
 
 
-def test_launch_status_of_a_missing_run_dir_is_an_error(tmp_path, capsys):  # P12
+def test_launch_status_of_a_missing_run_dir_is_an_error(tmp_path, capsys):
     assert "--run-dir" in json_error(["launch", "status", "--run-dir", str(tmp_path / "nope")], capsys)
     (tmp_path / "run").mkdir()
     rc, out, _ = run(["launch", "status", "--run-dir", str(tmp_path / "run"), "--json"], capsys)

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from olmax.demo_rl import (build_task_set, heldout_accuracy, mean_se, paired_gain, preference_record, prompt_record,
-                           read_prompts, rl_overrides, sample_rewards, warm_start, write_prompts)
+from olmax.demos.rl import (build_task_set, heldout_accuracy, mean_se, paired_gain, preference_record, prompt_record,
+                            read_prompts, rl_overrides, sample_rewards, warm_start, write_prompts)
 
 
 def _prompts(recs: list[dict]) -> set[str]:
@@ -80,7 +80,7 @@ def test_standard_error_over_prompts() -> None:
 
 
 def _encoded(start: dict, prompts: list[dict]) -> list[list[int]]:
-    from olmax.infer.text import TextCodec
+    from olmax.chat.codec import TextCodec
     from olmax.recipes import get_recipe
     codec = TextCodec.load(start["tokenizer"], get_recipe("tiny_rl"))
     return [codec.encode_chat(p["messages"]) for p in prompts]

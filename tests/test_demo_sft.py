@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from olmax.cli import main
-from olmax.demo_sft import build_chat_set, verdict
+from olmax.demos.sft import build_chat_set, verdict
 
 PRETRAIN = ["--corpus-mb", "0.4", "--set", "train.steps=20", "--set", "eval.interval=20",
             "--set", "checkpoint.interval=20"]

@@ -1,4 +1,4 @@
-"""Fault injection (issue 9): kill -9 during asynchronous saves, flipped bits and truncated files
+"""Fault injection: kill -9 during asynchronous saves, flipped bits and truncated files
 in checkpoints, NaN batches, out-of-vocabulary ids deep in a file, a full disk. Each asserts the
 behaviour the README promises: the newest good checkpoint is resumed, bitwise; damaged ones are
 named and skipped; nothing non-finite is trained on or saved; every failure is one line, exit 2.
@@ -251,7 +251,7 @@ def test_nan_batch_before_min_history_is_skipped_not_applied(tmp_path, corpus, m
 @pytest.mark.slow
 def test_out_of_vocab_ids_deep_in_a_file_with_loader_workers(tmp_path):
     """Read in a Grain worker process: the error still reaches the user as one line (the
-    in-process check is test_reliability's item 1 test)."""
+    in-process check: test_reliability.py's test_out_of_vocab_ids_deep_in_a_file_stop_before_the_update)."""
     n = 200_000
     x = np.random.default_rng(0).integers(0, 256, n).astype("<u2")
     x[20_000:26_000] = 5000                                      # between the sampled windows

@@ -20,9 +20,9 @@ import jax
 import pytest
 
 from olmax import cli
+from olmax.chat import codec as chat_codec, template as chat_template
 from olmax.compat.hf import random_hf_model
 from olmax.config import Config, DataConfig
-from olmax.infer import text as infer_text
 from olmax.infer.chat import run_chat
 from olmax.infer.run import Model, first_stop, unsafe_tail
 
@@ -146,7 +146,7 @@ def test_text_prompts_stop_strings_and_streaming(text_model: Path, capsys: pytes
     assert rc == 0, err
     full = jsonl(out)
     assert [set(r) for r in full] == [{"token_ids", "text", "logprobs", "finish_reason"}] * 3
-    codec = infer_text.TextCodec.load(text_model, _cfg(text_model))
+    codec = chat_codec.TextCodec.load(text_model, _cfg(text_model))
     for r in full:
         assert r["text"] == codec.decode(r["token_ids"])
     text, ids = full[0]["text"], full[0]["token_ids"]
@@ -191,15 +191,15 @@ def _cfg(d: Path) -> Config:
 def test_chat_prompts_and_templates(text_model: Path, chat_tokenizer: Path, tmp_path: Path,
                                     capsys: pytest.CaptureFixture) -> None:
     cfg = _cfg(text_model)
-    codec = infer_text.TextCodec.load(text_model / "tokenizer.json", cfg)
+    codec = chat_codec.TextCodec.load(text_model / "tokenizer.json", cfg)
     assert codec.template is None  # no template in the folder: the built-in one
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
             {"role": "user", "content": "and?"}]
     assert codec.render_chat(msgs) == (
-        "<|im_start|>system\n" + infer_text.OLMO3_DEFAULT_SYSTEM + "<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+        "<|im_start|>system\n" + chat_template.OLMO3_DEFAULT_SYSTEM + "<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
         "<|im_start|>assistant\nyo<|im_end|>\n<|im_start|>user\nand?<|im_end|>\n<|im_start|>assistant\n")
     # A final assistant turn ends with EOS; a system message replaces the default one.
-    assert infer_text.render_olmo3_chat([{"role": "system", "content": "S"}, {"role": "assistant", "content": "x"}],
+    assert chat_template.render_olmo3_chat([{"role": "system", "content": "S"}, {"role": "assistant", "content": "x"}],
                                         add_generation_prompt=False) == \
         "<|im_start|>system\nS<|im_end|>\n<|im_start|>assistant\nx<|endoftext|>"
     ids = codec.encode_chat(msgs)
@@ -210,9 +210,9 @@ def test_chat_prompts_and_templates(text_model: Path, chat_tokenizer: Path, tmp_
     d.mkdir()
     (d / "tokenizer.json").write_bytes((text_model / "tokenizer.json").read_bytes())
     (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": "X{{ eos_token }}", "eos_token": "<|endoftext|>"}))
-    assert infer_text.TextCodec.load(d, cfg).render_chat(msgs) == "X<|endoftext|>"
+    assert chat_codec.TextCodec.load(d, cfg).render_chat(msgs) == "X<|endoftext|>"
     (d / "chat_template.jinja").write_text(JINJA)
-    c2 = infer_text.TextCodec.load(d / "tokenizer.json", cfg)
+    c2 = chat_codec.TextCodec.load(d / "tokenizer.json", cfg)
     assert c2.template_source.endswith("chat_template.jinja")
     assert c2.render_chat(msgs[:1]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
@@ -320,9 +320,9 @@ def test_tokenizer_beside_the_training_data(tmp_path: Path, text_model: Path) ->
     cfg = Config(data=DataConfig(paths=(str(data / "part-00000.npy"),)))
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints" / "4").mkdir(parents=True)
-    assert infer_text.find_tokenizer(str(run_dir), cfg) == tok
-    assert infer_text.find_tokenizer(str(run_dir / "checkpoints" / "4"), cfg) == tok
+    assert chat_codec.find_tokenizer(str(run_dir), cfg) == tok
+    assert chat_codec.find_tokenizer(str(run_dir / "checkpoints" / "4"), cfg) == tok
     (run_dir / "tokenizer.json").write_bytes(tok.read_bytes())
-    assert infer_text.find_tokenizer(str(run_dir / "checkpoints" / "4"), cfg) == run_dir / "tokenizer.json"
+    assert chat_codec.find_tokenizer(str(run_dir / "checkpoints" / "4"), cfg) == run_dir / "tokenizer.json"
     tok.write_text("{}")  # edited since olmax tokenize recorded it: not the run's tokenizer
-    assert infer_text.find_tokenizer(str(tmp_path / "other"), cfg) is None
+    assert chat_codec.find_tokenizer(str(tmp_path / "other"), cfg) is None

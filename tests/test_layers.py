@@ -16,11 +16,10 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Lowest first. A module belongs to the longest prefix listed; every ``*.commands`` module is CLI.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("olmax", "olmax.config", "olmax.io", "olmax.recipes")),
-    # infer.text: tokenizer files and chat templates (config only), which chat data tokenization renders.
-    ("model/data", ("olmax.model", "olmax.sharding", "olmax.optim", "olmax.data", "olmax.metrics", "olmax.infer.text")),
+    ("model/data", ("olmax.model", "olmax.sharding", "olmax.optim", "olmax.data", "olmax.metrics", "olmax.chat")),
     ("compat/checkpoint", ("olmax.compat", "olmax.checkpoint")),
     ("train/eval", ("olmax.train", "olmax.eval", "olmax.rl")),
-    ("verify/tools", ("olmax.verify", "olmax.infer", "olmax.compile", "olmax.launch", "olmax.demo", "olmax.demo_sft", "olmax.demo_rl")),
+    ("verify/tools", ("olmax.verify", "olmax.infer", "olmax.compile", "olmax.launch", "olmax.demos")),
     ("CLI", ("olmax.cli", "olmax.commands")),
 ]
 CLI = len(LAYERS) - 1
@@ -136,6 +135,22 @@ def test_no_package_cycles():
                 graph.setdefault(b, {})
     found = cycles(graph)
     assert not found, "package import cycles (each names one import that makes the edge):\n" + "\n".join(found)
+
+
+def test_no_private_names_across_packages():
+    """A package owns its concept and others use its public names: ``from olmax.X.y import _name``
+    only inside package X (a module at the root of ``olmax`` is its own package)."""
+    found = []
+    for m, path in modules().items():
+        parts = m.split(".")
+        own = parts[1] if len(parts) > 2 or (path.name == "__init__.py" and len(parts) > 1) else None
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("olmax")):
+                continue
+            target = node.module.split(".")[1] if "." in node.module else None
+            found += [f"{m} (line {node.lineno}): from {node.module} import {a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__") and (own is None or target != own)]
+    assert not found, "private names imported from another package (make them public there):\n" + "\n".join(found)
 
 
 def test_cli_starts_without_heavy_libraries():

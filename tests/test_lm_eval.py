@@ -216,6 +216,36 @@ def test_tokenizer_json_file_and_dir_agree(hf_dir: Path, models: tuple[object, O
     assert ox.prefix_token_id == models[0].prefix_token_id == ox.eot_token_id
 
 
+# ChatML with the final assistant turn closed by EOS, as OLMo 3's templates close it.
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+          "{% if loop.last and m['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '<|im_end|>\\n' }}{% endif %}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_chat_template_renders_as_hf(hf_dir: Path, models: tuple[object, OlmaxLM], tmp_path: Path) -> None:
+    """--apply_chat_template: a tokenizer's jinja template gives HFLM's prompts, with and without a
+    generation prompt (a prefilled reply left open); without one, the built-in OLMo 3 template."""
+    from lm_eval.models.huggingface import HFLM
+    from olmax.chat.template import render_olmo3_chat
+    d = tmp_path / "tok"
+    d.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (d / f).write_bytes((hf_dir / f).read_bytes())
+    (d / "chat_template.jinja").write_text(CHATML)
+    ox = OlmaxLM(f"hf:{hf_dir}", tokenizer=str(d), batch_size=BATCH, max_length=MAX_LENGTH)
+    hf = HFLM(pretrained=models[0].model, tokenizer=str(d), batch_size=BATCH, max_length=MAX_LENGTH)
+    shots = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What do bees make?"},
+             {"role": "assistant", "content": "honey"}, {"role": "user", "content": "And cows?"}]
+    prefilled = shots + [{"role": "assistant", "content": "Answer: "}]
+    assert ox.apply_chat_template(shots) == hf.apply_chat_template(shots)
+    assert ox.apply_chat_template(prefilled, False) == hf.apply_chat_template(prefilled, False)
+    assert ox.apply_chat_template(prefilled, False).endswith("<|im_start|>assistant\nAnswer: ")
+    assert ox.chat_template(True) == CHATML
+    builtin = models[1]
+    assert builtin.apply_chat_template(shots) == render_olmo3_chat(shots, True)
+    assert builtin.apply_chat_template(prefilled, False) == render_olmo3_chat(prefilled, False)[:-len("<|endoftext|>")]
+
+
 # --------------------------------------------------------------------------- suite command
 
 

@@ -15,7 +15,7 @@ for ``Olmo3ForCausalLM``, and with a cache (or with any 2-D ``attention_mask``) 
 detection is skipped silently: documents then attend to each other. The reference here always
 passes ``use_cache=False`` and no attention mask.
 
-Criteria (fp32, the issue's): per-token KL(HF || olmax) max <= 1e-7 and top-1 agreement 100%
+Criteria (fp32, as ``olmax parity``'s): per-token KL(HF || olmax) max <= 1e-7 and top-1 agreement 100%
 over the real vocabulary at every non-padding position, through the reference, blocked and
 splash (Pallas interpret mode) kernels; gradients of a packed log-likelihood through blocked and
 splash equal the reference kernel's to 1e-5 of each leaf's largest magnitude.

@@ -1,8 +1,9 @@
 """Logit parity of olmax against transformers' Olmo3ForCausalLM (eager, fp32), run live.
 
-Random HF models are built by transformers itself and saved locally. The fp32 criteria are the
-issue's: per-token KL max <= 1e-7, top-1 agreement 100%, max |logit diff| <= 1e-4. The weights are
-drawn so the logits are peaked (std about 4): near-uniform distributions would make any KL tiny.
+Random HF models are built by transformers itself and saved locally. The fp32 criteria
+(``olmax.verify.parity``): per-token KL max <= 1e-7, top-1 agreement 100%, max |logit diff|
+<= 1e-4. The weights are drawn so the logits are peaked (std about 4): near-uniform distributions
+would make any KL tiny.
 """
 
 from __future__ import annotations

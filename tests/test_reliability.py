@@ -1,6 +1,6 @@
-"""Issue 9: nothing non-finite or corrupt is trained on, saved over good state, or loaded silently.
+"""Nothing non-finite or corrupt is trained on, saved over good state, or loaded silently.
 
-One test (or more) per numbered item of the issue; the end-to-end fault injections (kill -9,
+One section per way it could happen; the end-to-end fault injections (kill -9,
 flipped bits, full disk) are in test_fault_injection.py.
 """
 
@@ -75,10 +75,10 @@ def assert_one_line_error(r: subprocess.CompletedProcess, *needles: str) -> str:
     return errors[0]
 
 
-# --------------------------------------------------------------------------- item 1
+# --------------------------------------------------------------------------- out-of-vocabulary ids
 
 
-def test_item1_out_of_vocab_ids_deep_in_a_file_stop_before_the_update(tmp_path):
+def test_out_of_vocab_ids_deep_in_a_file_stop_before_the_update(tmp_path):
     """Ids >= vocab outside the sampled validation windows: the instance is checked as read and
     the error names the file, the token offset and the global step of the batch."""
     n, vocab, L = 200_000, 256, 16
@@ -110,16 +110,16 @@ def test_item1_out_of_vocab_ids_deep_in_a_file_stop_before_the_update(tmp_path):
         assert bool(all_finite((params, opt.mu, opt.nu)))
 
 
-# --------------------------------------------------------------------------- item 2
+# --------------------------------------------------------------------------- learning rate, divergence
 
 
 @pytest.mark.parametrize("lr", ["nan", "inf", "-1e-3", "-inf"])
-def test_item2_non_finite_or_negative_lr_is_rejected(lr, corpus):
+def test_non_finite_or_negative_lr_is_rejected(lr, corpus):
     with pytest.raises(ConfigError, match="optim.lr must be a finite number"):
         cfg_for(corpus, f"optim.lr={lr}")
 
 
-def test_item2_diverging_run_stops_nonzero_and_keeps_the_last_finite_checkpoint(tmp_path, corpus):
+def test_diverging_run_stops_nonzero_and_keeps_the_last_finite_checkpoint(tmp_path, corpus):
     """lr=1e6 turns the loss NaN within a few steps: those updates are skipped from step 1,
     logged, the run stops after max_nonfinite_steps, and keep_last rotation keeps the finite
     checkpoint (nothing non-finite is ever written)."""
@@ -140,7 +140,7 @@ def test_item2_diverging_run_stops_nonzero_and_keeps_the_last_finite_checkpoint(
     assert bool(all_finite((params, opt.mu, opt.nu)))
 
 
-# --------------------------------------------------------------------------- item 3
+# --------------------------------------------------------------------------- non-finite losses
 
 
 def _tiny_params():
@@ -161,7 +161,7 @@ def _run_updates(losses, cfg: OptimConfig):
     return params, state, skipped
 
 
-def test_item3_a_nan_never_enters_the_history_and_the_switch_replays_olmo_core():
+def test_a_nan_never_enters_the_history_and_the_switch_replays_olmo_core():
     window = 8
     losses = [2.0 + 0.01 * (i % 3) for i in range(12)] + [float("nan")] + [2.0 + 0.01 * (i % 3) for i in range(12)]
     base = dict(lr=1e-3, schedule=ScheduleConfig(name="constant", warmup=0))
@@ -176,7 +176,7 @@ def test_item3_a_nan_never_enters_the_history_and_the_switch_replays_olmo_core()
     assert [i + 1 for i, s in enumerate(ref_skipped) if s] == list(range(13, 13 + window + 1))
 
 
-def test_item3_non_finite_is_skipped_from_step_1_whatever_min_history():
+def test_non_finite_is_skipped_from_step_1_whatever_min_history():
     cfg = OptimConfig(lr=1e-3, skip_step=SkipStepConfig(window=8, min_history=64))
     p, state, skipped = _run_updates([float("inf"), 2.0, 2.0], cfg)
     assert skipped == [True, False, False] and int(state.adam_step) == 2 and int(state.history_count) == 2
@@ -186,10 +186,10 @@ def test_item3_non_finite_is_skipped_from_step_1_whatever_min_history():
     assert skipped == [False, False] and not bool(all_finite(p))        # what OLMo-core 3.0.0 does
 
 
-# --------------------------------------------------------------------------- item 6: error contract
+# --------------------------------------------------------------------------- error contract
 
 
-def test_item6_yaml_syntax_error_is_one_line(tmp_path):
+def test_yaml_syntax_error_is_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  d_model: [1,\n")
     # In a real process once: exit status, stderr and no traceback as a user sees them.
@@ -197,13 +197,13 @@ def test_item6_yaml_syntax_error_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("override", ["train.log_interval=0", "eval.interval=0"])
-def test_item6_zero_intervals_fail_before_compiling(override, tmp_path, corpus, olmax_main):
+def test_zero_intervals_fail_before_compiling(override, tmp_path, corpus, olmax_main):
     r = olmax_main("train", "tiny", "--run-dir", str(tmp_path / "run"), *sets(small_overrides(corpus, override)))
     assert_one_line_error(r, override.split("=")[0], "must be positive")
     assert not (tmp_path / "run").exists()
 
 
-def test_item6_debug_shows_the_traceback_and_bugs_keep_theirs(tmp_path, monkeypatch, olmax_main):
+def test_debug_shows_the_traceback_and_bugs_keep_theirs(tmp_path, monkeypatch, olmax_main):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [\n")
     monkeypatch.setenv("OLMAX_DEBUG", "1")
@@ -224,13 +224,13 @@ def test_item6_debug_shows_the_traceback_and_bugs_keep_theirs(tmp_path, monkeypa
         cli.main(["print-config", "tiny"])
 
 
-def test_item6_json_errors(tmp_path, olmax_main):
+def test_json_errors(tmp_path, olmax_main):
     r = olmax_main("eval", "loss", "--checkpoint", str(tmp_path / "nope"), "--data", str(tmp_path / "x.npy"), "--json")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "error" in json.loads(r.stdout)
 
 
-# --------------------------------------------------------------------------- item 7
+# --------------------------------------------------------------------------- nonsense values
 
 
 @pytest.mark.parametrize("override,field", [
@@ -239,12 +239,12 @@ def test_item6_json_errors(tmp_path, olmax_main):
     ("optim.skip_step.max_nonfinite_steps=0", "optim.skip_step.max_nonfinite_steps"),
     ("optim.beta2=1.0", "optim.beta2"), ("optim.eps=0", "optim.eps"),
 ])
-def test_item7_nonsense_values_are_errors_naming_the_field(override, field, corpus):
+def test_nonsense_values_are_errors_naming_the_field(override, field, corpus):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         cfg_for(corpus, override)
 
 
-def test_item7_max_steps_zero_and_steps_below_the_checkpoint(tmp_path, corpus):
+def test_max_steps_zero_and_steps_below_the_checkpoint(tmp_path, corpus):
     with pytest.raises(ConfigError, match="--max-steps-this-run must be positive"):
         train(cfg_for(corpus), tmp_path / "a", progress=False, max_steps_this_run=0)
     assert not (tmp_path / "a" / "metrics.jsonl").exists()
@@ -253,7 +253,7 @@ def test_item7_max_steps_zero_and_steps_below_the_checkpoint(tmp_path, corpus):
         train(cfg_for(corpus, "train.steps=2"), tmp_path / "b", progress=False)
 
 
-# --------------------------------------------------------------------------- item 8
+# --------------------------------------------------------------------------- edited token files
 
 
 def _edit_same_size(path: Path, at: int) -> None:
@@ -262,7 +262,7 @@ def _edit_same_size(path: Path, at: int) -> None:
     x.tofile(path)
 
 
-def test_item8_same_size_edit_is_caught_on_resume_and_names_the_file_and_flag(tmp_path, corpus):
+def test_same_size_edit_is_caught_on_resume_and_names_the_file_and_flag(tmp_path, corpus):
     cfg = cfg_for(corpus, "train.steps=4")
     train(cfg, tmp_path / "run", progress=False, max_steps_this_run=2)
     _edit_same_size(Path(corpus[1]), 1234)
@@ -283,7 +283,7 @@ def test_item8_same_size_edit_is_caught_on_resume_and_names_the_file_and_flag(tm
         DataLoader(cfg, resume=recorded, cache_dir=tmp_path / "cache")
 
 
-def test_item8_large_files_are_sampled(tmp_path):
+def test_large_files_are_sampled(tmp_path):
     """Above 1 MiB only sampled ranges are read: an edit in one is caught, the hash stays cheap."""
     n = 3 << 20                                             # 6 MiB of uint16
     x = np.random.default_rng(1).integers(0, 256, n).astype("<u2")
@@ -302,10 +302,10 @@ def test_item8_large_files_are_sampled(tmp_path):
                                           pad_token_id=1, dtype="uint16", validate="none").fingerprint
 
 
-# --------------------------------------------------------------------------- item 9
+# --------------------------------------------------------------------------- never overwritten
 
 
-def test_item9_compare_refuses_a_non_empty_out(tmp_path, olmax_main):
+def test_compare_refuses_a_non_empty_out(tmp_path, olmax_main):
     run = tmp_path / "metrics.jsonl"
     run.write_text("".join(json.dumps({"step": s, "train/CE loss": 5.0 - 0.1 * s}) + "\n" for s in range(1, 9)))
     out = tmp_path / "report"
@@ -316,7 +316,7 @@ def test_item9_compare_refuses_a_non_empty_out(tmp_path, olmax_main):
     assert (out / "report.md").read_text() == "an earlier report\n" and len(list(out.iterdir())) == 1
 
 
-def test_item9_binary_metrics_file_is_named_and_left_untouched(tmp_path, corpus):
+def test_binary_metrics_file_is_named_and_left_untouched(tmp_path, corpus):
     cfg = cfg_for(corpus, "train.steps=4")
     train(cfg, tmp_path / "run", progress=False, max_steps_this_run=2)
     metrics = tmp_path / "run" / "metrics.jsonl"
@@ -328,10 +328,10 @@ def test_item9_binary_metrics_file_is_named_and_left_untouched(tmp_path, corpus)
     assert metrics.read_bytes() == junk
 
 
-# --------------------------------------------------------------------------- item 10
+# --------------------------------------------------------------------------- messages
 
 
-def test_item10_messages(tmp_path, corpus, olmax_main):
+def test_messages_name_the_flag_and_the_file(tmp_path, corpus, olmax_main):
     # The fingerprint error names the flag, not the Python keyword.
     cfg = cfg_for(corpus, "train.steps=4")
     train(cfg, tmp_path / "run", progress=False, max_steps_this_run=2)

@@ -1,4 +1,4 @@
-"""RL with verifiable rewards, the core (issue 22): rewards, group advantages, the clipped policy
+"""RL with verifiable rewards, the core: rewards, group advantages, the clipped policy
 loss and its aggregations (``microbatch_mean`` against a float64 numpy reference), the train
 step, and parity with TRL 1.16's GRPOTrainer (a short run here; 20 steps in the slow test)."""
 

@@ -1,5 +1,5 @@
-"""Issue 23 item 10 (P1, P2, P11, P13, P14, P16, ...): a training run's sharp edges end in one line
-naming the field, flag or file (exit 2), or in the documented behaviour."""
+"""A training run's sharp edges end in one line naming the field, flag or file (exit 2), or in the
+documented behaviour."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _numeric_fields(obj, path=""):
             yield path + f.name
 
 
-def test_every_numeric_field_refuses_nan_and_inf():  # P1
+def test_every_numeric_field_refuses_nan_and_inf():
     fields = list(_numeric_fields(Config()))
     assert "model.norm_eps" in fields and "model.rope_scaling.factor" in fields and len(fields) > 60
     for name in fields:
@@ -50,13 +50,13 @@ def test_every_numeric_field_refuses_nan_and_inf():  # P1
     "data.seed=-5", "train.seed=-1", "model.rope_scaling.factor=0", "model.rope_scaling.beta_fast=-1",
     "mesh.fsdp=0", "mesh.data=-2", "mesh.fsdp_max=0", "dpo.beta=0", "dpo.label_smoothing=-1",
     "dpo.reference_batch_size=0"])
-def test_p1_nonsense_model_values_and_seeds_are_errors_naming_the_field(override):
+def test_nonsense_model_values_and_seeds_are_errors_naming_the_field(override):
     field = override.split("=")[0]
     with pytest.raises(ConfigError, match=field.replace(".", r"\.") + " must be"):
         get_recipe("tiny", [override])
 
 
-def test_p2_binary_or_duplicated_yaml_names_the_file(tmp_path, capsys):
+def test_binary_or_duplicated_yaml_names_the_file(tmp_path, capsys):
     binary = tmp_path / "bin.yaml"
     binary.write_bytes(bytes(range(128, 256)) * 4)
     dup = tmp_path / "dup.yaml"
@@ -67,20 +67,20 @@ def test_p2_binary_or_duplicated_yaml_names_the_file(tmp_path, capsys):
         assert str(f) in err and what in err and "Traceback" not in err
 
 
-def test_p2_empty_mix_file_names_the_file(tmp_path, corpus):
+def test_empty_mix_file_names_the_file(tmp_path, corpus):
     mix = tmp_path / "mix.txt"
     mix.write_text("# nothing here\n\n")
     with pytest.raises(DataError, match=f"mix file {mix} lists no token files"):
         train(cfg_for([str(mix)]), tmp_path / "run", progress=False)
 
 
-def test_p11_missing_heldout_file_names_eval_heldout_paths(tmp_path, corpus):
+def test_missing_heldout_file_names_eval_heldout_paths(tmp_path, corpus):
     missing = tmp_path / "heldout.npy"
     with pytest.raises(DataError, match=r"token file not found: .*heldout\.npy \(eval\.heldout_paths\)"):
         train(cfg_for(corpus, f"eval.heldout_paths={missing}"), tmp_path / "run", progress=False)
 
 
-def test_p16_divergence_before_any_checkpoint_says_so_and_counts_to_the_limit(tmp_path, corpus, capfd):
+def test_divergence_before_any_checkpoint_says_so_and_counts_to_the_limit(tmp_path, corpus, capfd):
     cfg = cfg_for(corpus, "train.steps=40", "checkpoint.interval=1000", "optim.lr=1e6", "optim.schedule.warmup=0",
                   "optim.skip_step.max_nonfinite_steps=3")
     with pytest.raises(NonFiniteError) as e:
@@ -91,7 +91,7 @@ def test_p16_divergence_before_any_checkpoint_says_so_and_counts_to_the_limit(tm
     assert "(3 in a row; the run stops at 3)" in err and "4 in a row" not in err
 
 
-def test_p13_cudnn_attention_on_a_cpu_is_a_user_error(tmp_path, corpus, capsys):
+def test_cudnn_attention_on_a_cpu_is_a_user_error(tmp_path, corpus, capsys):
     argv = ["train", "tiny", "--run-dir", str(tmp_path / "run"), "--no-progress"]
     for o in small_overrides(corpus, "model.attention_impl=cudnn"):
         argv += ["--set", o]
@@ -100,7 +100,7 @@ def test_p13_cudnn_attention_on_a_cpu_is_a_user_error(tmp_path, corpus, capsys):
     assert "model.attention_impl=cudnn needs GPUs" in err and "Traceback" not in err
 
 
-def test_p14_a_second_trainer_on_a_run_directory_refuses_and_a_killed_ones_lock_is_taken_over(tmp_path, corpus):
+def test_a_second_trainer_on_a_run_directory_refuses_and_a_killed_ones_lock_is_taken_over(tmp_path, corpus):
     import os
     import signal
     import subprocess
@@ -127,7 +127,7 @@ def test_p14_a_second_trainer_on_a_run_directory_refuses_and_a_killed_ones_lock_
     RunLock(run).release()  # train released it at the end: the next run in this process may take it
 
 
-def test_p19_checksums_are_written_when_an_async_save_commits(tmp_path):
+def test_checksums_are_written_when_an_async_save_commits(tmp_path):
     import time
 
     import jax.numpy as jnp
@@ -147,7 +147,7 @@ def test_p19_checksums_are_written_when_an_async_save_commits(tmp_path):
     ck.close()
 
 
-def test_p15_tensorboard_is_rebuilt_from_metrics_jsonl_on_resume(tmp_path):
+def test_tensorboard_is_rebuilt_from_metrics_jsonl_on_resume(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from olmax.metrics.sinks import JsonlSink, MetricsLogger, TensorBoardSink
@@ -173,7 +173,7 @@ def test_p15_tensorboard_is_rebuilt_from_metrics_jsonl_on_resume(tmp_path):
     assert got == [(s, float(s)) for s in range(1, 9)] + [(9, 109.0), (10, 110.0)]
 
 
-def test_p9_hf_to_olmax_keeps_the_hf_dtype_for_compute(tmp_path):
+def test_hf_to_olmax_keeps_the_hf_dtype_for_compute(tmp_path):
     from olmax.compat.hf import hf_to_olmax, random_hf_model
     from olmax.model.weights_io import load_config
 
@@ -188,7 +188,7 @@ def test_p9_hf_to_olmax_keeps_the_hf_dtype_for_compute(tmp_path):
         assert load_config(tmp_path / f"ox-{dtype}-{cast}").model.compute_dtype == want
 
 
-def test_p17_throughput_excludes_checkpoint_pauses_and_mfu_is_written_given_a_peak(tmp_path, corpus, monkeypatch):
+def test_throughput_excludes_checkpoint_pauses_and_mfu_is_written_given_a_peak(tmp_path, corpus, monkeypatch):
     import time
 
     from olmax.checkpoint.store import Checkpointer
@@ -215,7 +215,7 @@ def test_p17_throughput_excludes_checkpoint_pauses_and_mfu_is_written_given_a_pe
         train(cfg_for(corpus, "train.steps=7"), tmp_path / "run", progress=False)
 
 
-def test_p3_an_unwritable_checkpoint_folder_fails_before_training(tmp_path, corpus, monkeypatch):
+def test_an_unwritable_checkpoint_folder_fails_before_training(tmp_path, corpus, monkeypatch):
     from pathlib import Path
 
     from olmax.checkpoint.store import CheckpointError
@@ -233,7 +233,7 @@ def test_p3_an_unwritable_checkpoint_folder_fails_before_training(tmp_path, corp
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_p18_grain_workers_die_with_a_killed_trainer(tmp_path, corpus):
+def test_grain_workers_die_with_a_killed_trainer(tmp_path, corpus):
     import os
     import signal
     import subprocess
@@ -279,7 +279,7 @@ def test_p18_grain_workers_die_with_a_killed_trainer(tmp_path, corpus):
     assert not [w for w in workers if running(w)]
 
 
-def test_p18_a_worker_orphaned_before_its_init_hook_ran_dies_at_once():
+def test_a_worker_orphaned_before_its_init_hook_ran_dies_at_once():
     """The race behind a CI failure: a spawned worker still importing when the trainer is killed
     runs the hook under its new parent (PID 1); the trainer's pid passed in names the orphaning."""
     import subprocess
@@ -293,7 +293,7 @@ def test_p18_a_worker_orphaned_before_its_init_hook_ran_dies_at_once():
     assert p.returncode == -9
 
 
-def test_p20_init_from_on_a_run_with_checkpoints_says_it_is_ignored(tmp_path, corpus, capfd):
+def test_init_from_on_a_run_with_checkpoints_says_it_is_ignored(tmp_path, corpus, capfd):
     run = tmp_path / "run"
     train(cfg_for(corpus, "train.steps=2"), run, progress=False)
     train(cfg_for(corpus, "train.steps=3", f"train.init_from=state:{run}"), run, progress=False)
@@ -301,7 +301,7 @@ def test_p20_init_from_on_a_run_with_checkpoints_says_it_is_ignored(tmp_path, co
     assert f"train.init_from=state:{run} is ignored: the run directory already has checkpoint 2" in err
 
 
-def test_p20_the_plain_progress_eta_leaves_out_the_first_steps_compile(monkeypatch):
+def test_the_plain_progress_eta_leaves_out_the_first_steps_compile(monkeypatch):
     import io
 
     from olmax.metrics import sinks

@@ -1,4 +1,4 @@
-"""``olmax verify olmo-core --noise-floor`` (issue 11): parity at the tiny recipe's own lr (3e-3),
+"""``olmax verify olmo-core --noise-floor``: parity at the tiny recipe's own lr (3e-3),
 judged against OLMo-core's own noise.
 
 At 3e-3 no implementation meets a fixed |delta CE| <= 1e-4: OLMo-core against itself with another

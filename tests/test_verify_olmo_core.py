@@ -1,6 +1,6 @@
-"""``olmax verify olmo-core``: per-step training parity with OLMo-core (issue 5, section 1).
+"""``olmax verify olmo-core``: per-step training parity with OLMo-core.
 
-The 100-step run is the issue's target: identical global instance ids and |delta CE| <= 1e-4 at
+The 100-step run is the parity target: identical global instance ids and |delta CE| <= 1e-4 at
 every step, olmax starting from OLMo-core's own initial weights. The other tests show the check
 follows skip-step decisions and names the first differing quantity.
 """
@@ -40,7 +40,7 @@ def test_parity_with_olmo_core_100_steps(tmp_path):
 
 
 def test_sft_parity_with_olmo_core_100_steps(tmp_path):
-    """Issue 21: OLMo-core's SFT data path (its NumpyPackedFSLDataset with label masks and document
+    """OLMo-core's SFT data path (its NumpyPackedFSLDataset with label masks and document
     lengths, its intra-document RoPE; the block-diagonal mask supplied to its CPU attention) against
     olmax's packing, label masks and document masking: same instances, |delta CE| <= 1e-4 at lr 1e-4."""
     out = tmp_path / "sft"

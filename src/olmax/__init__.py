@@ -2,7 +2,7 @@
 
 Layers, lowest first; a module imports from its own layer or below (tests/test_layers.py):
 config, io, recipes | model, sharding, optim, data, metrics | compat, checkpoint | train, eval |
-verify, compile, launch, demo | cli, commands and every ``*.commands`` module. No package imports
+verify, compile, launch, demos | cli, commands and every ``*.commands`` module. No package imports
 a package that imports it back (train imports eval, so eval never imports train)."""
 
 import glob as _glob

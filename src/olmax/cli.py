@@ -18,6 +18,7 @@ from olmax.compat import commands as convert_commands
 from olmax.config import ConfigError
 from olmax.data import commands as data_commands
 from olmax.eval import commands as eval_commands
+from olmax.extras import MissingExtra
 from olmax.infer import commands as infer_commands
 from olmax.launch import commands as launch_commands
 from olmax.train import commands as train_commands
@@ -81,9 +82,9 @@ def _quiet_background_errors() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Error contract: a user error (config, data, checkpoint, full disk) is one line on stderr
-    # (and {"error": ...} on stdout with --json), exit status 2, no traceback unless --debug or
-    # OLMAX_DEBUG=1. Anything else is a bug in olmax and keeps its traceback.
+    # Error contract: a user error (config, data, checkpoint, full disk, a missing extra) is one line
+    # on stderr (and {"error": ...} on stdout with --json), exit status 2, no traceback unless --debug
+    # or OLMAX_DEBUG=1. Anything else is a bug in olmax and keeps its traceback.
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("OLMAX_DEBUG", "") not in ("", "0")
     if "--debug" in argv:
@@ -99,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         if debug:
             traceback.print_exc()
+        if isinstance(e, MissingExtra):
+            e = e.naming(f"olmax {args.command}")
         msg = _user_error_message(e)
         if getattr(args, "json", False):
             print(jsonout.dumps({"error": msg}))

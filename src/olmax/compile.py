@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 from olmax import jsonout
 from olmax.argtypes import positive_int
 from olmax.config import Config, ConfigError
+from olmax.extras import require
 from olmax.recipes import add_recipe_args, get_recipe
 from olmax.sharding import activation_mesh, batch_sharding, data_parallel_size, make_mesh, plan_batch
 
@@ -119,10 +120,7 @@ def quiet_libtpu(topology: Topology | None = None) -> None:
 
 
 def abstract_devices(topology: Topology) -> list:
-    try:
-        import libtpu  # noqa: F401  (only to say clearly when it is missing)
-    except ImportError:
-        raise ConfigError("olmax compile needs the libtpu wheel: pip install 'olmax[tpu]'") from None
+    require("tpu", "libtpu")
     from jax.experimental import topologies
     fam = topology.family
     kw: dict[str, Any] = {}

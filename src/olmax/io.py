@@ -41,6 +41,8 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 
+from olmax.extras import require
+
 REMOTE_PREFIXES = ("s3://", "gs://", "gcs://", "http://", "https://")
 T = TypeVar("T")
 
@@ -282,8 +284,14 @@ def register_filesystems() -> None:
         _registered = True
 
 
+# What each protocol's filesystem imports (the 'remote' extra).
+_NEEDS = {"s3": ("fsspec", "pyarrow"), "gs": ("fsspec", "google.cloud.storage"), "http": ("fsspec", "aiohttp"),
+          "https": ("fsspec", "aiohttp")}
+
+
 @functools.lru_cache(maxsize=None)
 def _fs_for(protocol: str, pid: int, env: tuple):  # pid: a forked loader worker builds its own clients
+    require("remote", *_NEEDS.get(protocol, ("fsspec",)))
     import fsspec
     register_filesystems()
     return fsspec.filesystem(protocol, skip_instance_cache=True)

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from olmax.config import Config, ConfigError, ModelConfig, RopeScaling, validate
+from olmax.extras import require
 from olmax.model.weights_io import (DEFAULT_SHARD_BYTES, DTYPES, INDEX_NAME, TensorReader, WeightsError,
                                     atomic_dir, check_reader, dtype_name, iter_weights, load_config,
                                     named_specs, np_dtype, save_weights, unflatten, write_shards)
@@ -516,6 +517,7 @@ def random_hf_model(out_dir: str | os.PathLike, seed: int = 0, dtype: str = "flo
     Weights are drawn so the check is sensitive: N(0, 1) embeddings, N(0, 1/fan_in) projections,
     an LM head giving logits of std about 4 (peaked distributions: near-uniform ones would make
     any KL tiny) and norm weights 1 + N(0, 0.3^2) (so a swapped norm shows up)."""
+    require("hf", "torch", "transformers")
     import torch
     from transformers import Olmo3Config, Olmo3ForCausalLM
 

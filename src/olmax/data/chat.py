@@ -21,8 +21,9 @@ must be a prefix of the full render, followed there by ``<|im_end|>``); any othe
 error rather than a guess. (open-instruct until its PR #1746, July 2026, hence for OLMo 3's
 SFT data, counted the tokens of prefix renders instead, masking each non-assistant message from
 the token count of the messages before it: with these templates that trains ``<|im_end|>`` and
-masks the ``\\n`` after it. We train both by default, as the issue and the OLMo 3 recipe describe
-the terminator; ``labels="open-instruct-counts"`` (``--labels``) reproduces the token-count rule.)
+masks the ``\\n`` after it. We train both by default, as the OLMo 3 recipe describes the
+terminator (``<|im_end|>\\n`` ends the turn it trains); ``labels="open-instruct-counts"``
+(``--labels``) reproduces the token-count rule.)
 
 Think (``<think>``): a generation prompt that ends with ``<think>`` (the Think template's
 ``<|im_start|>assistant\\n<think>``) has that tag cut off the masked header, so a ``<think>`` that
@@ -68,6 +69,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from olmax.chat.template import IM_END, ROLES, THINK_OPEN, ChatTemplate, load_template
 from olmax.data import DataError
 
 SFT_FORMAT = "olmax-chat/1"
@@ -78,8 +80,6 @@ LABELS_MASK = "labels_mask_part_{:04d}.npy"
 DOC_BOUNDS = "token_ids_part_{:04d}.csv.gz"
 PAIRS_TOKEN_IDS, PAIRS_LABELS_MASK, PAIRS_INDEX = "pairs_token_ids.npy", "pairs_labels_mask.npy", "pairs_index.npy"
 PART_BYTES = 1 << 30   # open-instruct's converter: at most 1 GiB of token ids a part
-BUILTIN_TEMPLATES = ("olmo3", "olmo3-think")
-ROLES = ("system", "user", "assistant", "environment", "tool")
 LABEL_RULES = {
     "turns": ("trained: each assistant turn from the end of the prompt rendered with add_generation_prompt=True "
               "(a trailing <think> excluded) to the end of the turn (content, function calls, <|im_end|>\\n or the "
@@ -93,73 +93,6 @@ _CHUNK_LINES, _CHUNK_CHARS = 512, 1 << 22
 
 class ChatError(DataError):
     """A conversation that cannot be encoded; the message says why (callers add file:line)."""
-
-
-# --------------------------------------------------------------------------- templates
-
-
-@dataclass(frozen=True)
-class ChatTemplate:
-    """A chat template: the built-in OLMo 3 Instruct (``olmo3``) or Think (``olmo3-think``)
-    renderer, or a jinja source (a tokenizer folder's ``chat_template.jinja`` or
-    ``tokenizer_config.json`` template) rendered as transformers renders it."""
-
-    name: str
-    source: str | None = None
-    special: tuple[tuple[str, str], ...] = (("eos_token", "<|endoftext|>"),)
-
-    @property
-    def eos_token(self) -> str:
-        return dict(self.special).get("eos_token") or "<|endoftext|>"
-
-    @property
-    def sha256(self) -> str | None:
-        return None if self.source is None else hashlib.sha256(self.source.encode()).hexdigest()
-
-    def render(self, messages: list[dict], add_generation_prompt: bool, tools: Any = None) -> str:
-        from olmax.infer.text import _render_jinja, render_olmo3_chat
-        if self.source is None:
-            return render_olmo3_chat(messages, add_generation_prompt, self.eos_token, tools=tools,
-                                     think=self.name == "olmo3-think")
-        return _render_jinja(self.source, self.name, messages, add_generation_prompt,
-                             {"bos_token": None, "pad_token": None, "unk_token": None, **dict(self.special)}, tools)
-
-    def describe(self) -> dict:
-        return {"name": self.name, "sha256": self.sha256, "eos_token": self.eos_token}
-
-
-def load_template(spec: str | ChatTemplate = "olmo3", tokenizer_file: str | Path | None = None,
-                  eos_token: str | None = None) -> ChatTemplate:
-    """``olmo3`` / ``olmo3-think`` (built in), ``tokenizer`` (the jinja template in the folder of
-    ``tokenizer_file``), a folder holding ``chat_template.jinja`` or ``tokenizer_config.json``
-    with a ``chat_template``, or a ``.jinja`` file."""
-    from olmax.infer.text import SPECIAL_ROLES, TEMPLATE_FILE, _template_from, _token_text
-    if isinstance(spec, ChatTemplate):
-        return spec
-    if spec in BUILTIN_TEMPLATES:
-        return ChatTemplate(spec, None, (("eos_token", eos_token or "<|endoftext|>"),))
-    if spec == "tokenizer":
-        if tokenizer_file is None:
-            raise DataError("--template tokenizer needs a tokenizer file")
-        p = Path(tokenizer_file).parent
-    else:
-        p = Path(spec)
-    conf: dict = {}
-    if p.is_file():
-        source, where = p.read_text(), str(p)
-        if (p.parent / "tokenizer_config.json").is_file():
-            _, _, conf = _template_from(p.parent)
-    elif p.is_dir():
-        source, where, conf = _template_from(p)
-        if source is None:
-            raise DataError(f"chat template {p}: no {TEMPLATE_FILE} and no chat_template in tokenizer_config.json")
-    else:
-        raise DataError(f"chat template {spec!r}: use {', '.join(BUILTIN_TEMPLATES)}, 'tokenizer', a folder "
-                        f"or a .jinja file")
-    special = {r: _token_text(conf.get(r)) for r in SPECIAL_ROLES}
-    if eos_token is not None and not special.get("eos_token"):
-        special["eos_token"] = eos_token
-    return ChatTemplate(where, source, tuple(sorted((k, v) for k, v in special.items() if v)))
 
 
 # --------------------------------------------------------------------------- conversations
@@ -209,7 +142,6 @@ def check_conversation(messages: Any, tools: Any = None) -> tuple[list[dict], An
 def assistant_spans(messages: list[dict], template: ChatTemplate, tools: Any = None
                     ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans trained in it (see the module doc)."""
-    from olmax.infer.text import IM_END, THINK_OPEN
     full = template.render(messages, False, tools)
     eos = template.eos_token
     spans: list[tuple[int, int]] = []
@@ -290,7 +222,6 @@ def _count_mask(messages: list[dict], template: ChatTemplate, tools: Any, tok: C
                 ) -> np.ndarray:
     """open-instruct's token-count rule (see the module doc): start everything trained, mask each
     non-assistant message between token counts of prefix renders."""
-    from olmax.infer.text import THINK_OPEN
 
     def count(text: str) -> int:
         return len(tok.tok.encode(text, add_special_tokens=False).ids)

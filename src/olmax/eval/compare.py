@@ -54,6 +54,7 @@ from olmax import jsonout
 from olmax.eval.alarm import AlarmConfig, AlarmResult, check_memorisation
 from olmax.eval.report import plot_gap, plot_loss, write_html, write_markdown
 from olmax.eval.runs import HELDOUT_KEY, TRAIN_KEY, Run, mean_se, read_run, read_runs
+from olmax.extras import require
 
 
 def gap(run: Run, base: Run) -> tuple[np.ndarray, np.ndarray]:
@@ -181,6 +182,7 @@ def compare(paths: Sequence[str], reference: str | None = None, *, labels: Seque
             alarm: AlarmConfig = AlarmConfig(), heldout_metric: str | None = None,
             reference_label: str = "reference") -> dict[str, Any]:
     """Read, align, plot and report; returns the summary (keys in the module docstring)."""
+    require("plots", "matplotlib")
     if Path(out).exists() and (not Path(out).is_dir() or any(Path(out).iterdir())):
         # Reports never overwrite (like convert and tokenize): an earlier report may be the one cited.
         raise ValueError(f"output directory {str(out)!r} already exists and is not empty; choose another --out")

@@ -20,6 +20,11 @@ per function. ``generate_until`` decodes through the KV cache (``olmax.model.gen
 prefill, then one token per step), all requests with the same gen_kwargs in one call (its
 batches share one prompt bucket), one compiled decoder for every sampling setting.
 
+Chat (``--apply_chat_template``): prompts are rendered with the tokenizer folder's own chat template
+(``chat_template.jinja`` or ``tokenizer_config.json``), else the built-in OLMo 3 Instruct template,
+through ``olmax.chat.template``: the text ``olmax tokenize --chat`` trains on and ``olmax generate``
+prompts with. A jinja template renders as ``lm_eval --model hf`` renders it.
+
 Generation kwargs: ``until``, ``max_gen_toks`` (and lm-eval's aliases), ``do_sample``,
 ``temperature``, ``top_p``, ``top_k`` and ``seed``. After lm-eval's ``normalize_gen_kwargs``,
 decoding samples when ``do_sample`` is true or, without it, when ``temperature`` > 0 (as its vLLM
@@ -45,6 +50,7 @@ from lm_eval.models.utils import (Collator, handle_stop_sequences, has_bos_prefi
                                   postprocess_generated_text)
 from tqdm import tqdm
 
+from olmax.chat.template import tokenizer_template
 from olmax.config import Config, ConfigError
 from olmax.model.generate import Generator, Sampling, generate
 from olmax.model.olmo3 import forward
@@ -122,6 +128,7 @@ class OlmaxLM(TemplateLM):
                               f"has vocab_size {cfg.model.vocab_size}: they do not belong together")
         if self.tokenizer.eos_token_id is None:
             raise ConfigError(f"tokenizer {tokenizer} defines no eos token")
+        self.chat = tokenizer_template(tokenizer, self.tokenizer.eos_token)
         self.checkpoint = checkpoint
         self.add_bos_token = add_bos_token
         self.custom_prefix_token_id = prefix_token_id
@@ -171,6 +178,21 @@ class OlmaxLM(TemplateLM):
     @property
     def tokenizer_name(self) -> str:
         return self.tokenizer.name_or_path.replace("/", "__")
+
+    # ------------------------------------------------------------------ chat (lm-eval's --apply_chat_template)
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The template lm-eval records with the results (and keys its cache by): the jinja source,
+        or the built-in template's name."""
+        return self.chat.source or self.chat.name
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Few-shot turns as one prompt, rendered as olmax renders chat for training and generation.
+        Without a generation prompt the final message is a prefilled reply left open, as HFLM
+        renders it (transformers' ``continue_final_message``)."""
+        if add_generation_prompt:
+            return self.chat.render(chat_history, True)
+        return self.chat.continue_final(chat_history)
 
     def get_model_info(self) -> dict:
         n = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(self.params))

@@ -20,6 +20,7 @@ from typing import Any
 from olmax import jsonout
 from olmax.argtypes import positive_int
 from olmax.config import ConfigError
+from olmax.extras import require
 
 # (lm-eval task, num_fewshot); None keeps the task's own default.
 SUITES: dict[str, tuple[tuple[str, int | None], ...]] = {
@@ -181,7 +182,8 @@ def check_args(args: argparse.Namespace) -> int | float | None:
 
 
 def cmd_lm_eval(args: argparse.Namespace) -> int:
-    from olmax.eval.lm_eval_adapter import OlmaxLM, default_tokenizer_path  # lm-eval, torch: not at CLI start
+    require("eval", "lm_eval", "transformers")
+    from olmax.eval.lm_eval_adapter import OlmaxLM, default_tokenizer_path  # lm-eval: not at CLI start
     entries = parse_entries(args)
     limit = check_args(args)
     if args.tokenizer is None and default_tokenizer_path(args.checkpoint) is None:

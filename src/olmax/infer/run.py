@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from olmax import jsonout
+from olmax.chat.codec import TextCodec, find_tokenizer, prompt_record
+from olmax.chat.template import IM_END
 from olmax.config import ConfigError
-from olmax.infer.text import IM_END, TextCodec, find_tokenizer, prompt_record
 
 DTYPES = ("float32", "bfloat16")
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -95,7 +96,7 @@ class Model:
         if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
         if tokenizer is not None:
-            from olmax.infer.text import tokenizer_file
+            from olmax.chat.codec import tokenizer_file
             tokenizer_file(tokenizer)  # a wrong --tokenizer fails before the weights load
         params, cfg = load_params(checkpoint, dtype=dtype)
         # Decoding: no gradients (no rematerialisation). Parameters and compute in --dtype, by

@@ -24,6 +24,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from olmax.config import WandbConfig
+from olmax.extras import require
 
 # Short key -> logged name: OLMo-core's names, each value once (``olmax.eval.runs`` reads the
 # MaxText reproduction's own names for these under OLMo-core's when runs are compared).
@@ -241,6 +242,7 @@ class WandbSink:
 
     def __init__(self, cfg: WandbConfig, run_dir: str | os.PathLike, config: Mapping[str, Any] | None = None,
                  name: str | None = None, err: TextIO | None = None):
+        require("wandb", "wandb")  # a missing package stops the run at its start, unlike W&B's own failures
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self._config = dict(config or {})

@@ -16,7 +16,7 @@ def tiny() -> Config:
             full_attention_every=4, max_position_embeddings=4096, param_dtype="float32",
             compute_dtype="float32", attention_impl="auto",
         ),
-        # Token ids follow the demo's BPE: eos 0, pad 1 (see olmax.demo).
+        # Token ids follow the demo's BPE: eos 0, pad 1 (see olmax.demos.pretrain).
         data=DataConfig(sequence_length=128, seed=34521, dtype="uint16", eos_token_id=0, pad_token_id=1,
                         workers=0),
         optim=OptimConfig(lr=3e-3, weight_decay=0.1, max_grad_norm=1.0, z_loss=1e-5,

@@ -31,6 +31,8 @@ import sys
 import threading
 from typing import Callable
 
+from olmax.extras import require
+
 Score = Callable[[str, str], float]
 
 
@@ -112,6 +114,8 @@ BUILTINS: dict[str, Score] = {"math": math_score, "exact_match": exact_match_sco
 
 def resolve(name: str) -> Score:
     """A built-in by name, or ``module:function`` imported."""
+    if name == "math":  # checked here, when the reward is chosen: a failing score counts as 0, it does not stop RL
+        require("rl", "math_verify")
     if name in BUILTINS:
         return BUILTINS[name]
     if ":" not in name:

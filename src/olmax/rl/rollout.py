@@ -67,7 +67,7 @@ def _stream_seed(*parts: int) -> int:
 def load_codec(cfg: Config) -> Any:
     """The tokenizer of prompts and completions: ``rl.tokenizer``, else the one that belongs to
     ``train.init_from`` (or to the run's training data)."""
-    from olmax.infer.text import TextCodec, find_tokenizer
+    from olmax.chat.codec import TextCodec, find_tokenizer
     path = cfg.rl.tokenizer
     if path is None and cfg.train.init_from:
         src = cfg.train.init_from.split(":", 1)[1] if cfg.train.init_from.split(":", 1)[0] in ("state", "olmax") \
@@ -96,7 +96,7 @@ def prompts_file(path: str) -> Path:
 def read_prompts(path: str, codec: Any, max_prompt_length: int) -> tuple[list[Prompt], int]:
     """Prompts of ``rl.prompts_path`` and how many were left out as longer than
     ``max_prompt_length`` tokens."""
-    from olmax.infer.text import prompt_record
+    from olmax.chat.codec import prompt_record
     p = prompts_file(path)
     out, too_long = [], 0
     with open(p, encoding="utf-8") as f:

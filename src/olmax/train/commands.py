@@ -96,13 +96,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from olmax.demo import run_demo
+    from olmax.demos.pretrain import run_demo
     keep_freed_memory()
     return run_demo(args.run_dir, args.overrides, corpus_mb=args.corpus_mb)
 
 
 def cmd_demo_sft(args: argparse.Namespace) -> int:
-    from olmax.demo_sft import run_demo_sft
+    from olmax.demos.sft import run_demo_sft
     keep_freed_memory()
     return run_demo_sft(args.run_dir, from_run=args.from_run, out=args.out, overrides=args.stage_overrides,
                         pretrain_overrides=args.overrides, corpus_mb=args.corpus_mb, synthetic=args.synthetic,
@@ -110,7 +110,7 @@ def cmd_demo_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_demo_rl(args: argparse.Namespace) -> int:
-    from olmax.demo_rl import run_demo_rl
+    from olmax.demos.rl import run_demo_rl
     keep_freed_memory()
     return run_demo_rl(args.run_dir, from_run=args.from_run, out=args.out, overrides=args.stage_overrides,
                        pretrain_overrides=args.overrides, corpus_mb=args.corpus_mb, n_eval=args.eval_prompts,

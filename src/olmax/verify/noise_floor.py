@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from olmax.config import Config, ConfigError
+from olmax.extras import require
 from olmax.verify import olmo_core as oc
 
 WINDOW = 5            # steps either side of s in the running-max envelope
@@ -403,6 +404,9 @@ def run_noise_floor(steps: int = 100, seed: int | None = None, overrides: list[s
     """The ``--noise-floor`` check. ``out`` keeps the runs (OLMo-core's with a ``metrics.jsonl``),
     ``report.json`` and ``steps.jsonl`` (new or empty folder); None: a temporary folder, removed
     after. ``with_plots``: also ``olmax compare`` them into ``out/compare`` (needs ``out``)."""
+    require("verify", "torch", "olmo_core")  # before either side trains
+    if with_plots:
+        require("plots", "matplotlib")
     if with_plots and out is None:
         raise ConfigError("--plots needs --out (the plots are written there)")
     if steps < 1:

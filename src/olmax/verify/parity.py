@@ -13,7 +13,7 @@ taken over the real vocabulary only):
   replaces the last entry with ``last_hidden_state``. We capture layer n-1's raw output with a
   forward hook and compare the final norm separately, so every olmax residual has its HF twin.
 
-fp32 criteria (issue 2): KL max <= 1e-7, top-1 agreement 100%, max |logit diff| <= 1e-4. In bf16
+fp32 criteria: KL max <= 1e-7, top-1 agreement 100%, max |logit diff| <= 1e-4. In bf16
 the numbers are reported against the published noise floor (KL about 1.5e-3), never as a pass.
 """
 
@@ -30,6 +30,7 @@ import numpy as np
 from olmax import jsonout
 from olmax.argtypes import positive_int, seed as seed_flag
 from olmax.eval.kl import check_tokens, load_token_array, logit_metrics, random_tokens, summarize
+from olmax.extras import require
 
 FP32_CRITERIA = {"kl_max": 1e-7, "top1_agreement": 1.0, "max_abs_logit_diff": 1e-4}
 BF16_NOISE_FLOOR_KL = 1.5e-3  # published reproduction: bf16, full 8192 context
@@ -136,6 +137,7 @@ def run_parity(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike | None =
     ``document_masking``: the tokens are packed documents ending at the config's EOS (random
     tokens get EOS planted at random places); olmax gets their positions and segment ids,
     transformers the same positions as ``position_ids``."""
+    require("hf", "torch", "transformers")  # before olmax's side loads or converts the weights
     from olmax.compat.hf import ConversionError, config_from_hf, load_hf_params, read_hf_config
     from olmax.config import RUNTIME_MODEL_FIELDS, ConfigError, model_differences, validate
 

@@ -26,7 +26,7 @@ One resolved olmax config drives both sides:
    (forward hooks). Both are reported; the length-normalised ones are judged (the summed ones are
    differences of two fp32 sums of tens of log-probs near -6, whose rounding alone is ~1e-5).
 
-Target (issue 21): |delta loss| <= 1e-5, |delta reward| <= 1e-5 and grad norm within 1e-5
+Target: |delta loss| <= 1e-5, |delta reward| <= 1e-5 and grad norm within 1e-5
 relative at each of 20 steps.
 """
 
@@ -48,6 +48,7 @@ import numpy as np
 from olmax import jsonout
 from olmax.argtypes import positive_int, seed as seed_flag
 from olmax.config import Config, ConfigError
+from olmax.extras import require
 from olmax.verify.olmo_core import PARITY_MODEL
 
 TOLERANCE = 1e-5   # loss and rewards absolute, grad norm relative
@@ -208,6 +209,7 @@ def _run_trl(cfg: Config, policy: Path, reference: Path, pairs: list[tuple], ord
 def run(steps: int = 20, seed: int = 0, overrides: list[str] | tuple[str, ...] = (), out: str | None = None
         ) -> dict[str, Any]:
     """Both trainings and the per-step comparison (the JSON report)."""
+    require("verify", "torch", "transformers", "trl", "datasets")  # before olmax's side trains
     from olmax.train.dpo import step_pairs, write_pairs
     t0 = time.perf_counter()
     cfg0 = parity_config(steps, seed, overrides)

@@ -24,7 +24,7 @@ rewards, so only the loss, its aggregation, the gradients and the optimizer are 
 5. Per optimizer step: the loss and the grad norm of each side (TRL's logged ``loss`` and
    ``grad_norm``), and olmax's clip fraction (TRL's ``clip_ratio/region_mean`` beside it).
 
-Target (issue 22): |delta loss| <= 1e-5 and grad norm within 1e-5 relative at every step.
+Target: |delta loss| <= 1e-5 and grad norm within 1e-5 relative at every step.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import numpy as np
 
 from olmax import jsonout
 from olmax.config import Config, ConfigError
+from olmax.extras import require
 from olmax.verify.olmo_core import PARITY_MODEL
 
 TOLERANCE = 1e-5
@@ -203,6 +204,7 @@ def run(steps: int = 4, seed: int = 0, overrides: list[str] | tuple[str, ...] = 
         loss_types: tuple[str, ...] = ("dapo", "grpo")) -> dict[str, Any]:
     """Both trainings per loss type and the per-step comparison (the JSON report). ``steps`` is
     the number of optimizer steps (rounded up to a multiple of ``ITERATIONS``)."""
+    require("verify", "torch", "transformers", "trl", "datasets")  # before olmax's side trains
     import jax
 
     from olmax.compat.hf import write_hf

@@ -2,7 +2,7 @@
 it partly right, a DPO stage, RL, and held-out accuracy with a standard error after each.
 
 The task (``count``): "How many words: w1 ... wn" -> "n", with 2 to 6 distinct Python keywords
-and builtin names (``olmax.demo_sft``'s words; 29 of the 108 are several tokens of the demo's
+and builtin names (``olmax.demos.sft.task_words``; 29 of the 108 are several tokens of the demo's
 BPE, so the model counts words, not tokens). The answer is one token, checked exactly
 (``exact_match``), and there are five of them: a model that has learned part of the rule is
 right on some samples of a prompt and wrong on others, which is what GRPO needs (a group of 8
@@ -22,7 +22,7 @@ mostly the neighbouring counts.
 
 Prompts are split train / held-out by a hash of the prompt (:func:`is_heldout`, the same split
 for any set size), written as chat JSONL (tokenised with ``olmax tokenize --chat`` for SFT by
-``olmax.demo_sft.build_chat_folder``) and as RL prompt files, one JSON object a line:
+``olmax.demos.sft.build_chat_folder``) and as RL prompt files, one JSON object a line:
 ``{"messages": [{"role": "system", ...}, {"role": "user", ...}], "ground_truth": "4"}``
 (``train.objective=grpo`` with ``rl.prompts_path``, reward ``exact_match``).
 
@@ -63,7 +63,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from olmax.demo_sft import SYSTEM, _words
+from olmax.demos.sft import SYSTEM, task_words
 
 TASK = "count"
 N_PROMPTS = 3000          # distinct prompts generated, before the split
@@ -138,7 +138,7 @@ def build_task_set(n: int = N_PROMPTS, tasks: Sequence[str] = (TASK,), heldout: 
     if unknown or not tasks:
         raise ValueError(f"tasks {list(tasks)}: choose from {', '.join(TASKS)}")
     rng = random.Random(seed)
-    words = _words()
+    words = task_words()
     items: dict[str, tuple[str, str]] = {}
     tries = 0
     while len(items) < n and tries < 20 * n:
@@ -185,7 +185,7 @@ def _decoder(model: Any, tokenizer: Any) -> tuple[Any, Any, Any, Any]:
     from dataclasses import replace
 
     from olmax.infer.run import Model
-    from olmax.infer.text import TextCodec
+    from olmax.chat.codec import TextCodec
     if isinstance(model, (str, Path)):
         given = None if tokenizer is None or isinstance(tokenizer, TextCodec) else str(tokenizer)
         model = Model(str(model), tokenizer=given)
@@ -211,7 +211,7 @@ def _decoder(model: Any, tokenizer: Any) -> tuple[Any, Any, Any, Any]:
 
 def _rl_tokenizer(cfg: Any) -> str | None:
     """The tokenizer of an RL run (``rl.tokenizer``, else the one of ``train.init_from``), or None."""
-    from olmax.infer.text import find_tokenizer
+    from olmax.chat.codec import find_tokenizer
     rl = getattr(cfg, "rl", None)
     if rl is not None and rl.tokenizer:
         return rl.tokenizer
@@ -239,7 +239,7 @@ def sample_rewards(model: Any, prompts: Sequence[dict], k: int = 8, seed: int = 
     import numpy as np
 
     from olmax.infer.run import first_stop
-    from olmax.infer.text import IM_END
+    from olmax.chat.template import IM_END
     from olmax.model.generate import Sampling, generate
     from olmax.rl.rewards import get_reward
     from olmax.rl.rollout import completion_text
@@ -316,8 +316,8 @@ def warm_start(demo_dir: str | Path, *, from_run: str | None = None, out: str | 
     Returns the paths (``sft``, ``pretrained``, ``tokenizer``, ``train_prompts``,
     ``heldout_prompts``, ``chat``) and ``seconds`` (the wall time of this call)."""
     from olmax.config import ConfigError
-    from olmax.demo_sft import build_chat_folder, pretrained_run
-    from olmax.infer.text import find_tokenizer
+    from olmax.demos.sft import build_chat_folder, pretrained_run
+    from olmax.chat.codec import find_tokenizer
     from olmax.recipes import get_recipe
     from olmax.train.loop import train
 

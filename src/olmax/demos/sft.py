@@ -65,7 +65,8 @@ def _log(msg: str) -> None:
 # --------------------------------------------------------------------------- the chat set
 
 
-def _words() -> list[str]:
+def task_words() -> list[str]:
+    """The words of the synthetic tasks (and of ``olmax demo rl``'s): Python keywords and builtin names."""
     names = set(keyword.kwlist) | {n for n in dir(builtins) if n.isalpha() and n.islower()}
     return sorted(n for n in names if 2 <= len(n) <= 10)
 
@@ -110,7 +111,7 @@ def build_chat_set(synthetic: int, max_doc: int | None = None, heldout: float = 
     deterministic for the arguments and this Python (the docstrings are this machine's). The
     held-out list is shuffled too, so any first N of it mixes the tasks."""
     rng = random.Random(seed)
-    words = _words()
+    words = task_words()
     items: dict[str, tuple[str, str]] = {}
     tries = 0
     while len(items) < synthetic and tries < 20 * synthetic:
@@ -223,7 +224,7 @@ def pretrained_run(demo_dir: Path, from_run: str | None, overrides: list[str], c
             return run
     _log(f"no finished `olmax demo` run in {demo_dir}: running `olmax demo --run-dir {demo_dir}` first"
          + (f" (it resumes from checkpoint {step})" if step is not None else ""))
-    from olmax.demo import run_demo
+    from olmax.demos.pretrain import run_demo
     rc = run_demo(str(demo_dir), overrides, corpus_mb=corpus_mb)
     if _newest_step(run) is None:
         raise ConfigError(f"`olmax demo` left no checkpoint in {run}")
@@ -274,7 +275,7 @@ def run_demo_sft(demo_dir: str, *, from_run: str | None = None, out: str | None 
     from olmax.checkpoint.load import load_params
     from olmax.eval.heldout import HeldoutEvaluator
     from olmax.infer.run import Model
-    from olmax.infer.text import find_tokenizer
+    from olmax.chat.codec import find_tokenizer
     from olmax.recipes import get_recipe
     from olmax.train.loop import train
 
