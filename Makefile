@@ -1,10 +1,10 @@
 # The two commands of the README: `make demo` (set up + train the tiny OLMo 3 on CPU) and
-# `make test` (set up + run the test suite). Both create .venv in the repository root.
+# `make test` (set up + run the unit tier of the tests). Both create .venv in the repository root.
 PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-slow test-slurm bench bench-peers bench-generate bench-rl rehearse-gpu
+.PHONY: setup demo test test-integration test-all test-slow test-slurm lint bench bench-peers bench-generate bench-rl rehearse-gpu
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m venv $(VENV)
@@ -20,11 +20,24 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/olmax demo
 
+# Test tiers (markers in pyproject.toml): the unit tier by default; `integration` for the references
+# run at full length, several processes, whole runs end to end and fault injection; `slow` for a
+# benchmark machine. PYTEST_ARGS adds flags (CI: --junitxml to list the slowest tests).
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+test-integration: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m integration $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -m slow
+	$(VENV)/bin/python -m pytest -q -m slow $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m '' $(PYTEST_ARGS)
+
+# ruff over the sources, tests and benchmarks (rules: [tool.ruff] in pyproject.toml).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
 
 # A real single-node Slurm started by the test (root; `apt-get install slurm-wlm munge` first).
 test-slurm: $(STAMP)

@@ -111,6 +111,7 @@ TPU_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.integration
 def test_short_sequences_compile_for_tpu():
     """On (abstract) TPU devices, where "auto" is splash: lm-eval's forward at 16, 64 and 100
     tokens on one chip, the eval step at 48 tokens sharded over four, and the prefill of 32-token
@@ -166,6 +167,7 @@ def tiny():
     return m, params, ids, ref, cpu
 
 
+@pytest.mark.integration
 def test_accelerator_branches_match_the_cpu_path(tiny, monkeypatch):
     """Separate q/k/v and gate/up projections and einsum matmuls (the TPU/GPU branch: olmo3 only
     asks whether the target is the CPU) through the fp32 reference kernel and through splash

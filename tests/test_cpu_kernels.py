@@ -185,6 +185,7 @@ def _register(isa: str, monkeypatch) -> str:
     return name
 
 
+@pytest.mark.integration
 @needs_kernel
 def test_the_avx2_and_avx512_builds_give_the_same_bits(monkeypatch) -> None:
     """Where the CPU has AVX-512VL the kernel is built with 32 vector registers and blocks of 12

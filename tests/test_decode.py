@@ -144,6 +144,7 @@ def test_bad_requests_name_the_problem() -> None:
         generate(params, TINY, [[1]], max_new_tokens=1, sampling=Sampling(temperature=1.0, top_p=0.0))
 
 
+@pytest.mark.integration
 def test_sharded_decoding_equals_one_device() -> None:
     """On 4 CPU devices (fsdp 2 x tensor 2: rows over fsdp, kv heads over tensor) greedy tokens
     equal the one-device run and log-probs agree, with distinct prompts and with repeated ones

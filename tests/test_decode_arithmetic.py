@@ -95,6 +95,7 @@ def test_rl_log_probs_are_the_samplers_bit_for_bit(dtype: str, xla_bound: float)
     assert gaps[True] == 0.0 and 0 < gaps[False] <= xla_bound, gaps
 
 
+@pytest.mark.integration
 @needs_kernel
 def test_rl_log_probs_are_the_samplers_on_a_mesh() -> None:
     """The same on 4 CPU devices, as fsdp 4 and as fsdp 2 x tensor 2 (rows over fsdp, heads over

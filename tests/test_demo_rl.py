@@ -15,6 +15,9 @@ import pytest
 from olmax.demos.rl import (build_task_set, heldout_accuracy, mean_se, paired_gain, preference_record, prompt_record,
                             read_prompts, rl_overrides, sample_rewards, warm_start, write_prompts)
 
+# End-to-end runs in child processes: the integration tier (`make test-integration`).
+pytestmark = pytest.mark.integration
+
 
 def _prompts(recs: list[dict]) -> set[str]:
     return {r["messages"][1]["content"] for r in recs}

@@ -10,6 +10,10 @@ from pathlib import Path
 
 from olmax.cli import main
 from olmax.demos.sft import build_chat_set, verdict
+import pytest
+
+# End-to-end runs in child processes: the integration tier (`make test-integration`).
+pytestmark = pytest.mark.integration
 
 PRETRAIN = ["--corpus-mb", "0.4", "--set", "train.steps=20", "--set", "eval.interval=20",
             "--set", "checkpoint.interval=20"]

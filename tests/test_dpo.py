@@ -117,6 +117,7 @@ def test_reference_cache_resumes_and_refuses_other_inputs(tmp_path):
         ReferenceCache(tmp_path / "a", ps2, cfg)
 
 
+@pytest.mark.integration
 def test_reference_run_directory_is_named_by_its_newest_checkpoint(tmp_path):
     """A reference that is a run directory is identified by its newest checkpoint's files: opening
     the run again (its lock, metrics, TensorBoard events) keeps the cache valid; a newer
@@ -163,6 +164,7 @@ def test_bad_paths_are_errors_naming_them(tmp_path):
     assert not (tmp_path / "run4" / "checkpoints").exists() or not any((tmp_path / "run4" / "checkpoints").iterdir())
 
 
+@pytest.mark.integration
 def test_tiny_dpo_run_resumes_bit_for_bit(tmp_path):
     """6 steps in one process vs 3, a new process, 3 more: the same metrics and weights, bit for
     bit; the reference log-probs are computed once."""

@@ -31,6 +31,9 @@ from olmax.train import step as step_module  # the train step takes its optimize
 from olmax.train.loop import NONFINITE_METRIC, NonFiniteError, all_finite, train
 from olmax.verify.resume import read_metrics
 
+# End-to-end runs in child processes: the integration tier (`make test-integration`).
+pytestmark = pytest.mark.integration
+
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 

@@ -45,6 +45,8 @@ CASES = [  # b, t, h, kv, e, window, block, segments
     (3, 40, 4, 4, 16, 64, 64, False),      # one block for the whole sequence, window longer than it
     (1, 1, 2, 2, 16, None, 64, False),     # one token
 ]
+# The three longest sequences run in the integration tier (`make test-integration`).
+CASES = [pytest.param(*c, marks=pytest.mark.integration) if c[1] >= 200 else c for c in CASES]
 
 
 @needs_kernel

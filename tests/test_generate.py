@@ -178,6 +178,7 @@ def test_sampled_logprobs_are_untempered_and_tokens_obey_top_k_top_p(model: dict
             assert probs[:rank].sum() < SAMPLING.top_p + 1e-6, (rank, probs[:rank + 1])
 
 
+@pytest.mark.integration
 def test_sample_inverts_the_distribution_function_and_never_draws_a_nan_or_padded_token() -> None:
     """``sample`` draws by the inverse of the distribution function with one uniform per row
     (``fold_in(key, step)``): the token must be the one float64 finds for the same uniform, row

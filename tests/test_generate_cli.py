@@ -100,6 +100,7 @@ def jsonl(out: str) -> list[dict]:
 # --------------------------------------------------------------------------- token ids, no tokenizer
 
 
+@pytest.mark.integration
 def test_prompt_ids_on_a_random_model(ids_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from olmax.checkpoint.load import load_params
     from olmax.model.generate import generate

@@ -22,6 +22,9 @@ from olmax.recipes import get_recipe
 from olmax.train.loop import train
 from olmax.verify.resume import read_metrics
 
+# End-to-end runs in child processes: the integration tier (`make test-integration`).
+pytestmark = pytest.mark.integration
+
 STEPS = 8
 # Timing-dependent columns differ between any two runs.
 VOLATILE = ("throughput/device/TPS", "throughput/MFU", "throughput/device/TFLOPs")

@@ -18,6 +18,10 @@ from olmax.data.loader import DataLoader
 from olmax.model.decode import kernel_arithmetic
 from olmax.recipes import get_recipe
 from olmax.verify.resume import read_metrics
+import pytest
+
+# End-to-end runs in child processes: the integration tier (`make test-integration`).
+pytestmark = pytest.mark.integration
 
 
 def _launch(run_dir, overrides, n_proc, devices_per_proc, max_steps=None, recipe="tiny"):

@@ -78,6 +78,7 @@ def assert_one_line_error(r: subprocess.CompletedProcess, *needles: str) -> str:
 # --------------------------------------------------------------------------- out-of-vocabulary ids
 
 
+@pytest.mark.integration
 def test_out_of_vocab_ids_deep_in_a_file_stop_before_the_update(tmp_path):
     """Ids >= vocab outside the sampled validation windows: the instance is checked as read and
     the error names the file, the token offset and the global step of the batch."""
@@ -119,6 +120,7 @@ def test_non_finite_or_negative_lr_is_rejected(lr, corpus):
         cfg_for(corpus, f"optim.lr={lr}")
 
 
+@pytest.mark.integration
 def test_diverging_run_stops_nonzero_and_keeps_the_last_finite_checkpoint(tmp_path, corpus):
     """lr=1e6 turns the loss NaN within a few steps: those updates are skipped from step 1,
     logged, the run stops after max_nonfinite_steps, and keep_last rotation keeps the finite

@@ -25,6 +25,9 @@ from olmax.recipes import get_recipe
 from olmax.train.loop import train
 from olmax.verify.resume import read_metrics
 
+# End-to-end runs in child processes: the integration tier (`make test-integration`).
+pytestmark = pytest.mark.integration
+
 STEPS = 4
 TOKENS_PER_FILE = 1 << 20
 DATA = "gs://olmax-test/data"

@@ -158,6 +158,7 @@ def _grads_out(params, grads, opt_state, loss):
     return params, opt_state, {"grads": grads}
 
 
+@pytest.mark.integration
 def test_microbatch_mean_against_float64_numpy():
     """AI2's aggregation: masked token mean per micro-batch (rows a::accum), / accum steps. The
     loss against a float64 numpy reference built from the same per-token log-probs; the

@@ -17,6 +17,9 @@ from olmax.rl.rollout import PromptDataError, RlData, completion_text
 from olmax.train.loop import train
 from trainlib import rl_cfg, write_rl_data
 
+# End-to-end runs in child processes: the integration tier (`make test-integration`).
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def rl_data(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -31,6 +31,8 @@ from olmax.train.step import make_train_step
 
 RTOL = 1e-6
 
+INTEGRATION = pytest.mark.integration  # the larger cases: `make test-integration`
+
 
 def _qkv(b, t, h, kv, e, seed=0):
     ks = jax.random.split(jax.random.key(seed), 3)
@@ -52,7 +54,8 @@ def _assert_matches_reference(kernel, q, k, v, window):
         assert float(jnp.abs(a - b).max()) <= 1e-5 * max(1.0, float(jnp.abs(b).max())), f"d{name}"
 
 
-@pytest.mark.parametrize("window,heads,kv", [(None, 4, 4), (64, 4, 2), (200, 4, 1)])
+@pytest.mark.parametrize("window,heads,kv", [pytest.param(None, 4, 4, marks=INTEGRATION), (64, 4, 2),
+                                             pytest.param(200, 4, 1, marks=INTEGRATION)])
 def test_splash_matches_reference_forward_and_gradients(window, heads, kv):
     """fp32, sequence 256 in 128-blocks: full causal, window 64 (blocks outside it skipped) and a
     window that does not align with the blocks; MHA, GQA and MQA."""
@@ -61,9 +64,10 @@ def test_splash_matches_reference_forward_and_gradients(window, heads, kv):
                               window)
 
 
-@pytest.mark.parametrize("t,window,heads,kv,block", [(256, None, 4, 4, None), (256, 64, 4, 2, None),
-                                                     (200, 100, 4, 1, 64), (96, 7, 2, 2, 32), (64, None, 2, 1, 64),
-                                                     (256, 64, 4, 2, 32), (200, 100, 4, 1, 32), (200, None, 4, 2, 24)])
+@pytest.mark.parametrize("t,window,heads,kv,block", [
+    (96, 7, 2, 2, 32), *(pytest.param(*c, marks=INTEGRATION) for c in [
+        (256, None, 4, 4, None), (256, 64, 4, 2, None), (200, 100, 4, 1, 64), (64, None, 2, 1, 64),
+        (256, 64, 4, 2, 32), (200, 100, 4, 1, 32), (200, None, 4, 2, 24)])])
 def test_blocked_attention_matches_reference_forward_and_gradients(t, window, heads, kv, block):
     """The CPU kernel and its hand-written backward pass: causal and windowed, windows that do and
     do not align with the blocks, a partial last block (200 = 3 x 64 + 8), GQA/MQA, one block for
@@ -188,7 +192,7 @@ def test_chunked_loss_equals_whole_logits(chunk):
                  _grads(replace(cfg, model=replace(cfg.model, logits_chunk=None)), params, ids, mask), "chunk")
 
 
-@pytest.mark.parametrize("chunk,z_loss", [(None, 1e-4), (48, 1e-4), (32, None)])
+@pytest.mark.parametrize("chunk,z_loss", [pytest.param(None, 1e-4, marks=INTEGRATION), (48, 1e-4), (32, None)])
 def test_head_loss_gradient_equals_autodiff_of_the_loss(chunk, z_loss):
     """The LM-head loss computes its gradient in the forward pass; it must equal autodiff of the
     plain loss (CE + z-loss over the valid labels), and report the same sums."""
@@ -207,6 +211,7 @@ def test_head_loss_gradient_equals_autodiff_of_the_loss(chunk, z_loss):
         assert float(jnp.abs(a - b).max()) <= 1e-5 * float(jnp.abs(b).max() + 1e-30), jax.tree_util.keystr(path)
 
 
+@pytest.mark.integration
 def test_eval_step_follows_the_training_rule():
     """One rule for training and held-out eval: the label mask is honoured, and a row whose labels
     are all masked adds its length L to the denominator (OLMo-core's "tokens with a zero loss")."""
@@ -251,6 +256,7 @@ def test_micro_batched_step_equals_single_batch():
     _assert_same(_grads(cfg, params, ids, mask, accum=2), _grads(cfg, params, ids, mask, accum=1), "micro")
 
 
+@pytest.mark.integration
 def test_remat_policies_keep_the_gradients():
     """Every policy that runs on the CPU (offload_proj needs host memory of an accelerator)."""
     cfg = _cfg(remat="none")
@@ -313,6 +319,7 @@ def test_a_shape_libtpu_cannot_build_is_named():
     assert "'v5p:1x1x1'" in err and "libtpu cannot build it" in err
 
 
+@pytest.mark.integration
 def test_compile_small_model_for_a_tpu_slice():
     """AOT compile of the real train and eval steps (splash attention under shard_map, scanned
     layers, chunked loss, bf16, full remat) for two v5p:2x2x1 slices: data parallel across the
@@ -531,6 +538,7 @@ def test_cpu_processes_reuse_freed_memory():
     assert system > 0 and kept * 10 < system, (kept, system)
 
 
+@pytest.mark.integration
 def test_compile_generate_for_a_tpu_slice():
     """`olmax compile --step generate`: the prefill (splash attention with the prompts' padding as
     a segment) and a decode step with the cache donated and updated in place, on a v5p:2x2x1
@@ -546,6 +554,7 @@ def test_compile_generate_for_a_tpu_slice():
     assert out["cache_gib_total"] > 0 and out["prefill"]["need"] < out["hbm_gib"]
 
 
+@pytest.mark.integration
 def test_compile_an_rl_recipe_counts_generation_beside_the_optimizer_state():
     """`olmax compile` of a grpo recipe compiles the GRPO update for one mini-batch and the
     rollouts' prefill + decode at rl.generation_batch in the shapes the run's generator uses,

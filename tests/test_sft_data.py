@@ -192,6 +192,7 @@ def test_per_rank_loss_weights_are_olmo_core_rule():
         assert sorted(np.bincount(ranks).tolist()) == [B // R] * R
 
 
+@pytest.mark.integration
 def test_epochs_resolve_to_steps_and_sft_run_trains(tmp_path):
     """tiny_sft on packed label-masked data: train.epochs becomes whole batches of an epoch times
     the epochs, the warmup is round(0.03 * steps), and the held-out loss counts masked labels only."""
@@ -225,6 +226,7 @@ def test_epochs_resolve_to_steps_and_sft_run_trains(tmp_path):
     assert m.shape == ev.batches[""].shape and 0 < m.mean() < 1  # prompts and padding not scored
 
 
+@pytest.mark.integration
 def test_packed_sft_run_resumes_bitwise(tmp_path):
     """A packed, label-masked, document-masked run stopped after step 3 and resumed from its
     checkpoint gives the uninterrupted run's losses bit for bit (train.epochs=null: train.steps

@@ -182,6 +182,7 @@ def wandb_history(path) -> list[dict]:
     return rows
 
 
+@pytest.mark.integration
 def test_wandb_sink_logs_the_jsonl_rows_offline_and_a_restart_resumes_the_same_run(tmp_path, corpus, monkeypatch):
     from trainlib import small_overrides
 
@@ -211,6 +212,7 @@ def test_wandb_sink_logs_the_jsonl_rows_offline_and_a_restart_resumes_the_same_r
     assert config["wandb"]["project"] == "olmax-test" and config["model"]["d_model"] == 32
 
 
+@pytest.mark.integration
 def test_a_failing_wandb_warns_once_and_training_goes_on(tmp_path, corpus, monkeypatch, capfd):
     import wandb
     from trainlib import small_overrides

@@ -95,6 +95,7 @@ def test_indivisible_batch_is_an_error_before_compiling(tmp_path, corpus):
         train(cfg_for(corpus, "train.micro_batch_size=3"), tmp_path / "run", progress=False)
 
 
+@pytest.mark.integration
 def test_stage2_style_warm_start_keeps_moments_and_resets_step(tmp_path, corpus):
     train(cfg_for(corpus, "train.steps=3"), tmp_path / "s1", progress=False)
     _, opt1, _, _ = restore_train_state(tmp_path / "s1")
@@ -123,6 +124,7 @@ def _cli_train(run_dir: Path, overrides: list[str], devices: int, max_steps: int
              "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True)
 
 
+@pytest.mark.integration
 def test_resume_ab_is_bitwise_with_two_loader_workers(tmp_path, corpus):
     """``olmax verify resume`` end to end: uninterrupted vs interrupted + resumed in a new process."""
     cmd = [sys.executable, "-m", "olmax.cli", "verify", "resume", "tiny", "--steps", "6", "--interrupt-at", "3",
@@ -138,6 +140,7 @@ def test_resume_ab_is_bitwise_with_two_loader_workers(tmp_path, corpus):
     assert (tmp_path / "ab" / "resumed" / "checkpoints" / "3").is_dir()
 
 
+@pytest.mark.integration
 def test_sigterm_checkpoints_and_the_resumed_run_matches(tmp_path, corpus):
     """SIGTERM mid-run: the loop saves a checkpoint and exits 0; rerunning the same command
     finishes with exactly the losses of an uninterrupted run."""
@@ -173,6 +176,7 @@ def test_sigterm_checkpoints_and_the_resumed_run_matches(tmp_path, corpus):
     assert [got[s]["train/CE loss"] for s in sorted(got)] == [want[s]["train/CE loss"] for s in sorted(got)]
 
 
+@pytest.mark.integration
 def test_elastic_resume_from_4_devices_to_1(tmp_path, corpus):
     from olmax.verify.resume import verify_resume
     ov = small_overrides(corpus)
@@ -184,6 +188,7 @@ def test_elastic_resume_from_4_devices_to_1(tmp_path, corpus):
     assert info["devices"] == 4
 
 
+@pytest.mark.integration
 def test_in_loop_memorisation_alarm_fires_on_repeated_data(tmp_path, capfd):
     """A run that sees the same few instances again and again beats the honest reference on
     training loss while its held-out loss does not improve: the loop must say so."""
@@ -217,6 +222,7 @@ def test_bad_data_fails_before_anything_is_built(tmp_path, corpus):
     assert not (tmp_path / "run2" / "config.yaml").exists()
 
 
+@pytest.mark.integration
 def test_heldout_paths_take_a_tokenize_folder(tmp_path, corpus):
     """eval.heldout_paths accepts what data.paths accepts, e.g. the heldout/ folder of `olmax tokenize`."""
     held = tmp_path / "heldout"
@@ -233,6 +239,7 @@ def test_heldout_paths_take_a_tokenize_folder(tmp_path, corpus):
     assert ev[0] and ev[0][-1]["eval/heldout/CE loss"] == ev[1][-1]["eval/heldout/CE loss"]
 
 
+@pytest.mark.integration
 def test_hf_warm_start_train_export_and_parity(tmp_path, corpus):
     """HF weights -> olmax training (--init-from hf:) -> export of the trained checkpoint back to HF
     -> logit parity of the export against the checkpoint itself, through the CLI."""

@@ -80,6 +80,7 @@ def test_missing_heldout_file_names_eval_heldout_paths(tmp_path, corpus):
         train(cfg_for(corpus, f"eval.heldout_paths={missing}"), tmp_path / "run", progress=False)
 
 
+@pytest.mark.integration
 def test_divergence_before_any_checkpoint_says_so_and_counts_to_the_limit(tmp_path, corpus, capfd):
     cfg = cfg_for(corpus, "train.steps=40", "checkpoint.interval=1000", "optim.lr=1e6", "optim.schedule.warmup=0",
                   "optim.skip_step.max_nonfinite_steps=3")
@@ -100,6 +101,7 @@ def test_cudnn_attention_on_a_cpu_is_a_user_error(tmp_path, corpus, capsys):
     assert "model.attention_impl=cudnn needs GPUs" in err and "Traceback" not in err
 
 
+@pytest.mark.integration
 def test_a_second_trainer_on_a_run_directory_refuses_and_a_killed_ones_lock_is_taken_over(tmp_path, corpus):
     import os
     import signal
@@ -188,6 +190,7 @@ def test_hf_to_olmax_keeps_the_hf_dtype_for_compute(tmp_path):
         assert load_config(tmp_path / f"ox-{dtype}-{cast}").model.compute_dtype == want
 
 
+@pytest.mark.integration
 def test_throughput_excludes_checkpoint_pauses_and_mfu_is_written_given_a_peak(tmp_path, corpus, monkeypatch):
     import time
 
@@ -233,6 +236,7 @@ def test_an_unwritable_checkpoint_folder_fails_before_training(tmp_path, corpus,
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.integration
 def test_grain_workers_die_with_a_killed_trainer(tmp_path, corpus):
     import os
     import signal
@@ -293,6 +297,7 @@ def test_a_worker_orphaned_before_its_init_hook_ran_dies_at_once():
     assert p.returncode == -9
 
 
+@pytest.mark.integration
 def test_init_from_on_a_run_with_checkpoints_says_it_is_ignored(tmp_path, corpus, capfd):
     run = tmp_path / "run"
     train(cfg_for(corpus, "train.steps=2"), run, progress=False)

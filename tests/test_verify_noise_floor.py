@@ -22,6 +22,9 @@ from olmax.verify import noise_floor as nf
 from olmax.verify import commands as verify_commands
 from olmax.verify import olmo_core as oc
 
+# End-to-end runs in child processes: the integration tier (`make test-integration`).
+pytestmark = pytest.mark.integration
+
 LR = "optim.lr=3e-3"   # the tiny recipe's own peak lr (the parity recipe's default is 1e-3)
 STEPS = 60             # long enough for every self-gap to leave 1e-4 (at ~30 steps), short for the suite
 

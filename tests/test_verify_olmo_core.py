@@ -17,6 +17,7 @@ import olmo_core  # noqa: E402,F401  (the test extras: ai2-olmo-core; a missing 
 from olmax.verify import olmo_core as v  # noqa: E402
 
 
+@pytest.mark.integration
 def test_parity_with_olmo_core_100_steps(tmp_path):
     out = tmp_path / "parity"
     r = v.run_parity(steps=100, out=out)
@@ -39,6 +40,7 @@ def test_parity_with_olmo_core_100_steps(tmp_path):
     assert json.loads((out / "report.json").read_text())["ok"] is True
 
 
+@pytest.mark.integration
 def test_sft_parity_with_olmo_core_100_steps(tmp_path):
     """OLMo-core's SFT data path (its NumpyPackedFSLDataset with label masks and document
     lengths, its intra-document RoPE; the block-diagonal mask supplied to its CPU attention) against
@@ -53,6 +55,7 @@ def test_sft_parity_with_olmo_core_100_steps(tmp_path):
     assert max(lr) == pytest.approx(1e-4) and lr[-1] < 2e-6
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("olmax_only", ["data.document_masking=false", "data.label_mask_paths="])
 def test_sft_parity_catches_attention_across_documents_and_unmasked_labels(olmax_only):
     # Controls: olmax attending across packed documents, or counting the prompt tokens, must fail.
@@ -61,6 +64,7 @@ def test_sft_parity_catches_attention_across_documents_and_unmasked_labels(olmax
     assert r["first_difference"]["step"] == 1 and r["first_difference"]["quantity"] in ("loss", "grad_norm")
 
 
+@pytest.mark.integration
 def test_parity_with_a_layer_count_not_a_multiple_of_4():
     # OLMo-core's olmo3 builders make the last layer full attention: s, s, s, f, f at 5 layers.
     r = v.run_parity(steps=8, overrides=["model.n_layers=5"])
@@ -77,6 +81,7 @@ def test_parity_through_skipped_steps():
     assert r["ok"], r["first_difference"]
 
 
+@pytest.mark.integration
 def test_cli_reports_first_difference_and_exits_1(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     v.register(parser.add_subparsers())
