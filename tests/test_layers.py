@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # infer.text: tokenizer files and chat templates (config only), which chat data tokenization renders.
     ("model/data", ("olmax.model", "olmax.sharding", "olmax.optim", "olmax.data", "olmax.metrics", "olmax.infer.text")),
     ("compat/checkpoint", ("olmax.compat", "olmax.checkpoint")),
-    ("train/eval", ("olmax.train", "olmax.eval", "olmax.rl")),
+    ("train/eval", ("olmax.train", "olmax.objectives", "olmax.eval", "olmax.rl")),
     ("verify/tools", ("olmax.verify", "olmax.infer", "olmax.compile", "olmax.launch", "olmax.demo", "olmax.demo_sft", "olmax.demo_rl")),
     ("CLI", ("olmax.cli", "olmax.commands")),
 ]
