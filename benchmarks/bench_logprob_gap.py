@@ -5,7 +5,7 @@ on a random OLMo 3 (``--d-model``, ``--layers``, heads of d/8, MLP 3d, vocabular
 window 16 on three layers of four, so the decode cache's ring wraps); weights 3x the
 initialisation, for peaked distributions like a trained model's.
 
-- fp32: the training forward as RL runs it (``grpo._logps``; on one CPU device with olmax's
+- fp32: the training forward as RL runs it (``grpo.policy_logps``; on one CPU device with olmax's
   kernels it repeats the decode steps' arithmetic, ``layers.decode_arithmetic``), and XLA's own
   forward for comparison.
 - bf16 (compute bf16, parameters fp32; on one CPU device with olmax's kernels the decode
@@ -63,7 +63,7 @@ def measure(d: int = 512, layers: int = 8, rows: int = 8, new: int = 40, seed: i
 
         def logps(model: ModelConfig, part: slice, exact: bool) -> np.ndarray:
             cfg = Config(model=model)
-            return np.asarray(jax.jit(lambda p, t, k: grpo._logps(p, t, k, cfg, exact))(params, toks[part], mask[part]))
+            return np.asarray(jax.jit(lambda p, t, k: grpo.policy_logps(p, t, k, cfg, exact))(params, toks[part], mask[part]))
 
         def worst(a: np.ndarray) -> float:
             return float(np.abs(a[sel]).max())

@@ -20,9 +20,9 @@ import numpy as np
 
 from olmax.metrics.flops import flops_per_token
 from olmax.model.params import count_params, init_params
+from olmax.objectives.lm import make_lm_step
 from olmax.optim import apply_update, init_opt_state
 from olmax.recipes import get_recipe
-from olmax.train.step import make_train_step
 
 
 def matmul_peak(n: int = 2048, reps: int = 5) -> float:
@@ -45,7 +45,7 @@ def bench(name: str, overrides: list[str], steps: int) -> dict:
     rng = np.random.default_rng(0)
     batch = {"input_ids": jnp.asarray(rng.integers(0, cfg.model.vocab_size, (B, L)), jnp.int32),
              "label_mask": jnp.ones((B, L), bool)}
-    step = jax.jit(make_train_step(cfg, 1, partial(apply_update, optim_cfg=cfg.optim, total_steps=cfg.train.steps)),
+    step = jax.jit(make_lm_step(cfg, 1, partial(apply_update, optim_cfg=cfg.optim, total_steps=cfg.train.steps)),
                    donate_argnums=(0, 1))
     params, opt, m = step(params, opt, batch)
     jax.block_until_ready(m)

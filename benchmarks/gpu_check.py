@@ -209,7 +209,7 @@ class Check:
         from olmax.model.params import init_params
         from olmax.optim import init_opt_state
         from olmax.sharding import make_mesh, plan_batch
-        from olmax.train.step import jit_train_step
+        from olmax.objectives.lm import jit_lm_step
         batch, steps = self.shape["train_batch"], self.shape["train_steps"]
         cfg = self.config(batch)
         mesh = make_mesh(cfg.mesh)
@@ -218,7 +218,7 @@ class Check:
         pshard, oshard = shardings(abstract["params"]), shardings(abstract["opt_state"])
         params = jax.jit(lambda k: init_params(cfg.model, k), out_shardings=pshard)(jax.random.key(0))
         opt = jax.jit(lambda p: init_opt_state(p, optim_cfg=cfg.optim), out_shardings=oshard)(params)
-        step = jit_train_step(cfg, mesh, plan, pshard, oshard)
+        step = jit_lm_step(cfg, mesh, plan, pshard, oshard)
         L = cfg.data.sequence_length
         rng = np.random.default_rng(0)
         data = {"input_ids": jnp.asarray(rng.integers(0, cfg.model.vocab_size, (batch, L)), jnp.int32),

@@ -26,13 +26,16 @@ from functools import partial
 from olmax.recipes import get_recipe
 from olmax.model.params import init_params
 from olmax.optim import init_opt_state, apply_update
-from olmax.train.step import make_train_step
+try:
+    from olmax.objectives.lm import make_lm_step
+except ImportError:  # a revision before the objectives package
+    from olmax.train.step import make_train_step as make_lm_step
 cfg = get_recipe(sys.argv[1], sys.argv[2:])
 params = jax.eval_shape(lambda: init_params(cfg.model, jax.random.key(0)))
 opt = jax.eval_shape(lambda p: init_opt_state(p, cfg.optim), params)
 B, L = cfg.train.global_batch_size, cfg.data.sequence_length
 batch = {"input_ids": jax.ShapeDtypeStruct((B, L), jnp.int32), "label_mask": jax.ShapeDtypeStruct((B, L), bool)}
-step = jax.jit(make_train_step(cfg, 1, partial(apply_update, optim_cfg=cfg.optim, total_steps=cfg.train.steps)),
+step = jax.jit(make_lm_step(cfg, 1, partial(apply_update, optim_cfg=cfg.optim, total_steps=cfg.train.steps)),
                donate_argnums=(0, 1))
 sys.stdout.write(step.lower(params, opt, batch).compile().as_text())
 """

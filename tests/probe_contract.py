@@ -214,7 +214,7 @@ def kill_settings(recipe: str, tmp: Path) -> list[str]:
         from trainlib import rl_overrides, write_rl_data
         return rl_overrides(write_rl_data(tmp / "rl_data"), f"train.steps={STEPS}", "checkpoint.interval=2")
     if recipe == "tiny_dpo":  # killed while computing the reference log-probs or training
-        from olmax.train.dpo import write_pairs
+        from olmax.data.chat import write_pairs
         from olmax.verify.trl import PARITY_OVERRIDES, make_pairs
         pairs = write_pairs(tmp / "pairs", make_pairs(64, 512, 64, 0, eos=0, pad=1))
         small = [o for o in PARITY_OVERRIDES if not o.startswith(("optim.", "dpo."))]

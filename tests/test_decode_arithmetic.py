@@ -68,7 +68,7 @@ def sampled_gaps(model: ModelConfig, mesh=None) -> dict[bool, float]:
     for exact in (True, False):
         def logps(p, t, m, e=exact):
             with activation_mesh(mesh):
-                return grpo._logps(p, t, m, cfg, e)
+                return grpo.policy_logps(p, t, m, cfg, e)
         lp = np.asarray(jax.jit(logps)(params, toks, mask))
         got = [lp[i, len(p) - 1:len(p) - 1 + len(c.token_ids)] for i, (p, c) in enumerate(zip(prompts, out))]
         want = [np.asarray(c.logprobs, np.float32) for c in out]
@@ -209,7 +209,7 @@ def test_gradients_under_the_decode_arithmetic_are_xlas() -> None:
     adv = jnp.asarray([1.0, -0.5, 0.25])
 
     def loss(p, exact):
-        return jnp.sum(grpo._logps(p, toks, mask, cfg, exact) * adv[:, None])
+        return jnp.sum(grpo.policy_logps(p, toks, mask, cfg, exact) * adv[:, None])
 
     (l1, g1), (l0, g0) = (jax.jit(jax.value_and_grad(lambda p, e=e: loss(p, e)))(params) for e in (True, False))
     assert abs(float(l1) - float(l0)) <= 1e-4 * abs(float(l0))
@@ -236,7 +236,7 @@ def test_token_logps_outside_the_block_are_unchanged() -> None:
     toks = jnp.asarray(np.random.default_rng(2).integers(0, TINY.vocab_size, (2, 12)), jnp.int32)
     mask = jnp.ones((2, 12), bool)
     plain = np.asarray(jax.jit(lambda p: token_logps(p, toks, mask, cfg, sampled_vocab=True))(params))
-    off = np.asarray(jax.jit(lambda p: grpo._logps(p, toks, mask, cfg, False))(params))
+    off = np.asarray(jax.jit(lambda p: grpo.policy_logps(p, toks, mask, cfg, False))(params))
     assert np.array_equal(plain, off)
 
 

@@ -1,4 +1,4 @@
-"""DPO (olmax.train.dpo): the loss against a numpy formula, per-sequence log-probs against the
+"""DPO (olmax.objectives.dpo): the loss against a numpy formula, per-sequence log-probs against the
 model's logits, the reference-log-prob cache (fingerprint, resume, errors), a tiny `olmax train`
 run that resumes bit for bit, and parity with TRL 1.16's DPOTrainer (olmax.verify.trl)."""
 
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from olmax.config import ConfigError
+from olmax.data.chat import write_pairs
+from olmax.objectives.dpo import PairSet, ReferenceCache, dpo_terms, read_pairs, sequence_logps, step_pairs
 from olmax.recipes import get_recipe
-from olmax.train.dpo import (PairSet, ReferenceCache, dpo_terms, read_pairs, sequence_logps, step_pairs,
-                             write_pairs)
 from olmax.verify.trl import PARITY_OVERRIDES, make_pairs
 
 SMALL = [o for o in PARITY_OVERRIDES if not o.startswith(("optim.", "dpo."))]
@@ -122,7 +122,7 @@ def test_reference_run_directory_is_named_by_its_newest_checkpoint(tmp_path):
     """A reference that is a run directory is identified by its newest checkpoint's files: opening
     the run again (its lock, metrics, TensorBoard events) keeps the cache valid; a newer
     checkpoint does not."""
-    from olmax.train.dpo import reference_identity
+    from olmax.objectives.dpo import reference_identity
     from olmax.train.loop import train
     cfg = _cfg(tmp_path, "train.steps=3")
     run = tmp_path / "ref_run"

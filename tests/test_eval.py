@@ -22,10 +22,10 @@ from olmax.eval.heldout import HeldoutEvaluator, heldout_windows
 from olmax.eval.kl import kl, logit_metrics, summarize
 from olmax.model.olmo3 import forward
 from olmax.model.params import init_params
+from olmax.objectives.lm import make_lm_step
 from olmax.optim import apply_update, init_opt_state
 from olmax.recipes import get_recipe
 from olmax.sharding import make_mesh
-from olmax.train.step import make_train_step
 
 V, L, B, STEPS = 64, 32, 8, 40
 # A tiny OLMo 3 (one sliding and one full layer) whose LM head is padded to 128 rows, so every
@@ -85,7 +85,7 @@ def data(tmp_path_factory):
 
 def trainer(cfg):
     update = partial(apply_update, optim_cfg=cfg.optim, total_steps=cfg.train.steps)
-    return jax.jit(make_train_step(cfg, 1, update))
+    return jax.jit(make_lm_step(cfg, 1, update))
 
 
 def batch_from(train: dict[str, np.ndarray], rng: np.random.Generator) -> dict:

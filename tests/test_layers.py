@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("olmax", "olmax.config", "olmax.io", "olmax.recipes")),
     ("model/data", ("olmax.model", "olmax.sharding", "olmax.optim", "olmax.data", "olmax.metrics", "olmax.chat")),
     ("compat/checkpoint", ("olmax.compat", "olmax.checkpoint")),
-    ("train/eval", ("olmax.train", "olmax.eval", "olmax.rl")),
+    ("train/eval", ("olmax.train", "olmax.objectives", "olmax.eval", "olmax.rl")),
     ("verify/tools", ("olmax.verify", "olmax.infer", "olmax.compile", "olmax.launch", "olmax.demos")),
     ("CLI", ("olmax.cli", "olmax.commands")),
 ]

@@ -122,7 +122,7 @@ def test_two_processes_run_dpo_resume_and_match_one_process(tmp_path):
     """DPO over 2 processes x 2 devices (each computes its share of the reference log-probs, then
     all gather them), interrupted after step 2 and resumed by a new pair, against one process with
     4 devices: the same pairs each step, the same losses and rewards, grad norms within 1e-5."""
-    from olmax.train.dpo import write_pairs
+    from olmax.data.chat import write_pairs
     from olmax.verify.trl import PARITY_OVERRIDES, make_pairs
     pairs = write_pairs(tmp_path / "pairs", make_pairs(16, 512, 64, 0, eos=0, pad=1))
     ov = [*(o for o in PARITY_OVERRIDES if not o.startswith(("optim.", "dpo."))), f"data.preference_path={pairs}",

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from olmax.objectives.grpo import jit_grpo_step, make_grpo_step
 from olmax.recipes import get_recipe
 from olmax.rl import grpo
 from olmax.rl.rewards import RewardFn, extract_math_answer, get_reward
@@ -172,7 +173,7 @@ def test_microbatch_mean_against_float64_numpy():
     tm = np.asarray(grpo.token_mask(jnp.asarray(mask)), np.float64)
     old = (lp + rng.normal(0, 0.3, lp.shape) * tm).astype(np.float32)   # ratios on both sides of the clip
     accum = 4
-    step = jax.jit(grpo.make_grpo_step(cfg, grpo.GrpoLoss(aggregation="microbatch_mean"), accum, _grads_out))
+    step = jax.jit(make_grpo_step(cfg, grpo.GrpoLoss(aggregation="microbatch_mean"), accum, _grads_out))
     batch = {"input_ids": ids, "completion_mask": mask, "advantages": adv, "old_logps": old}
     _, _, m = step(params, None, batch)
 
@@ -195,7 +196,7 @@ def test_microbatch_mean_against_float64_numpy():
     w = jnp.asarray(weights, jnp.float32)
 
     def direct(p):
-        lpp = grpo._logps(p, jnp.asarray(ids), jnp.asarray(mask), cfg)
+        lpp = grpo.policy_logps(p, jnp.asarray(ids), jnp.asarray(mask), cfg)
         t = grpo.per_token_terms(lpp, jnp.asarray(old), jnp.asarray(adv), grpo.GrpoLoss())
         return jnp.sum(t["loss"] * w)
 
@@ -214,7 +215,7 @@ def test_token_and_sequence_mean_do_not_depend_on_accumulation(aggregation):
     batch = {"input_ids": ids, "completion_mask": mask, "advantages": adv, "old_logps": old}
     out = {}
     for accum in (1, 4):
-        step = jax.jit(grpo.make_grpo_step(cfg, grpo.GrpoLoss(aggregation=aggregation), accum, _grads_out))
+        step = jax.jit(make_grpo_step(cfg, grpo.GrpoLoss(aggregation=aggregation), accum, _grads_out))
         _, _, m = step(params, None, batch)
         out[accum] = (float(m["loss"]), m["grads"])
     lp = np.asarray(_logps_fn()(params, ids, mask), np.float64)
@@ -238,7 +239,7 @@ def test_train_on_batch_several_optimizer_steps():
     ids, mask, adv = _batch(n=16, seed=5)
     batch = {"input_ids": jnp.asarray(ids), "completion_mask": jnp.asarray(mask), "advantages": jnp.asarray(adv)}
     batch["old_logps"] = _logps_fn()(params, batch["input_ids"], batch["completion_mask"])
-    step = grpo.jit_grpo_step(cfg, grpo.GrpoLoss(), accum_steps=2, total_steps=4)
+    step = jit_grpo_step(cfg, grpo.GrpoLoss(), accum_steps=2, total_steps=4)
     opt = init_opt_state(params, cfg.optim)
     _, _, rows = grpo.train_on_batch(params, opt, batch, step, num_mini_batches=2, num_epochs=2)
     assert len(rows) == 4

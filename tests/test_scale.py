@@ -26,8 +26,8 @@ from olmax.model.attention import (_head_major, blocked_attention, reference_att
 from olmax.model.loss import head_loss, loss_denominator, loss_sums
 from olmax.model.olmo3 import REMAT_NAMES, layer_groups
 from olmax.model.params import init_params
+from olmax.objectives.lm import make_lm_step
 from olmax.recipes import get_recipe
-from olmax.train.step import make_train_step
 
 RTOL = 1e-6
 
@@ -144,7 +144,7 @@ def _grads(cfg, params, ids, mask, accum=1):
     """(CE loss, z-loss, gradient pytree) of one train step, without the optimizer."""
     def keep(p, g, o, ce):
         return p, o, {"grads": g}
-    step = jax.jit(make_train_step(cfg, accum, keep))
+    step = jax.jit(make_lm_step(cfg, accum, keep))
     _, _, m = step(params, None, {"input_ids": ids, "label_mask": mask})
     return float(m["ce_loss"]), float(m["z_loss"]), m["grads"]
 
@@ -412,9 +412,9 @@ quiet_libtpu(parse_topology("v5p:2x2x1", 2))
 import jax, jax.numpy as jnp
 from olmax.checkpoint.state import abstract_train_state, shardings
 from olmax.config import ConfigError
+from olmax.objectives.lm import jit_lm_step
 from olmax.recipes import get_recipe
 from olmax.sharding import batch_sharding, make_mesh, plan_batch
-from olmax.train.step import jit_train_step
 
 def build(cfg, devices):
     # What the train loop and compile_for both do with a config and the global devices.
@@ -426,7 +426,7 @@ def build(cfg, devices):
     n, L = cfg.train.global_batch_size, cfg.data.sequence_length
     batch = {"input_ids": jax.ShapeDtypeStruct((n, L), jnp.int32, sharding=b),
              "label_mask": jax.ShapeDtypeStruct((n, L), jnp.bool_, sharding=b)}
-    low = jit_train_step(cfg, mesh, plan, shardings(st["params"]), shardings(st["opt_state"])).lower(
+    low = jit_lm_step(cfg, mesh, plan, shardings(st["params"]), shardings(st["opt_state"])).lower(
         st["params"], st["opt_state"], batch)
     return {"mesh": dict(mesh.shape), "devices": [d.id for d in mesh.devices.flat],
             "params": sorted(str(s.spec) for s in jax.tree.leaves(shardings(st["params"]))),

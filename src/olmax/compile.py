@@ -181,41 +181,23 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
     return the per-device memory report. Allocates nothing."""
     # Imported here, not at the top: the CLI imports this module for its parser, and the step
     # brings Optax (``olmax inspect --topology`` and ``--help`` stay light).
-    from olmax.eval.heldout import check_batch_divides, make_eval_step
     from olmax.checkpoint.state import abstract_train_state, shardings
-    from olmax.train.step import jit_train_step
+    from olmax.eval.heldout import check_batch_divides, make_eval_step
+    from olmax.objectives import get_objective
 
+    objective = get_objective(cfg)
     devices = abstract_devices(topology)
     # mesh.slice is taken from the devices' slice_index, as in the launched run (make_mesh).
     mesh = make_mesh(cfg.mesh, devices)
     sizes = dict(mesh.shape)
-    rl = cfg.train.objective == "grpo"
-    # RL: one update sees one mini-batch of the step's completions (as the loop plans it)
-    per_update = cfg.train.global_batch_size // (cfg.rl.num_mini_batches if rl else 1)
-    plan = plan_batch(per_update, sizes, cfg.train.micro_batch_size, cfg.train.max_micro_batch_size)
+    # What one optimizer update sees, as the loop plans it (RL: one mini-batch of the step's completions)
+    plan = plan_batch(objective.update_batch_size(), sizes, cfg.train.micro_batch_size, cfg.train.max_micro_batch_size)
     L = cfg.data.sequence_length
     abstract = abstract_train_state(cfg, mesh)
     pshard, oshard = shardings(abstract["params"]), shardings(abstract["opt_state"])
     bshard = batch_sharding(mesh)
-    batch = {"input_ids": jax.ShapeDtypeStruct((cfg.train.global_batch_size, L), jnp.int32, sharding=bshard),
-             "label_mask": jax.ShapeDtypeStruct((cfg.train.global_batch_size, L), jnp.bool_, sharding=bshard)}
-    dpo = cfg.train.objective == "dpo"
-    if dpo:  # pairs: a chosen and a rejected row of L tokens each, and their reference log-probs
-        from olmax.train.dpo import jit_dpo_step as jit_train_step  # noqa: F811
-        B, s3 = cfg.train.global_batch_size, batch_sharding(mesh, 3)
-        batch = {"input_ids": jax.ShapeDtypeStruct((B, 2, L), jnp.int32, sharding=s3),
-                 "label_mask": jax.ShapeDtypeStruct((B, 2, L), jnp.bool_, sharding=s3),
-                 "ref_logps": jax.ShapeDtypeStruct((B, 2), jnp.float32, sharding=batch_sharding(mesh, 2))}
-        eval_step = eval_step and bool(cfg.eval.heldout_paths)
-    step_fn = None
-    if rl:  # prompt + completion rows with their masks, advantages and log-probs
-        from olmax.rl.step import KEYS_2D, RlStep
-        step_fn = RlStep(cfg, mesh, plan, pshard, oshard)
-        dtypes = {"input_ids": jnp.int32, "completion_mask": jnp.bool_, "row_valid": jnp.bool_}
-        batch = {k: jax.ShapeDtypeStruct((per_update, L) if k in KEYS_2D else (per_update,),
-                                         dtypes.get(k, jnp.float32), sharding=batch_sharding(mesh, 2 if k in KEYS_2D else 1))
-                 for k in step_fn.keys}
-        eval_step = eval_step and bool(cfg.eval.heldout_paths)
+    batch = objective.abstract_batch(mesh, plan)
+    eval_step = eval_step and (objective.eval_by_default or bool(cfg.eval.heldout_paths))
     report: dict[str, Any] = {
         "recipe": cfg.name, "topology": topology.name, "slices": topology.slices,
         "device_kind": devices[0].device_kind, "devices": len(devices), "chips": topology.chips,
@@ -224,12 +206,13 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
         "logits_chunk": cfg.model.logits_chunk, "compute_dtype": cfg.model.compute_dtype,
     }
     if progress:
-        what = f"{plan.per_device} pairs of 2 x {L}" if dpo else f"{plan.per_device} x {L}"
+        rows = objective.rows_per_example
+        what = f"{plan.per_device} x {L}" if rows == 1 else f"{plan.per_device} examples of {rows} x {L}"
         print(f"compiling the {cfg.name} train step for {topology.name} ({mesh.size} devices, mesh "
               f"{sizes}, {what} tokens per device in {plan.accum_steps} micro-batch(es))...",
               file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    jitted = step_fn._update if step_fn is not None else jit_train_step(cfg, mesh, plan, pshard, oshard)
+    jitted = objective.jit_update(mesh, plan, pshard, oshard)
     m = _compiled_memory(jitted.lower(abstract["params"], abstract["opt_state"], batch))
     report["compile_seconds"] = time.perf_counter() - t0
     if "oom" in m:
@@ -258,7 +241,7 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
             report["verdict"] += (f"; the eval step at batch {bs} does not fit "
                                   f"({report['eval']['per_device_gib']:.1f} GiB): lower eval.batch_size")
         report["fits"] = report["fits"] and report["eval"]["fits"]
-    if rl:  # sampling runs between updates: the optimizer state stays resident beside it
+    if objective.samples:  # sampling runs between updates: the optimizer state stays resident beside it
         shapes = rl_generation_shapes(cfg, mesh)
         gb = shapes.pop("batch")
         g = compile_generate(cfg, topology, gb, shapes["max_length"], prompt_len=shapes["prompt_len"],

@@ -306,7 +306,7 @@ class WandbConfig:
 
 @dataclass(frozen=True)
 class DpoConfig:
-    """Direct preference optimisation (``olmax.train.dpo``), as open-instruct's ``dpo_tune_cache.py``."""
+    """Direct preference optimisation (``olmax.objectives.dpo``), as open-instruct's ``dpo_tune_cache.py``."""
 
     # dpo_norm: per-sequence log-prob = mean over the response tokens (open-instruct ``dpo_norm``,
     # TRL ``sigmoid_norm``); dpo: their sum (the original DPO).

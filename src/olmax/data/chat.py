@@ -49,7 +49,8 @@ shuffles with seed 42 first; OLMo-core shuffles instances anyway).
 Preference pairs (``--preference``): ``pairs_token_ids.npy`` (uint32), ``pairs_labels_mask.npy``
 (bool), each pair's chosen then rejected sequence, both encoded exactly like an SFT conversation,
 and ``pairs_index.npy`` (int64 ``[n, 4]``: chosen offset, chosen length, rejected offset, rejected
-length), all ``np.save`` files; :func:`read_pairs` reads and checks them.
+length), all ``np.save`` files; :func:`read_pairs` reads and checks them, :func:`write_pairs` writes
+tokenized pairs.
 """
 
 from __future__ import annotations
@@ -679,7 +680,7 @@ def summary(manifest: dict, where: str | Path) -> str:
     return s
 
 
-# --------------------------------------------------------------------------- reader
+# --------------------------------------------------------------------------- pair files
 
 
 def read_pairs(folder: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -731,3 +732,23 @@ def read_pairs(folder: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     elif len(tokens):
         raise DataError(f"{d / PAIRS_INDEX}: no pairs but {PAIRS_TOKEN_IDS} has {len(tokens)} tokens")
     return tokens, mask, index
+
+
+def write_pairs(folder: str | Path, pairs: Sequence[tuple[Sequence[int], Sequence[bool], Sequence[int], Sequence[bool]]]
+                ) -> Path:
+    """Write tokenized ``(chosen_ids, chosen_mask, rejected_ids, rejected_mask)`` pairs as a folder
+    :func:`read_pairs` reads, with the writer ``olmax tokenize --chat --preference`` uses (tests
+    and the TRL parity harness; their pairs are token ids already)."""
+    for c, cm, r, rm in pairs:
+        if len(c) != len(cm) or len(r) != len(rm):
+            raise DataError("a sequence and its label mask differ in length")
+    root = Path(folder)
+    root.mkdir(parents=True, exist_ok=True)
+    writer = _PairWriter(root)
+    for c, cm, r, rm in pairs:
+        writer.add((np.asarray(c, np.uint32), np.asarray(cm, bool)), (np.asarray(r, np.uint32), np.asarray(rm, bool)))
+    shas = writer.finish()
+    manifest = {"format": PAIRS_FORMAT, "pairs": len(pairs),
+                "files": {name: {"sha256": sha} for name, sha in shas.items()}}
+    (root / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return root

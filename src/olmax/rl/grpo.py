@@ -1,4 +1,5 @@
-"""GRPO core: group advantages, the clipped policy loss, its aggregation, and the train step.
+"""GRPO core: group advantages, the clipped policy loss, its aggregation, the policy's log-probs,
+and several optimizer steps on one rollout batch (the step itself: ``olmax.objectives.grpo``).
 
 Layout. A batch holds ``n`` rows of prompt + completion tokens, ``input_ids`` int [n, L], and a
 ``completion_mask`` bool [n, L] in the label-mask convention of ``olmax.model.loss.token_logps``:
@@ -37,12 +38,13 @@ Aggregation of L over the tokens of one optimizer step's batch (``aggregation``)
   ``/ accumulation_steps`` as in AI2's 7B Think and Instruct RL runs: a token's weight depends on
   how many tokens share its micro-batch.
 
-The step (``make_grpo_step``) splits the batch into ``accum_steps`` micro-batches (rows a::accum,
-as ``olmax.sharding.split_micro``), accumulates the gradients of each micro-batch's share of the
-loss, and applies one optimizer update (``olmax.optim.apply_update``). Several optimizer steps per
-rollout batch (``train_on_batch``): ``num_epochs`` passes over the batch (TRL ``num_iterations``),
-each split into ``num_mini_batches`` contiguous mini-batches (open-instruct ``num_mini_batches``),
-one update each; ``old_logps`` are the policy's log-probs before the first of them.
+The step (``olmax.objectives.grpo.make_grpo_step``) splits the batch into ``accum_steps``
+micro-batches (rows a::accum, as ``olmax.sharding.split_micro``), accumulates the gradients of each
+micro-batch's share of the loss, and applies one optimizer update (``olmax.optim.apply_update``).
+Several optimizer steps per rollout batch (``train_on_batch``): ``num_epochs`` passes over the
+batch (TRL ``num_iterations``), each split into ``num_mini_batches`` contiguous mini-batches
+(open-instruct ``num_mini_batches``), one update each; ``old_logps`` are the policy's log-probs
+before the first of them.
 """
 
 from __future__ import annotations
@@ -173,10 +175,11 @@ def aggregate(per_tok: jax.Array, mask: jax.Array, aggregation: str, *, total_to
     raise ValueError(f"aggregation {aggregation!r}: one of {', '.join(AGGREGATIONS)}")
 
 
-# --------------------------------------------------------------------------- the step
+# --------------------------------------------------------------------------- log-probs, updates on one batch
 
 
-def _logps(params: Any, tokens: jax.Array, completion_mask: jax.Array, cfg: Any, exact: bool = False) -> jax.Array:
+def policy_logps(params: Any, tokens: jax.Array, completion_mask: jax.Array, cfg: Any, exact: bool = False
+                 ) -> jax.Array:
     """The policy's log-probs of the completion tokens. ``exact``: with the CPU decode steps'
     arithmetic (``olmax.model.layers.decode_arithmetic``), the bits the sampler reported, where the
     generator decodes with the kernels (``olmax.model.decode.kernel_arithmetic``)."""
@@ -189,85 +192,7 @@ def _logps(params: Any, tokens: jax.Array, completion_mask: jax.Array, cfg: Any,
 def make_logps_fn(cfg: Any) -> Callable:
     """Jitted ``logps(params, input_ids, completion_mask) -> [n, L]`` (no gradient): the old (or
     reference) log-probs of a rollout batch."""
-    return jax.jit(lambda p, t, m: jax.lax.stop_gradient(_logps(p, t, m, cfg)))
-
-
-def make_grpo_step(cfg: Any, loss: GrpoLoss, accum_steps: int, apply_update: Callable,
-                   micro_constraint: Callable[[jax.Array], jax.Array] | None = None, mesh: Any = None,
-                   exact: bool = False) -> Callable:
-    """``step(params, opt_state, batch) -> (params, opt_state, metrics)`` (not jitted); ``cfg`` is
-    an olmax ``Config`` (its ``model`` section is used).
-
-    ``batch``: ``input_ids`` [n, L], ``completion_mask`` [n, L], ``advantages`` [n], ``old_logps``
-    [n, L]; ``gen_logps`` [n, L] with ``loss.tis_cap``; ``ref_logps`` [n, L] with ``loss.beta``
-    (or to report the KL); optional ``row_valid`` [n] bool: rows that count as sequences (the RL
-    loop's filtered groups are rows with no trained token and ``row_valid`` False; without it all n
-    rows count). n must divide by ``accum_steps``. Metrics: ``loss``, ``clip_fraction``
-    (share of completion tokens whose clipped term is the one taken, TRL's ``clip_ratio/region_mean``),
-    ``kl`` (token mean of k3 to the reference, 0 without one), ``ratio_mean``, ``tokens``, and the
-    optimizer's (``grad_norm``: the pre-clip gradient norm, ``lr``, ...). ``exact``: the
-    log-probs as ``_logps(exact=True)`` computes them (RL on the CPU kernels)."""
-    from olmax.sharding import activation_mesh
-    from olmax.sharding import split_micro
-
-    def step(params, opt_state, batch):
-        with activation_mesh(mesh):
-            return _step(params, opt_state, batch)
-
-    def _step(params, opt_state, batch):
-        n = batch["input_ids"].shape[0]
-        if n % accum_steps:
-            raise ValueError(f"{n} rows do not split into {accum_steps} micro-batches")
-        mask_all = token_mask(batch["completion_mask"])
-        total_tokens = jnp.sum(mask_all)
-        sequences = jnp.maximum(jnp.sum(batch["row_valid"].astype(jnp.float32)), 1.0) if "row_valid" in batch else n
-        micro = jax.tree.map(lambda x: split_micro(x, accum_steps), batch)
-
-        def micro_loss(p, mb):
-            if micro_constraint is not None:
-                mb = jax.tree.map(micro_constraint, mb)
-            mask = token_mask(mb["completion_mask"])
-            logp = _logps(p, mb["input_ids"], mb["completion_mask"], cfg, exact)
-            t = per_token_terms(logp, mb["old_logps"], mb["advantages"], loss, mb.get("gen_logps"),
-                                mb.get("ref_logps"))
-            share = aggregate(t["loss"], mask, loss.aggregation, total_tokens=total_tokens, total_sequences=sequences,
-                              accum_steps=accum_steps)
-            sums = {"clipped": jnp.sum(t["clipped"] * mask), "kl": jnp.sum(t["kl"] * mask),
-                    "ratio": jnp.sum(t["ratio"] * mask)}
-            return share, jax.lax.stop_gradient(sums)
-
-        grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-
-        def body(carry, mb):
-            g_acc, l_acc, s_acc = carry
-            (share, sums), g = grad_fn(params, mb)
-            g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
-            return (g_acc, l_acc + share, jax.tree.map(jnp.add, s_acc, sums)), None
-
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        zs = {"clipped": jnp.float32(0), "kl": jnp.float32(0), "ratio": jnp.float32(0)}
-        carry = (zeros, jnp.float32(0), zs)
-        if accum_steps == 1:
-            (grads, total, sums), _ = body(carry, jax.tree.map(lambda x: x[0], micro))
-        else:
-            (grads, total, sums), _ = jax.lax.scan(body, carry, micro)
-        denom = jnp.maximum(total_tokens, 1.0)
-        new_params, new_opt, om = apply_update(params, grads, opt_state, total)
-        metrics = {"loss": total, "clip_fraction": sums["clipped"] / denom, "kl": sums["kl"] / denom,
-                   "ratio_mean": sums["ratio"] / denom, "tokens": total_tokens, **om}
-        return new_params, new_opt, metrics
-
-    return step
-
-
-def jit_grpo_step(cfg: Any, loss: GrpoLoss, accum_steps: int, total_steps: int) -> Callable:
-    """The step jitted on one device with olmax's optimizer (``cfg.optim``; ``total_steps`` sizes
-    the lr schedule); params and optimizer state donated."""
-    from functools import partial
-
-    from olmax.optim import apply_update
-    update = partial(apply_update, optim_cfg=cfg.optim, total_steps=total_steps)
-    return jax.jit(make_grpo_step(cfg, loss, accum_steps, update), donate_argnums=(0, 1))
+    return jax.jit(lambda p, t, m: jax.lax.stop_gradient(policy_logps(p, t, m, cfg)))
 
 
 def train_on_batch(params: Any, opt_state: Any, batch: dict[str, Any], step: Callable, *, num_mini_batches: int = 1,

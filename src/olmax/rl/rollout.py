@@ -352,13 +352,6 @@ class RlData:
             self.trace = None
 
 
-def updates_per_step(cfg: Config) -> int:
-    """Optimizer steps per RL step (1 for the other objectives)."""
-    if cfg.train.objective != "grpo":
-        return 1
-    return cfg.rl.num_mini_batches * cfg.rl.num_epochs
-
-
 def max_gap(old_logps: np.ndarray, gen_logps: np.ndarray, generated_mask: np.ndarray) -> float:
     """The largest |training log-prob - generation log-prob| over the generated tokens."""
     m = np.concatenate([generated_mask[:, 1:], np.zeros_like(generated_mask[:, :1])], axis=1)

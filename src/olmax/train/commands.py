@@ -77,7 +77,8 @@ def _stage(stages: argparse._SubParsersAction, name: str, help: str, outputs: st
 def cmd_train(args: argparse.Namespace) -> int:
     keep_freed_memory()
     initialise(args.coordinator, args.num_processes, args.process_id)
-    from olmax.train.loop import LOSS_NAMES, train  # Orbax, Optax, Grain: loaded when a command needs them
+    from olmax.objectives import get_objective
+    from olmax.train.loop import train  # Orbax, Optax, Grain: loaded when a command needs them
     overrides = list(args.overrides)
     if args.init_from:
         overrides.append(f"train.init_from={args.init_from}")
@@ -88,7 +89,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     last = res.losses.get(res.end_step)
     msg = f"trained steps {res.start_step}..{res.end_step} in {res.run_dir}"
     if last is not None:
-        msg += f"; last {LOSS_NAMES[cfg.train.objective]} {last:.4f}"
+        msg += f"; last {get_objective(cfg).loss_name} {last:.4f}"
     if res.stopped_early:
         msg += " (stopped early; run the same command to resume)"
     print(msg, file=sys.stderr)

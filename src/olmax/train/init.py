@@ -1,10 +1,9 @@
-"""What a run sets up before its first step, apart from the loop: the warm start, the data as
-global batches in step order, and the provenance written into every checkpoint."""
+"""What a run sets up before its first step, apart from the loop and its objective's data: the warm
+start and the provenance written into every checkpoint."""
 
 from __future__ import annotations
 
 import importlib.metadata as md
-import json
 import platform
 import subprocess
 from functools import partial
@@ -16,7 +15,6 @@ import jax.numpy as jnp
 
 from olmax.checkpoint.load import load_params, restore_train_state
 from olmax.config import Config, ConfigError, model_differences
-from olmax.data.loader import DataLoader, DataState, global_batch_to_device
 from olmax.optim import init_opt_state
 
 
@@ -72,42 +70,3 @@ def load_initial_state(cfg: Config, init_from: str, mesh: jax.sharding.Mesh, psh
     else:
         opt_state = jax.device_put(opt_state, oshard)
     return params, opt_state
-
-
-class TrainData:
-    """The loader as the loop sees it: global batch k as sharded ``jax.Array``s, in step order."""
-
-    def __init__(self, cfg: Config, start_step: int, data_state: dict | None, allow_fingerprint_mismatch: bool,
-                 mesh: jax.sharding.Mesh, cache_dir: Path | None = None, trace_dir: Path | None = None,
-                 dataset: Any = None):
-        resume = DataState.from_dict(data_state) if data_state is not None else None
-        self.loader = DataLoader(cfg, process_index=jax.process_index(), process_count=jax.process_count(),
-                                 start_step=start_step, resume=resume,
-                                 allow_fingerprint_mismatch=allow_fingerprint_mismatch,
-                                 cache_dir=cfg.data.cache_dir or cache_dir, dataset=dataset)
-        self.fingerprint = self.loader.dataset.fingerprint
-        self.mesh = mesh
-        self._it = iter(self.loader)
-        self.trace = None
-        if cfg.train.trace_instance_ids and trace_dir is not None:
-            self.trace = open(Path(trace_dir) / f"instance_ids.p{jax.process_index()}.jsonl", "a")
-
-    def global_batch(self, step: int) -> dict[str, jax.Array]:
-        local = next(self._it)
-        if int(local["step"]) != step:
-            raise RuntimeError(f"data loader is at step {int(local['step'])} but the trainer is at {step}")
-        if self.trace is not None:
-            self.trace.write(json.dumps({"step": step, "instance_ids": local["instance_ids"].tolist()}) + "\n")
-            self.trace.flush()
-        return global_batch_to_device({"input_ids": local["input_ids"], "label_mask": local["label_mask"]}, self.mesh)
-
-    def state(self, done: int):
-        st = self.loader.state()
-        if st.batches_processed != done:
-            raise RuntimeError(f"data state says {st.batches_processed} batches processed, the trainer {done}")
-        return st
-
-    def close(self) -> None:
-        self.loader.close()
-        if self.trace is not None:
-            self.trace.close()

@@ -1,4 +1,7 @@
-"""The training loop, top to bottom in one function.
+"""The training loop, whatever the objective: ``train`` sets the run up, restores or initialises
+the state, then runs the steps, logging each one's metrics and saving checkpoints. What a step
+optimises, its data and its metrics are the objective's (``olmax.objectives``); the loop looks it
+up once and compares no objective names.
 
 Contract with checkpoints: checkpoint ``N`` holds the state after N updates (global step N)
 and the data state ``batches_processed = N``; resuming from it trains global batch index N
@@ -8,6 +11,7 @@ test pins this numbering.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -16,7 +20,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -32,15 +36,12 @@ from olmax.eval.heldout import HeldoutEvaluator
 from olmax.metrics.flops import device_peak_flops, flops_per_token, mfu
 from olmax.metrics.sinks import JsonlSink, MetricsLogger, ProgressBar, TensorBoardSink, WandbSink, named
 from olmax.model.params import init_params
+from olmax.objectives import get_objective
+from olmax.objectives.base import Data, Objective
 from olmax.optim import init_opt_state
-from olmax.sharding import make_mesh, plan_batch
-from olmax.train.init import TrainData, git_commit, load_initial_state, versions
+from olmax.sharding import BatchPlan, make_mesh, plan_batch
+from olmax.train.init import git_commit, load_initial_state, versions
 from olmax.train.runlock import RunLock
-from olmax.train.step import jit_train_step
-
-
-# What each objective's loss is called in messages (``TrainResult.losses`` holds it).
-LOSS_NAMES = {"lm": "CE loss", "dpo": "DPO loss", "grpo": "policy loss"}
 
 
 @dataclasses.dataclass
@@ -48,7 +49,7 @@ class TrainResult:
     run_dir: str
     start_step: int
     end_step: int
-    losses: dict[int, float]          # step (1-based) -> the objective's loss (LOSS_NAMES)
+    losses: dict[int, float]          # step (1-based) -> the objective's loss (``Objective.loss_name``)
     stopped_early: bool
 
 
@@ -95,6 +96,70 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
     if max_steps_this_run is not None and max_steps_this_run <= 0:
         raise ConfigError(f"--max-steps-this-run must be positive, got {max_steps_this_run}")
     cfg, dataset = resolve_epochs(cfg)  # the dataset it built (packing is not free) goes to the loader
+    objective = get_objective(cfg)
+    r = _setup(cfg, objective, run_dir)
+
+    # -- data first: a bad path or a changed dataset fails before anything is allocated or compiled.
+    # The order is a pure function of the step; resume checks the fingerprint.
+    def open_data(start: int | None, data_state: dict | None) -> Data:
+        return objective.data(start or 0, data_state, allow_fingerprint_mismatch, r.mesh, r.run, dataset)
+
+    # Newest first; a damaged checkpoint is named and skipped for the previous complete one.
+    candidates = list(reversed(r.ckpt.all_steps()))
+    damaged: list[str] = []
+    start, data_state = _pick_checkpoint(r.ckpt, r.ckpt_root, cfg, candidates, damaged)
+    loader = open_data(start, data_state)
+    evaluator = HeldoutEvaluator(cfg, r.mesh, per_batch=True) if cfg.eval.heldout_paths else None
+    alarm = None
+    if cfg.eval.reference:
+        alarm = MemorisationAlarm(cfg.eval.reference, label=cfg.name, reference=cfg.eval.reference)
+
+    start, loader, params, opt_state = _restore_or_init(r, start, loader, open_data, candidates, damaged)
+    objective.prepare(loader, lambda: params if start == 0 else r.initial_params(), r.pshard, r.plan,
+                      say=lambda m: print(m, file=sys.stderr, flush=True) if r.is_main else None)
+    step_fn = objective.loop_step(r.mesh, r.plan, r.pshard, r.oshard, r.initial_params)
+
+    log = _StepLog(r, start, progress, alarm)
+    end, stopped = _run_steps(r, loader, step_fn, params, opt_state, start, log, evaluator, max_steps_this_run)
+    r.ckpt.wait()
+    r.ckpt.close()
+    log.close()
+    loader.close()
+    if r.mirror is not None and r.is_main:
+        r.mirror.push()
+    if log.failure is not None:
+        raise NonFiniteError(log.failure)
+    return TrainResult(str(run_dir) if r.mirror is not None else str(r.run), start, end, log.losses, stopped)
+
+
+# --------------------------------------------------------------------------- setup and state
+
+
+@dataclasses.dataclass
+class _Run:
+    """What a run fixes before its first step: where it writes, its mesh and batch plan, the
+    state's shardings and its checkpoints."""
+
+    cfg: Config
+    objective: Objective
+    run: Path                         # the local run directory (a remote one's mirror)
+    mirror: RunMirror | None          # an s3:// or gs:// run directory's
+    ckpt_root: str | os.PathLike      # where the checkpoints live (remote or local)
+    ckpt: Checkpointer
+    mesh: Any
+    plan: BatchPlan
+    abstract: dict[str, Any]
+    pshard: Any
+    oshard: Any
+    meta: dict[str, Any]              # written into every checkpoint
+    is_main: bool
+
+    def initial_params(self) -> Any:
+        """The weights a fresh run starts from, again (a new copy)."""
+        return _initial_params(self.cfg, self.mesh, self.pshard, self.oshard)
+
+
+def _setup(cfg: Config, objective: Objective, run_dir: str | os.PathLike) -> _Run:
     # An s3:// or gs:// run directory is written through a local mirror (olmax.checkpoint.remote).
     mirror = _remote_mirror(run_dir)
     run = mirror.local if mirror is not None else Path(run_dir)
@@ -109,231 +174,119 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
                           "blocked or reference")
     if cfg.model.attention_impl == "cpu" and platform != "cpu":
         raise ConfigError(f"model.attention_impl=cpu is olmax's CPU kernel, these devices are {platform}: use auto")
-    from olmax.rl.rollout import updates_per_step
-    rl = cfg.train.objective == "grpo"
-    updates = updates_per_step(cfg)  # optimizer updates per step (RL: per rollout batch)
-    # RL: one update sees one mini-batch of the step's completions
-    per_update = cfg.train.global_batch_size // (cfg.rl.num_mini_batches if rl else 1)
-    plan = plan_batch(per_update, dict(mesh.shape), cfg.train.micro_batch_size, cfg.train.max_micro_batch_size)
-    total = cfg.train.steps
-    L = cfg.data.sequence_length
-
-    # -- state: resume, or initialise (from scratch or converted weights) -------------------------
+    # The plan splits what one optimizer update sees (RL: one mini-batch of the step's completions).
+    plan = plan_batch(objective.update_batch_size(), dict(mesh.shape), cfg.train.micro_batch_size,
+                      cfg.train.max_micro_batch_size)
     abstract = abstract_train_state(cfg, mesh)
-    pshard, oshard = shardings(abstract["params"]), shardings(abstract["opt_state"])
-    ckpt_root = run_dir if mirror is not None else run  # where the checkpoints live (remote or local)
+    ckpt_root = run_dir if mirror is not None else run
     ckpt = Checkpointer(ckpt_root, cfg.checkpoint)
     if is_main:
         _check_writable(ckpt.directory)  # before training: Orbax's failed save hung ~300 s first
-    # Newest first; a damaged checkpoint is named and skipped for the previous complete one.
-    candidates = list(reversed(ckpt.all_steps()))
-    damaged: list[str] = []
-    start, data_state = _pick_checkpoint(ckpt, ckpt_root, cfg, candidates, damaged)
-
-    # -- data first: a bad path or a changed dataset fails before anything is allocated or compiled.
-    # The order is a pure function of the step; resume checks the fingerprint.
-    loader = _train_data(cfg, start or 0, data_state, allow_fingerprint_mismatch, mesh, run, dataset)
-    evaluator = HeldoutEvaluator(cfg, mesh, per_batch=True) if cfg.eval.heldout_paths else None
-    alarm = None
-    if cfg.eval.reference:
-        alarm = MemorisationAlarm(cfg.eval.reference, label=cfg.name, reference=cfg.eval.reference)
-
     # Written into every checkpoint; computed once (git runs a subprocess).
-    run_meta = {"config_yaml": cfg.to_yaml(), "versions": versions(), "git_commit": git_commit(),
-                "seed": cfg.train.seed}
+    meta = {"config_yaml": cfg.to_yaml(), "versions": versions(), "git_commit": git_commit(), "seed": cfg.train.seed}
+    return _Run(cfg, objective, run, mirror, ckpt_root, ckpt, mesh, plan, abstract, shardings(abstract["params"]),
+                shardings(abstract["opt_state"]), meta, is_main)
+
+
+def _restore_or_init(r: _Run, start: int | None, loader: Data, open_data: Callable[[int | None, dict | None], Data],
+                     candidates: list[int], damaged: list[str]) -> tuple[int, Data, Any, Any]:
+    """``(start, data, params, opt_state)``: the state of checkpoint ``start`` (falling back past
+    damaged ones, the data reopened at each), or of a fresh run (``start`` None: step 0)."""
     while start is not None:
         try:
-            state, meta = ckpt.restore(start, abstract, verify=False)  # _pick_checkpoint verified it
+            state, meta = r.ckpt.restore(start, r.abstract, verify=False)  # _pick_checkpoint verified it
             break
         except CorruptCheckpointError as e:
             _warn_damaged(e, damaged)
             loader.close()
             candidates = [c for c in candidates if c < start]
-            start, data_state = _pick_checkpoint(ckpt, ckpt_root, cfg, candidates, damaged)
-            loader = _train_data(cfg, start or 0, data_state, allow_fingerprint_mismatch, mesh, run, dataset)
+            start, data_state = _pick_checkpoint(r.ckpt, r.ckpt_root, r.cfg, candidates, damaged)
+            loader = open_data(start, data_state)
     # Damaged checkpoints newer than the one resumed are renamed (never deleted): the run will
     # write those steps again, and rotation must not count them as good ones.
-    for bad in [c for c in ckpt.all_steps() if start is None or c > start]:
-        moved = ckpt.set_aside(bad)
+    for bad in [c for c in r.ckpt.all_steps() if start is None or c > start]:
+        moved = r.ckpt.set_aside(bad)
         if moved is not None:
             print(f"olmax: moved the damaged checkpoint {bad} aside to {moved}", file=sys.stderr, flush=True)
-    if start is not None:
-        params, opt_state = state["params"], state["opt_state"]
-        if int(meta["step"]) != start or int(opt_state.step) != start * updates:
-            raise ConfigError(f"checkpoint {start} in {run} is inconsistent: meta step {meta['step']}, "
-                              f"optimizer step {int(opt_state.step)}")
-        if is_main:
-            print(f"resuming from checkpoint {start} in {run} (next: global batch {start})", file=sys.stderr)
-            if cfg.train.init_from:  # a warm start is for a fresh run only: the checkpoint wins
-                print(f"olmax: note: train.init_from={cfg.train.init_from} is ignored: the run directory already "
-                      f"has checkpoint {start}", file=sys.stderr)
+    if start is None:
+        return 0, loader, *_fresh_state(r)
+    params, opt_state = state["params"], state["opt_state"]
+    if int(meta["step"]) != start or int(opt_state.step) != start * r.objective.updates_per_step():
+        raise ConfigError(f"checkpoint {start} in {r.run} is inconsistent: meta step {meta['step']}, "
+                          f"optimizer step {int(opt_state.step)}")
+    if r.is_main:
+        print(f"resuming from checkpoint {start} in {r.run} (next: global batch {start})", file=sys.stderr)
+        if r.cfg.train.init_from:  # a warm start is for a fresh run only: the checkpoint wins
+            print(f"olmax: note: train.init_from={r.cfg.train.init_from} is ignored: the run directory already "
+                  f"has checkpoint {start}", file=sys.stderr)
+    return start, loader, params, opt_state
+
+
+def _fresh_state(r: _Run) -> tuple[Any, Any]:
+    """The parameters and optimizer state of step 0 (converted weights or the seeded init); the
+    run directory gets its config and run information."""
+    cfg = r.cfg
+    if cfg.train.init_from:
+        params, opt_state = load_initial_state(cfg, cfg.train.init_from, r.mesh, r.pshard, r.oshard)
     else:
-        start = 0
-        if cfg.train.init_from:
-            params, opt_state = load_initial_state(cfg, cfg.train.init_from, mesh, pshard, oshard)
-        else:
-            params = jax.jit(partial(init_params, cfg.model), out_shardings=pshard)(jax.random.key(cfg.train.seed))
-            opt_state = jax.jit(partial(init_opt_state, optim_cfg=cfg.optim), out_shardings=oshard)(params)
-        if is_main:
-            (run / "config.yaml").write_text(run_meta["config_yaml"])
-            (run / "run_info.json").write_text(json.dumps({
-                "git_commit": run_meta["git_commit"], "versions": run_meta["versions"], "mesh": dict(mesh.shape),
-                "devices": jax.device_count(), "processes": jax.process_count(),
-                "device_kind": jax.devices()[0].device_kind, "batch_plan": dataclasses.asdict(plan)}, indent=2))
+        params = jax.jit(partial(init_params, cfg.model), out_shardings=r.pshard)(jax.random.key(cfg.train.seed))
+        opt_state = jax.jit(partial(init_opt_state, optim_cfg=cfg.optim), out_shardings=r.oshard)(params)
+    if r.is_main:
+        (r.run / "config.yaml").write_text(r.meta["config_yaml"])
+        (r.run / "run_info.json").write_text(json.dumps({
+            "git_commit": r.meta["git_commit"], "versions": r.meta["versions"], "mesh": dict(r.mesh.shape),
+            "devices": jax.device_count(), "processes": jax.process_count(),
+            "device_kind": jax.devices()[0].device_kind, "batch_plan": dataclasses.asdict(r.plan)}, indent=2))
+    return params, opt_state
 
-    dpo = cfg.train.objective == "dpo"
-    if dpo:  # the reference log-probs, computed once before the first update (olmax.train.dpo)
-        loader.prepare(lambda: params if start == 0 else _initial_params(cfg, mesh, pshard, oshard), pshard, plan,
-                       say=lambda m: print(m, file=sys.stderr, flush=True) if is_main else None)
 
-    # -- the step -------------------------------------------------------------------------------
-    if dpo:
-        from olmax.train.dpo import jit_dpo_step
-        step_fn = jit_dpo_step(cfg, mesh, plan, pshard, oshard)
-    elif rl:
-        from olmax.rl.step import RlStep
-        # KL to the initial weights: a frozen second copy, only when rl.kl_beta > 0
-        reference = _initial_params(cfg, mesh, pshard, oshard) if cfg.rl.kl_beta > 0 else None
-        step_fn = RlStep(cfg, mesh, plan, pshard, oshard, reference=reference)
-    else:
-        step_fn = jit_train_step(cfg, mesh, plan, pshard, oshard)
+# --------------------------------------------------------------------------- the steps
 
-    sinks = []
-    if is_main:
-        # TensorBoard is rebuilt from metrics.jsonl on resume (rows a kill -9 caught in its buffer)
-        sinks = [JsonlSink(run / "metrics.jsonl"),
-                 TensorBoardSink(run / "tensorboard", rebuild_from=run / "metrics.jsonl")]
-        if cfg.wandb.project:  # the same rows in W&B; a W&B failure warns once and never stops training
-            sinks.append(WandbSink(cfg.wandb, run, config=cfg.to_dict(), name=Path(str(run_dir)).name))
-    logger = MetricsLogger(sinks)
-    # Lines past the resumed checkpoint come from a crashed run: drop them so the metrics equal
-    # those of an uninterrupted run.
-    logger.truncate_after(start)
-    bar = ProgressBar(total, start) if (is_main and progress) else None
-    fl_tok = flops_per_token(cfg.model, L)["total"]
-    peak = device_peak_flops(jax.devices()[0].device_kind)
-    if os.environ.get("OLMAX_PEAK_TFLOPS"):  # a device olmax has no figure for (the CPU, a new chip)
-        try:
-            peak = float(os.environ["OLMAX_PEAK_TFLOPS"]) * 1e12
-        except ValueError:
-            peak = math.nan
-        if not (math.isfinite(peak) and peak > 0):
-            raise ConfigError(f"OLMAX_PEAK_TFLOPS must be a number > 0 (peak TFLOP/s per device), got "
-                              f"{os.environ['OLMAX_PEAK_TFLOPS']!r}")
-    tokens_per_step = cfg.train.global_batch_size * L * (2 if dpo else 1)  # DPO: a chosen and a rejected row per pair
 
-    losses: dict[int, float] = {}
-    pending: tuple[int, dict, float] | None = None
+def _run_steps(r: _Run, loader: Data, step_fn: Callable, params: Any, opt_state: Any, start: int, log: _StepLog,
+               evaluator: HeldoutEvaluator | None, max_steps_this_run: int | None) -> tuple[int, bool]:
+    """Steps ``start``.. to ``train.steps`` (or a stop): ``(the step reached, stopped early)``.
+    A step's metrics are fetched while the next one runs on the device, except where the host
+    must know them first: before a held-out eval and before a checkpoint."""
+    total, ckpt = r.cfg.train.steps, r.ckpt
+    pending: tuple[int, dict] | None = None   # a step (1-based) whose metrics are still on the device
     stopped = False
-    last_time = time.perf_counter()
-    # Throughput: time from one step's result to the next, less the host's pauses in between
-    # (checkpoint saves, their checksums, held-out evals, uploads), when the device sits idle.
-    clock = {"last_done": last_time, "paused": 0.0}
-    max_nonfinite = cfg.optim.skip_step.max_nonfinite_steps
-    nonfinite_run: list[int] = []     # steps of the current run of consecutive non-finite updates
-    failure: str | None = None        # set when the run must stop with an error
-
-    def say(msg: str) -> None:
-        if bar:
-            bar.write(msg)
-        else:
-            print(msg, file=sys.stderr, flush=True)
-
-    def emit(step: int, metrics: dict, dt: float) -> None:
-        nonlocal failure
-        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        if dpo or rl:  # the DPO / RL loss stands where the CE loss stands; its metrics are full names
-            m["ce_loss"] = m.pop("loss")
-        losses[step] = m["ce_loss"]
-        t = time.perf_counter()  # step ``step`` has finished: its metrics are on the host
-        dt = t - clock["last_done"] - clock["paused"]
-        clock.update(last_done=t, paused=0.0)
-        if rl:  # the RL step is synchronous: its own clock (sampling + updates) times it
-            dt = m.get("rl/time_generation_s", 0.0) + m.get("rl/time_training_s", 0.0)
-        tps_dev = tokens_per_step / dt / jax.device_count() if dt > 0 else 0.0
-        # OLMo-core's names, each value once (``named``).
-        row = named({**({} if (dpo or rl) else {"ce_loss": m["ce_loss"], "z_loss": m["z_loss"]}),
-                     "grad_norm": m["grad_norm"], "lr": m["lr"],
-                     "step_skipped": m["step_skipped"], "total_tokens": step * tokens_per_step,
-                     "tps_device": tps_dev, "mfu": mfu(fl_tok, tps_dev, peak),
-                     "tflops_device": fl_tok * tps_dev / 1e12,
-                     NONFINITE_METRIC: m["nonfinite"],
-                     **{k: v for k, v in m.items() if k.startswith(("dpo/", "rl/"))}})
-        bad = m["nonfinite"] > 0
-        nonfinite_run[:] = nonfinite_run + [step] if bad else []
-        if bad and is_main and failure is None:  # past the limit the run is stopping: no more warnings
-            what = "skipped" if m["step_skipped"] else "APPLIED (optim.skip_step.olmo_core_nonfinite)"
-            say(f"olmax: WARNING step {step}: non-finite {LOSS_NAMES[cfg.train.objective]} {m['ce_loss']} / "
-                f"grad norm {m['grad_norm']}; update {what} ({len(nonfinite_run)} in a row; the run stops at "
-                f"{max_nonfinite})")
-        if bad and len(nonfinite_run) >= max_nonfinite and failure is None:
-            failure = (f"{len(nonfinite_run)} consecutive updates had a non-finite loss or gradient norm (steps "
-                       f"{nonfinite_run[0]}..{nonfinite_run[-1]}); none of them was checkpointed; "
-                       f"{_resume_advice(ckpt, run)} (optim.skip_step.max_nonfinite_steps={max_nonfinite})")
-        if step % cfg.train.log_interval == 0 or step == total or bad:
-            logger.log(step, row)
-        if alarm is not None:
-            alarm.update(step, m["ce_loss"])
-        if bar:
-            bar.update(step, loss=m["ce_loss"], tokens_per_sec=tps_dev * jax.device_count())
-
     step = start
     with StopSignal() as stop:
         for step in range(start, total):
-            batch = loader.rollouts(step, params) if rl else loader.global_batch(step)
+            batch = r.objective.batch(loader, step, params)
             params, opt_state, metrics = step_fn(params, opt_state, batch)
-            now = time.perf_counter()
             # Metrics of the previous step are fetched now, while this step runs on the device.
             if pending is not None:
-                emit(*pending)
-            pending = (step + 1, metrics, now - last_time)
-            last_time = now
+                log.emit(*pending)
+            pending = (step + 1, metrics)
             done = step + 1
             ran = done - start
             stop_now = _any_process(stop.requested) or (max_steps_this_run is not None and ran >= max_steps_this_run)
-            if evaluator is not None and (done % cfg.eval.interval == 0 or done == total):
-                emit(*pending)
+            if evaluator is not None and (done % r.cfg.eval.interval == 0 or done == total):
+                log.emit(*pending)
                 pending = None
-                t_pause = time.perf_counter()
-                ev = evaluator.evaluate(params)
-                logger.log(done, ev)
-                if bar:
-                    bar.write(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items() if "[" not in k))
-                if alarm is not None:
-                    msg = alarm.update(done, None, ev["eval/heldout/CE loss"])
-                    if msg:
-                        print(msg, file=sys.stderr, flush=True)
-                        logger.log(done, {"eval/memorisation alarm": float(alarm.status == ALARM)})
-                clock["paused"] += time.perf_counter() - t_pause
-            if failure is not None:
+                with log.host_pause():
+                    log.heldout(done, evaluator.evaluate(params))
+            if log.failure is not None:
                 break
             forced = done == total or stop_now
             if (ckpt.should_save(done) or forced) and pending is not None:
-                emit(*pending)  # know whether step ``done`` was non-finite before saving it
+                log.emit(*pending)  # know whether step ``done`` was non-finite before saving it
                 pending = None
-                if failure is not None:
+                if log.failure is not None:
                     break
-            if ckpt.should_save(done) and nonfinite_run and not forced:
-                say(f"olmax: WARNING not saving checkpoint {done} in the middle of {len(nonfinite_run)} non-finite "
-                    "steps; the next checkpoint after a finite step will be saved")
+            if ckpt.should_save(done) and log.nonfinite_run and not forced:
+                log.say(f"olmax: WARNING not saving checkpoint {done} in the middle of {len(log.nonfinite_run)} "
+                        "non-finite steps; the next checkpoint after a finite step will be saved")
             elif ckpt.should_save(done) or forced:
-                if not bool(all_finite((params, opt_state.mu, opt_state.nu))):
-                    # Never write a non-finite state: it would rotate finite checkpoints away.
-                    failure = (f"the parameters or Adam moments are non-finite after step {done}; not saving "
-                               f"checkpoint {done}; {_resume_advice(ckpt, run)}")
+                _save(r, loader, log, done, params, opt_state, force=stop_now or done == total)
+                if log.failure is not None:
                     break
-                t_pause = time.perf_counter()
-                meta = {"step": done, "data_state": loader.state(done).to_dict(),
-                        "fingerprint": loader.fingerprint, **run_meta}
-                saved = ckpt.save(done, {"params": params, "opt_state": opt_state}, meta, force=stop_now or done == total)
-                if saved and mirror is not None and is_main:
-                    logger.flush()
-                    mirror.push()
-                clock["paused"] += time.perf_counter() - t_pause
             t_pause = time.perf_counter()
             ckpt.poll()  # checksums as soon as an asynchronous save has committed
             if pending is None:  # a pause only while the device is idle (no step of ours in flight)
-                clock["paused"] += time.perf_counter() - t_pause
+                log.paused += time.perf_counter() - t_pause
             if stop_now:
                 stopped = done < total
                 step = done
@@ -341,18 +294,143 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
         else:
             step = total
     if pending is not None:
-        emit(*pending)
-    ckpt.wait()
-    ckpt.close()
-    logger.close()
-    if bar:
-        bar.close()
-    loader.close()
-    if mirror is not None and is_main:
-        mirror.push()
-    if failure is not None:
-        raise NonFiniteError(failure)
-    return TrainResult(str(run_dir) if mirror is not None else str(run), start, step, losses, stopped)
+        log.emit(*pending)
+    return step, stopped
+
+
+def _save(r: _Run, loader: Data, log: _StepLog, done: int, params: Any, opt_state: Any, force: bool) -> None:
+    """Checkpoint ``done``: the state and the data state (pushed to a remote run directory once
+    saved). A non-finite state is never written (it would rotate finite checkpoints away): the
+    run fails instead."""
+    if not bool(all_finite((params, opt_state.mu, opt_state.nu))):
+        log.failure = (f"the parameters or Adam moments are non-finite after step {done}; not saving "
+                       f"checkpoint {done}; {_resume_advice(r.ckpt, r.run)}")
+        return
+    with log.host_pause():
+        meta = {"step": done, "data_state": loader.state(done).to_dict(), "fingerprint": loader.fingerprint, **r.meta}
+        saved = r.ckpt.save(done, {"params": params, "opt_state": opt_state}, meta, force=force)
+        if saved and r.mirror is not None and r.is_main:
+            log.logger.flush()
+            r.mirror.push()
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+class _StepLog:
+    """Each step's metrics on the host: the row (JSONL, TensorBoard, W&B) in OLMo-core's names,
+    throughput, the progress bar, the memorisation alarm, and the watch on non-finite updates
+    that stops a run (``failure``)."""
+
+    def __init__(self, r: _Run, start: int, progress: bool, alarm: MemorisationAlarm | None):
+        self.r, self.cfg, self.objective, self.alarm = r, r.cfg, r.objective, alarm
+        sinks = []
+        if r.is_main:
+            # TensorBoard is rebuilt from metrics.jsonl on resume (rows a kill -9 caught in its buffer)
+            sinks = [JsonlSink(r.run / "metrics.jsonl"),
+                     TensorBoardSink(r.run / "tensorboard", rebuild_from=r.run / "metrics.jsonl")]
+            if self.cfg.wandb.project:  # the same rows in W&B; a W&B failure warns once and never stops training
+                sinks.append(WandbSink(self.cfg.wandb, r.run, config=self.cfg.to_dict(),
+                                       name=Path(str(r.ckpt_root)).name))  # the run directory's name
+        self.logger = MetricsLogger(sinks)
+        # Lines past the resumed checkpoint come from a crashed run: drop them so the metrics equal
+        # those of an uninterrupted run.
+        self.logger.truncate_after(start)
+        self.bar = ProgressBar(self.cfg.train.steps, start) if (r.is_main and progress) else None
+        self.fl_tok = flops_per_token(self.cfg.model, self.cfg.data.sequence_length)["total"]
+        self.peak = _peak_flops()
+        self.tokens_per_step = self.objective.tokens_per_step()
+        self.losses: dict[int, float] = {}
+        self.nonfinite_run: list[int] = []    # steps of the current run of consecutive non-finite updates
+        self.failure: str | None = None       # set when the run must stop with an error
+        # Throughput: time from one step's result to the next, less the host's pauses in between
+        # (checkpoint saves, their checksums, held-out evals, uploads), when the device sits idle.
+        self.last_done = time.perf_counter()
+        self.paused = 0.0
+
+    @contextlib.contextmanager
+    def host_pause(self) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused += time.perf_counter() - t
+
+    def say(self, msg: str) -> None:
+        if self.bar:
+            self.bar.write(msg)
+        else:
+            print(msg, file=sys.stderr, flush=True)
+
+    def emit(self, step: int, metrics: dict) -> None:
+        m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        loss = self.objective.loss(m)
+        self.losses[step] = loss
+        t = time.perf_counter()  # step ``step`` has finished: its metrics are on the host
+        dt = self.objective.step_seconds(m, t - self.last_done - self.paused)
+        self.last_done, self.paused = t, 0.0
+        tps_dev = self.tokens_per_step / dt / jax.device_count() if dt > 0 else 0.0
+        # OLMo-core's names, each value once (``named``).
+        row = named({**self.objective.logged(m), "grad_norm": m["grad_norm"], "lr": m["lr"],
+                     "step_skipped": m["step_skipped"], "total_tokens": step * self.tokens_per_step,
+                     "tps_device": tps_dev, "mfu": mfu(self.fl_tok, tps_dev, self.peak),
+                     "tflops_device": self.fl_tok * tps_dev / 1e12, NONFINITE_METRIC: m["nonfinite"]})
+        bad = m["nonfinite"] > 0
+        self._watch_nonfinite(step, bad, loss, m)
+        if step % self.cfg.train.log_interval == 0 or step == self.cfg.train.steps or bad:
+            self.logger.log(step, row)
+        if self.alarm is not None:
+            self.alarm.update(step, loss)
+        if self.bar:
+            self.bar.update(step, loss=loss, tokens_per_sec=tps_dev * jax.device_count())
+
+    def _watch_nonfinite(self, step: int, bad: bool, loss: float, m: dict[str, float]) -> None:
+        limit = self.cfg.optim.skip_step.max_nonfinite_steps
+        self.nonfinite_run[:] = self.nonfinite_run + [step] if bad else []
+        if bad and self.r.is_main and self.failure is None:  # past the limit the run is stopping: no more warnings
+            what = "skipped" if m["step_skipped"] else "APPLIED (optim.skip_step.olmo_core_nonfinite)"
+            self.say(f"olmax: WARNING step {step}: non-finite {self.objective.loss_name} {loss} / grad norm "
+                     f"{m['grad_norm']}; update {what} ({len(self.nonfinite_run)} in a row; the run stops at "
+                     f"{limit})")
+        if bad and len(self.nonfinite_run) >= limit and self.failure is None:
+            run = self.nonfinite_run
+            self.failure = (f"{len(run)} consecutive updates had a non-finite loss or gradient norm (steps "
+                            f"{run[0]}..{run[-1]}); none of them was checkpointed; "
+                            f"{_resume_advice(self.r.ckpt, self.r.run)} (optim.skip_step.max_nonfinite_steps={limit})")
+
+    def heldout(self, done: int, ev: dict[str, float]) -> None:
+        """The held-out eval after step ``done``."""
+        self.logger.log(done, ev)
+        if self.bar:
+            self.bar.write(f"step {done}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items() if "[" not in k))
+        if self.alarm is not None:
+            msg = self.alarm.update(done, None, ev["eval/heldout/CE loss"])
+            if msg:
+                print(msg, file=sys.stderr, flush=True)
+                self.logger.log(done, {"eval/memorisation alarm": float(self.alarm.status == ALARM)})
+
+    def close(self) -> None:
+        self.logger.close()
+        if self.bar:
+            self.bar.close()
+
+
+def _peak_flops() -> float:
+    """This device's peak FLOP/s (for MFU): olmax's figure, or ``OLMAX_PEAK_TFLOPS`` for a device
+    olmax has no figure for (the CPU, a new chip)."""
+    peak = device_peak_flops(jax.devices()[0].device_kind)
+    if os.environ.get("OLMAX_PEAK_TFLOPS"):
+        try:
+            peak = float(os.environ["OLMAX_PEAK_TFLOPS"]) * 1e12
+        except ValueError:
+            peak = math.nan
+        if not (math.isfinite(peak) and peak > 0):
+            raise ConfigError(f"OLMAX_PEAK_TFLOPS must be a number > 0 (peak TFLOP/s per device), got "
+                              f"{os.environ['OLMAX_PEAK_TFLOPS']!r}")
+    return peak
+
+
+# --------------------------------------------------------------------------- helpers
 
 
 NONFINITE_METRIC = "optim/non-finite step"
@@ -386,8 +464,9 @@ def resolve_epochs(cfg: Config) -> tuple[Config, Any]:
     the resolved config and the dataset built to count them (None without ``train.epochs``)."""
     if cfg.train.epochs is None:
         return cfg, None
-    if cfg.train.objective != "lm":
-        raise ConfigError("train.epochs is for train.objective=lm; set train.steps for the number of updates")
+    if not get_objective(cfg).allows_epochs:
+        raise ConfigError(f"train.epochs counts whole batches of token instances, not for train.objective="
+                          f"{cfg.train.objective}: set train.steps for the number of updates")
     from olmax.data.loader import build_dataset
     dataset = build_dataset(cfg)
     n = len(dataset)
@@ -400,20 +479,6 @@ def resolve_epochs(cfg: Config) -> tuple[Config, Any]:
         print(f"olmax: train.epochs={cfg.train.epochs}: {n} instances, {per_epoch} global batches an epoch -> "
               f"train.steps={steps}", file=sys.stderr, flush=True)
     return cfg.override([f"train.steps={steps}"]), dataset
-
-
-def _train_data(cfg: Config, start: int, data_state: dict | None, allow_mismatch: bool, mesh: Any, run: Path,
-                dataset: Any = None) -> Any:
-    """The loop's data: token instances (LM), preference pairs with reference log-probs (DPO) or
-    prompts and the rollouts sampled from them (RL)."""
-    if cfg.train.objective == "dpo":
-        from olmax.train.dpo import DpoData
-        return DpoData(cfg, start, data_state, allow_mismatch, mesh, run)
-    if cfg.train.objective == "grpo":
-        from olmax.rl.rollout import RlData
-        return RlData(cfg, start, data_state, allow_mismatch, mesh, run)
-    return TrainData(cfg, start, data_state, allow_mismatch, mesh, cache_dir=run / "order_cache", trace_dir=run,
-                     dataset=dataset)
 
 
 def _initial_params(cfg: Config, mesh: Any, pshard: Any, oshard: Any) -> Any:

@@ -210,7 +210,8 @@ def run(steps: int = 20, seed: int = 0, overrides: list[str] | tuple[str, ...] =
         ) -> dict[str, Any]:
     """Both trainings and the per-step comparison (the JSON report)."""
     require("verify", "torch", "transformers", "trl", "datasets")  # before olmax's side trains
-    from olmax.train.dpo import step_pairs, write_pairs
+    from olmax.data.chat import write_pairs
+    from olmax.objectives.dpo import step_pairs
     t0 = time.perf_counter()
     cfg0 = parity_config(steps, seed, overrides)
     root = Path(out) if out else Path(tempfile.mkdtemp(prefix="olmax-verify-trl-"))

@@ -19,8 +19,8 @@ rewards, so only the loss, its aggregation, the gradients and the optimizer are 
    constant lr, no clipping (``max_grad_norm=0``: the Trainer reports the norm unclipped).
 4. olmax: ``olmax.rl.grpo`` with the matching aggregation (dapo -> ``token_mean``, grpo ->
    ``sequence_mean``), ``group_advantages(mode="centered")``, old log-probs from
-   ``make_logps_fn``, ``train_on_batch(num_epochs=2)`` with the same accumulation steps, and
-   ``olmax.optim.apply_update`` (AdamW, constant lr).
+   ``make_logps_fn``, ``train_on_batch(num_epochs=2)`` of ``olmax.objectives.grpo``'s step with
+   the same accumulation steps, and ``olmax.optim.apply_update`` (AdamW, constant lr).
 5. Per optimizer step: the loss and the grad norm of each side (TRL's logged ``loss`` and
    ``grad_norm``), and olmax's clip fraction (TRL's ``clip_ratio/region_mean`` beside it).
 
@@ -123,8 +123,9 @@ def rollout_arrays(ro: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarr
 def _run_olmax(cfg: Config, params: Any, rollouts: list[dict[str, Any]], aggregation: str) -> list[dict[str, float]]:
     import jax.numpy as jnp
 
+    from olmax.objectives.grpo import jit_grpo_step
     from olmax.optim import init_opt_state
-    from olmax.rl.grpo import GrpoLoss, group_advantages, jit_grpo_step, make_logps_fn, train_on_batch
+    from olmax.rl.grpo import GrpoLoss, group_advantages, make_logps_fn, train_on_batch
     loss = GrpoLoss(eps_low=0.2, eps_high=0.272, aggregation=aggregation)
     total = len(rollouts) * ITERATIONS
     step = jit_grpo_step(cfg, loss, ACCUM, total)

@@ -1,4 +1,5 @@
-"""Direct preference optimisation: the loss, the pair data and the cached reference log-probs.
+"""Direct preference optimisation: the loss, the pair data, the cached reference log-probs, the
+step and the objective (``train.objective=dpo``).
 
 What is reproduced: open-instruct's ``dpo_tune_cache.py`` (OLMo 3 Think and Instruct DPO), loss
 ``dpo_norm``; TRL 1.16's ``DPOTrainer(loss_type="sigmoid_norm")`` computes the same loss and is
@@ -44,10 +45,12 @@ import numpy as np
 from jax.sharding import Mesh
 
 from olmax.config import RUNTIME_MODEL_FIELDS, Config, ConfigError, model_differences
+from olmax.data import chat
 from olmax.model.loss import token_logps
+from olmax.objectives.accumulate import accumulate, jit_update, micro_sharding, optimizer_update
+from olmax.objectives.base import Objective
 from olmax.sharding import BatchPlan, activation_mesh, batch_sharding
 
-PAIRS_FORMAT = "olmax-pairs/1"
 CACHE_FORMAT = "olmax-reference-logps/1"
 CACHE_DIR = "reference_logps"
 
@@ -59,70 +62,14 @@ class PreferenceDataError(ConfigError):
 # --------------------------------------------------------------------------- pair files
 
 
-def _read_pairs_local(folder: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(token_ids, labels_mask, index)`` of an ``olmax-pairs/1`` folder, memory-mapped.
-
-    ``token_ids`` uint32 1-D (each pair's chosen sequence, then its rejected one), ``labels_mask``
-    bool 1-D (True on trained response tokens), ``index`` int64 [n, 4] = chosen offset, chosen
-    length, rejected offset, rejected length."""
-    root = Path(folder)
-    if not root.is_dir():
-        raise PreferenceDataError(f"data.preference_path {root}: not a directory of preference pairs")
-    man = root / "manifest.json"
-    if not man.is_file():
-        raise PreferenceDataError(f"{man}: missing (a preference-pair folder has manifest.json)")
-    try:
-        fmt = json.loads(man.read_text()).get("format")
-    except (json.JSONDecodeError, AttributeError) as e:
-        raise PreferenceDataError(f"{man}: not a JSON object ({e})") from None
-    if fmt != PAIRS_FORMAT:
-        raise PreferenceDataError(f"{man}: format {fmt!r}, expected {PAIRS_FORMAT!r}")
-    arrays = []
-    for name in ("pairs_token_ids.npy", "pairs_labels_mask.npy", "pairs_index.npy"):
-        f = root / name
-        if not f.is_file():
-            raise PreferenceDataError(f"{f}: missing")
-        try:
-            arrays.append(np.load(f, mmap_mode="r"))
-        except (ValueError, OSError) as e:
-            raise PreferenceDataError(f"{f}: not a .npy array ({e})") from None
-    return tuple(arrays)  # type: ignore[return-value]
-
-
 def read_pairs(folder: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The chat tokenizer's reader when it exists (``olmax.data.chat.read_pairs``), else ours."""
+    """``olmax.data.chat.read_pairs`` (the pair files' one reader), its errors naming the config key."""
     try:
-        from olmax.data.chat import read_pairs as chat_read_pairs  # type: ignore[attr-defined]
-    except ImportError:
-        chat_read_pairs = None
-    if chat_read_pairs is None:
-        return _read_pairs_local(folder)
-    try:
-        return chat_read_pairs(folder)
+        return chat.read_pairs(folder)
     except (FileNotFoundError, ValueError) as e:
         if isinstance(e, ConfigError):
             raise
         raise PreferenceDataError(f"data.preference_path {folder}: {e}") from None
-
-
-def write_pairs(folder: str | os.PathLike, pairs: list[tuple[list[int], list[bool], list[int], list[bool]]]) -> Path:
-    """Write ``(chosen_ids, chosen_mask, rejected_ids, rejected_mask)`` pairs as an ``olmax-pairs/1``
-    folder (tests and the parity harness; ``olmax tokenize --chat`` writes the real ones)."""
-    root = Path(folder)
-    root.mkdir(parents=True, exist_ok=True)
-    toks, masks, index, off = [], [], [], 0
-    for c, cm, r, rm in pairs:
-        if len(c) != len(cm) or len(r) != len(rm):
-            raise ValueError("a sequence and its label mask differ in length")
-        index.append((off, len(c), off + len(c), len(r)))
-        toks += [*c, *r]
-        masks += [*cm, *rm]
-        off += len(c) + len(r)
-    np.save(root / "pairs_token_ids.npy", np.asarray(toks, np.uint32))
-    np.save(root / "pairs_labels_mask.npy", np.asarray(masks, bool))
-    np.save(root / "pairs_index.npy", np.asarray(index, np.int64).reshape(-1, 4))
-    (root / "manifest.json").write_text(json.dumps({"format": PAIRS_FORMAT, "pairs": len(pairs)}))
-    return root
 
 
 class PairSet:
@@ -267,30 +214,11 @@ def make_dpo_step(cfg: Config, accum_steps: int, apply_update: Callable,
                   mesh: Mesh | None = None) -> Callable:
     """``step(params, opt_state, batch) -> (params, opt_state, metrics)`` (not jitted): the mean
     DPO loss over the global batch's pairs, gradients accumulated over micro-batches of pairs."""
-    from olmax.sharding import split_micro
 
     def step(params, opt_state, batch):
         with activation_mesh(mesh):
             pairs = batch["input_ids"].shape[0]
-            micro = jax.tree.map(lambda x: split_micro(x, accum_steps), batch)
-            grad_fn = jax.value_and_grad(lambda p, mb: dpo_batch_loss(p, mb, cfg), has_aux=True)
-
-            def body(carry, mb):
-                g_acc, s_acc = carry
-                if micro_constraint is not None:
-                    mb = jax.tree.map(micro_constraint, mb)
-                (_, sums), g = grad_fn(params, mb)
-                g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
-                return (g_acc, jax.tree.map(jnp.add, s_acc, sums)), None
-
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-            zsums = jax.tree.map(lambda s: jnp.zeros((), jnp.float32),
-                                 jax.eval_shape(lambda: dpo_batch_loss(params, jax.tree.map(lambda x: x[0], micro),
-                                                                       cfg)[1]))
-            if accum_steps == 1:
-                (grads, sums), _ = body((zeros, zsums), jax.tree.map(lambda x: x[0], micro))
-            else:
-                (grads, sums), _ = jax.lax.scan(body, (zeros, zsums), micro)
+            grads, sums = accumulate(partial(dpo_batch_loss, cfg=cfg), params, batch, accum_steps, micro_constraint)
             grads = jax.tree.map(lambda g: g / pairs, grads)
             metrics = _finish(sums, pairs)
             loss = metrics["dpo/loss"]
@@ -303,13 +231,15 @@ def make_dpo_step(cfg: Config, accum_steps: int, apply_update: Callable,
 def jit_dpo_step(cfg: Config, mesh: Mesh, plan: BatchPlan, pshard: Any, oshard: Any) -> Callable:
     """The DPO train step as the loop runs it: jitted with the state's shardings, the pairs split
     over the data-parallel axes, the old state donated."""
-    from olmax.optim import apply_update
-    update = partial(apply_update, optim_cfg=cfg.optim, total_steps=cfg.train.steps)
-    micro = (lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(mesh, x.ndim)))
-    bshard = {"input_ids": batch_sharding(mesh, 3), "label_mask": batch_sharding(mesh, 3),
-              "ref_logps": batch_sharding(mesh, 2)}
-    return jax.jit(make_dpo_step(cfg, plan.accum_steps, update, micro_constraint=micro, mesh=mesh),
-                   in_shardings=(pshard, oshard, bshard), out_shardings=(pshard, oshard, None), donate_argnums=(0, 1))
+    step = make_dpo_step(cfg, plan.accum_steps, optimizer_update(cfg), micro_constraint=micro_sharding(mesh),
+                         mesh=mesh)
+    return jit_update(step, pshard, oshard, _pair_shardings(mesh))
+
+
+def _pair_shardings(mesh: Mesh) -> dict[str, Any]:
+    """A batch of pairs split over the data-parallel axes (pair by pair)."""
+    s3 = batch_sharding(mesh, 3)
+    return {"input_ids": s3, "label_mask": s3, "ref_logps": batch_sharding(mesh, 2)}
 
 
 # --------------------------------------------------------------------------- reference log-probs
@@ -566,3 +496,32 @@ class DpoData:
     def close(self) -> None:
         if self.trace is not None:
             self.trace.close()
+
+
+# --------------------------------------------------------------------------- the objective
+
+
+class Dpo(Objective):
+    """``train.objective=dpo``: ``global_batch_size`` pairs a step, a chosen and a rejected row each."""
+
+    name = "dpo"
+    loss_name = "DPO loss"
+    rows_per_example = 2
+
+    def data(self, start: int, data_state: dict | None, allow_fingerprint_mismatch: bool, mesh: Mesh, run: Path,
+             dataset: Any = None) -> DpoData:
+        return DpoData(self.cfg, start, data_state, allow_fingerprint_mismatch, mesh, run)
+
+    def prepare(self, data: DpoData, initial_params: Callable[[], Any], pshard: Any, plan: BatchPlan,
+                say: Callable[[str], None]) -> None:
+        data.prepare(initial_params, pshard, plan, say)  # the reference log-probs, before the first update
+
+    def jit_update(self, mesh: Mesh, plan: BatchPlan, pshard: Any, oshard: Any) -> Callable:
+        return jit_dpo_step(self.cfg, mesh, plan, pshard, oshard)
+
+    def abstract_batch(self, mesh: Mesh, plan: BatchPlan) -> dict[str, jax.ShapeDtypeStruct]:
+        # a chosen and a rejected row of L tokens per pair, and their reference log-probs
+        B, L, shard = self.update_batch_size(), self.cfg.data.sequence_length, _pair_shardings(mesh)
+        shapes = {"input_ids": ((B, 2, L), jnp.int32), "label_mask": ((B, 2, L), jnp.bool_),
+                  "ref_logps": ((B, 2), jnp.float32)}
+        return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=shard[k]) for k, (shape, dtype) in shapes.items()}

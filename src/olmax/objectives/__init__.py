@@ -1,0 +1,32 @@
+"""Training objectives: what a step optimises and what the loop, ``olmax compile`` and the CLI need
+to know about it, behind one protocol (``olmax.objectives.base.Objective``).
+
+A new objective is one module with an ``Objective`` subclass and one line here. Entries are
+``"module:Class"`` strings, imported when a run asks for them: ``olmax.config`` takes the valid
+``train.objective`` names from this table without importing JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from olmax.config import Config
+    from olmax.objectives.base import Objective
+
+OBJECTIVES: dict[str, str] = {
+    "lm": "olmax.objectives.lm:LanguageModel",    # pre-training and SFT: next-token CE
+    "dpo": "olmax.objectives.dpo:Dpo",            # preference pairs, cached reference log-probs
+    "grpo": "olmax.objectives.grpo:Grpo",         # RL: rollouts from the policy, verifiable rewards
+}
+
+
+def get_objective(cfg: Config) -> Objective:
+    """The objective ``cfg.train.objective`` names, bound to ``cfg``."""
+    name = cfg.train.objective
+    if name not in OBJECTIVES:  # config validation says this first; a config built by hand may not
+        from olmax.config import ConfigError
+        raise ConfigError(f"train.objective: expected one of {', '.join(map(repr, OBJECTIVES))}, got {name!r}")
+    module, _, cls = OBJECTIVES[name].partition(":")
+    return getattr(importlib.import_module(module), cls)(cfg)
