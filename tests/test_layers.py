@@ -17,7 +17,9 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("olmax", "olmax.config", "olmax.io", "olmax.recipes")),
     # infer.text: tokenizer files and chat templates (config only), which chat data tokenization renders.
-    ("model/data", ("olmax.model", "olmax.sharding", "olmax.optim", "olmax.data", "olmax.metrics", "olmax.infer.text")),
+    # kernels: the platform kernels, which only olmax.model.dispatch calls (they import sharding).
+    ("model/data", ("olmax.model", "olmax.kernels", "olmax.sharding", "olmax.optim", "olmax.data", "olmax.metrics",
+                    "olmax.infer.text")),
     ("compat/checkpoint", ("olmax.compat", "olmax.checkpoint")),
     ("train/eval", ("olmax.train", "olmax.eval", "olmax.rl")),
     ("verify/tools", ("olmax.verify", "olmax.infer", "olmax.compile", "olmax.launch", "olmax.demo", "olmax.demo_sft", "olmax.demo_rl")),

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from olmax.config import Config
-from olmax.model.decode import kernel_arithmetic
+from olmax.model.dispatch import can_reproduce_decode_bits
 from olmax.rl import grpo
 from olmax.rl.rollout import max_gap, updates_per_step
 from olmax.sharding import BatchPlan, activation_mesh, batch_sharding
@@ -56,7 +56,7 @@ class RlStep:
         # Where the rollouts decode with olmax's CPU kernels, the training forward repeats their
         # arithmetic (the old log-probs' and every update's forward): the old log-probs are the
         # sampler's bit for bit (``rl/max_logprob_gap`` 0).
-        self.exact = kernel_arithmetic(cfg.model, mesh)
+        self.exact = can_reproduce_decode_bits(cfg.model, mesh)
         self._update = jax.jit(grpo.make_grpo_step(cfg, loss, plan.accum_steps, update, micro_constraint=micro,
                                                    mesh=mesh, exact=self.exact),
                                in_shardings=(pshard, oshard, bshard), out_shardings=(pshard, oshard, None),
