@@ -147,6 +147,25 @@ def test_decoding_uses_the_kernel_and_keeps_the_tokens(monkeypatch) -> None:
     assert decode_layout(8, replace(TINY, compute_dtype="bfloat16")) == "packed"
 
 
+def test_the_kernels_build_without_a_warning(tmp_path) -> None:
+    """Every C++ source and header beside the builder is compiled (and hashed into the library's
+    cache key), with warnings on (-Wall -Wextra, never -w), and for both instruction sets the
+    compiler prints nothing: a new warning fails here instead of scrolling past a first run."""
+    import platform
+
+    from olmax.kernels.cpu import build
+    ours = {p.name for p in build.HERE.iterdir() if p.suffix in (".cc", ".h")}
+    assert {p.name for p in (*build.SOURCES, *build.HEADERS)} == ours and len(ours) >= 4
+    for isa in cpu_kernels.ISAS:
+        assert set(build.WARNINGS) <= set(build.flags(isa)) and "-w" not in build.flags(isa)
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if platform.machine().lower() not in ("x86_64", "amd64") or not compiler:
+        pytest.skip("no compiler for x86-64 here")
+    for isa in cpu_kernels.ISAS:  # compiling needs no AVX-512 on this CPU, only running it
+        printed = build.compile_to(tmp_path / f"{isa}.so", isa)
+        assert printed == "" and (tmp_path / f"{isa}.so").stat().st_size > 0, printed
+
+
 def test_unbuildable_kernel_names_the_reason_and_decoding_goes_on(monkeypatch, tmp_path, caplog) -> None:
     """No compiler that works: ``available()`` is False with the compiler's failure as the
     reason, logged once, and decoding keeps XLA's products. ``OLMAX_CPU_KERNELS=0`` turns the

@@ -31,6 +31,7 @@ from olmax.eval.alarm import ALARM, MemorisationAlarm
 from olmax.eval.heldout import HeldoutEvaluator
 from olmax.metrics.flops import device_peak_flops, flops_per_token, mfu
 from olmax.metrics.sinks import JsonlSink, MetricsLogger, ProgressBar, TensorBoardSink, WandbSink, named
+from olmax.model.dispatch import describe
 from olmax.model.params import init_params
 from olmax.optim import init_opt_state
 from olmax.sharding import make_mesh, plan_batch
@@ -179,6 +180,7 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
             (run / "run_info.json").write_text(json.dumps({
                 "git_commit": run_meta["git_commit"], "versions": run_meta["versions"], "mesh": dict(mesh.shape),
                 "devices": jax.device_count(), "processes": jax.process_count(),
+                "implementations": describe(cfg.model, platform),  # attention, kernels (olmax.model.dispatch)
                 "device_kind": jax.devices()[0].device_kind, "batch_plan": dataclasses.asdict(plan)}, indent=2))
 
     dpo = cfg.train.objective == "dpo"
