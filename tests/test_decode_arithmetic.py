@@ -107,7 +107,7 @@ def test_rl_log_probs_are_the_samplers_on_a_mesh() -> None:
         import json
         from dataclasses import replace
         from olmax.config import MeshConfig
-        from olmax.model import decode
+        from olmax.model.dispatch import can_reproduce_decode_bits
         from olmax.sharding import make_mesh
         from test_decode_arithmetic import TINY, sampled_gaps
         out = []
