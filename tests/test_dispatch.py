@@ -105,8 +105,9 @@ def test_describe_agrees_with_what_the_model_traces():
     from olmax.model.params import init_params
     for m in (get_recipe("tiny").model, replace(get_recipe("tiny").model, head_dim=8)):
         info = dispatch.describe(m, dispatch.target_platform())
-        params = jax.eval_shape(lambda: init_params(m, jax.random.key(0)))
-        text = jax.jit(jax.grad(lambda p: jnp.sum(forward(p, jnp.zeros((2, 64), jnp.int32), m)))).lower(params).as_text()
+        params = jax.eval_shape(lambda m=m: init_params(m, jax.random.key(0)))
+        loss = lambda p, m=m: jnp.sum(forward(p, jnp.zeros((2, 64), jnp.int32), m))
+        text = jax.jit(jax.grad(loss)).lower(params).as_text()
         assert (cpu_kernels.FLASH_FWD in text) is (info["attention"] == "cpu"), info
         assert (cpu_kernels.SWIGLU_FWD in text) is (info["swiglu"] == dispatch.KERNELS), info
         assert (cpu_kernels.QKV_FWD in text) is (info["qkv"] == dispatch.KERNELS), info
