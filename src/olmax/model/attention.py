@@ -189,11 +189,12 @@ def _blocked_grads(window: int | None, block: int, res: tuple, dout: jax.Array) 
             None)  # integer segment ids: no cotangent
 
 
-_blocked_vjp = jax.custom_vjp(
-    lambda qh, kh, vh, seg, window, block, precision: _blocked_forward(qh, kh, vh, seg, window, block)[0],
-    nondiff_argnums=(4, 5, 6))
-_blocked_vjp.defvjp(lambda qh, kh, vh, seg, window, block, precision: _blocked_forward(qh, kh, vh, seg, window, block),
-                    _blocked_backward)
+def _blocked_fwd(qh, kh, vh, seg, window, block, precision):  # the precision matters to the backward only
+    return _blocked_forward(qh, kh, vh, seg, window, block)
+
+
+_blocked_vjp = jax.custom_vjp(lambda *args: _blocked_fwd(*args)[0], nondiff_argnums=(4, 5, 6))
+_blocked_vjp.defvjp(_blocked_fwd, _blocked_backward)
 
 
 def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None,

@@ -75,8 +75,8 @@ def prepare(params: Any, cfg: ModelConfig, layout: str = "plain") -> dict[str, A
     """The parameters as the decode loop reads them: layers stacked for the scan and cast to the
     compute dtype once, and on the CPU q/k/v and gate/up joined (``join_projections``): the
     training forward does both inside every step, which in a decode step would copy every weight
-    once per token. ``layout`` (``dispatch.decode_layout``; other than ``plain``, CPU only): every projection
-    and the LM head as the layout's weight class."""
+    once per token. ``layout`` (``dispatch.decode_layout``; other than ``plain``, CPU only): every
+    projection and the LM head as the layout's weight class."""
     layers = stack_layers(params, cfg, unrolled=dispatch.unrolled_decode_layers())
     if dispatch.joined_projections():
         layers = {part: [join_projections(layer) for layer in ls] for part, ls in layers.items()}
@@ -89,9 +89,9 @@ def prepare(params: Any, cfg: ModelConfig, layout: str = "plain") -> dict[str, A
 
 
 def relayout(prepared: dict, cfg: ModelConfig, layout: str) -> dict:
-    """CPU ``prepare``d weights in another layout (``dispatch.decode_layout``): every 2-D projection of the
-    (joined, unrolled) layers and the LM head as ``OutIn`` (``streamed``), ``Packed``
-    (``packed``) or ``[in, out]`` (``plain``). Exact either way (the same numbers moved); the LM
+    """CPU ``prepare``d weights in another layout (``dispatch.decode_layout``): every 2-D
+    projection of the (joined, unrolled) layers and the LM head as ``OutIn`` (``streamed``),
+    ``Packed`` (``packed``) or ``[in, out]`` (``plain``). Exact either way (the same numbers moved); the LM
     head goes to the compute dtype, as every step casts it."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown decode weight layout {layout!r} (known: {', '.join(LAYOUTS)})")
@@ -179,8 +179,8 @@ def prefill(prepared: dict, tokens: jax.Array, lengths: jax.Array, cfg: ModelCon
 
     # With the kernel (the packed layout) the prompt is computed with the decode steps' arithmetic
     # (``dispatch.reproduce_decode_bits``), as RL's training forward is: each prompt query's
-    # attention as a decode step would compute it. Padding sits after each row's prompt, where no query before
-    # it looks.
+    # attention as a decode step would compute it. Padding sits after each row's prompt, where no
+    # query before it looks.
     kernel = layout_of(prepared) == "packed"
 
     def op(full: bool, window: int | None):
