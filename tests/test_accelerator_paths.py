@@ -167,8 +167,8 @@ def tiny():
 
 
 def test_accelerator_branches_match_the_cpu_path(tiny, monkeypatch):
-    """Separate q/k/v and gate/up projections and einsum matmuls (the TPU/GPU branch: olmo3 only
-    asks whether the target is the CPU) through the fp32 reference kernel and through splash
+    """Separate q/k/v and gate/up projections and einsum matmuls (the TPU/GPU branch: the model only
+    asks the dispatch whether the target is the CPU) through the fp32 reference kernel and through splash
     (interpret mode), against the CPU's joined 2-D matmuls and blocked kernel and against the
     fp32 reference on the CPU branch: logits and every parameter's gradient (they agreed within
     2.4e-6 relative when this test was written)."""

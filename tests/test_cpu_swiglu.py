@@ -1,5 +1,5 @@
-"""The CPU's SwiGLU kernel (``cpu_kernels.swiglu``, what ``olmax.model.olmo3.swiglu`` runs on a
-CPU in fp32): forward and gradient against float64 and against XLA's ``_swiglu``, rows whose
+"""The CPU's SwiGLU kernel (``olmax.kernels.cpu.swiglu``, what ``olmax.model.dispatch.swiglu`` runs
+on a CPU in fp32): forward and gradient against float64 and against XLA's ``layers.swiglu``, rows whose
 width is not a multiple of 8 included; each element's bits depend on its inputs alone (any row,
 any batch, every run); NaN stays in its element; the model's training step, prefill and decode
 steps all call it on the CPU in fp32, and bf16 and accelerator programs keep XLA's; a CPU mesh
