@@ -6,7 +6,7 @@ window 16 on three layers of four, so the decode cache's ring wraps); weights 3x
 initialisation, for peaked distributions like a trained model's.
 
 - fp32: the training forward as RL runs it (``grpo.policy_logps``; on one CPU device with olmax's
-  kernels it repeats the decode steps' arithmetic, ``layers.decode_arithmetic``), and XLA's own
+  kernels it repeats the decode steps' arithmetic, ``dispatch.reproduce_decode_bits``), and XLA's own
   forward for comparison.
 - bf16 (compute bf16, parameters fp32; on one CPU device with olmax's kernels the decode
   arithmetic too, in fp32 on bf16 numbers): the gap, XLA's forward's, and two floors of
@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from olmax.config import Config, ModelConfig
-from olmax.model.decode import kernel_arithmetic
+from olmax.model.dispatch import can_reproduce_decode_bits
 from olmax.model.generate import Sampling, generate
 from olmax.model.params import init_params
 from olmax.rl import grpo
@@ -68,7 +68,7 @@ def measure(d: int = 512, layers: int = 8, rows: int = 8, new: int = 40, seed: i
         def worst(a: np.ndarray) -> float:
             return float(np.abs(a[sel]).max())
 
-        exact = kernel_arithmetic(m)
+        exact = can_reproduce_decode_bits(m)
         train = logps(m, slice(None), exact)
         r: dict = {"gap": worst(gen - train), "forward": "the decode arithmetic" if exact else "XLA"}
         if exact:

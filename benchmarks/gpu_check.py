@@ -169,7 +169,7 @@ class Check:
             r = run_parity(hf_dir, dtype="bfloat16", attention_impl=self.attention,
                            seq_len=self.shape["parity_seq"], batch=2)
             # fp32 through XLA's attention ("auto" on a GPU in fp32), float32 products
-            # (``olmax.model.attention.fp32_products``)
+            # (``olmax.model.dispatch.fp32_products``)
             r32 = run_parity(hf_dir, dtype="float32", attention_impl="xla", seq_len=self.shape["parity_seq"], batch=2)
         out = {k: r[k] for k in ("reference", "attention_impl", "dtype", "batch", "seq_len", "kl_mean", "kl_max",
                                  "top1_agreement", "top10_overlap", "max_abs_logit_diff", "first_divergent",
@@ -300,7 +300,7 @@ class Check:
         """RL's rollout fidelity on this device (``bench_logprob_gap.measure``: its d512 x 8 model,
         8 rows x 40 tokens sampled at temperature 1) in fp32 and bf16, and in fp32 again under
         ``jax.default_matmul_precision("float32")``: equal, since olmax computes float32 in float32
-        (``olmax.model.attention.fp32_products``; JAX's default on a GPU is TF32, which gave 4.4e-3)."""
+        (``olmax.model.dispatch.fp32_products``; JAX's default on a GPU is TF32, which gave 4.4e-3)."""
         from bench_logprob_gap import measure
         kw = dict(d=128, layers=2, rows=4, new=8, attention="xla") if self.args.rehearse else {}
         out = {"default_precision": measure(**kw)}
@@ -413,10 +413,8 @@ def trace_as_gpu() -> None:
     and gate/up projections as einsums, decoding's layers under a scan, on TPU and GPU; joined
     2-D matmuls, unrolled decode layers on the CPU). Tell it "gpu" so the CPU rehearses the
     GPU's paths; only the kernel differs (``--attention``)."""
-    from olmax.model import attention, decode, olmo3
-    for mod in (attention, decode, olmo3):
-        assert hasattr(mod, "target_platform"), mod.__name__
-        mod.target_platform = lambda: "gpu"
+    from olmax.model import dispatch  # the one module that asks (every choice looks it up there)
+    dispatch.target_platform = lambda: "gpu"
 
 
 def memory() -> dict:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from olmax.model import olmo3
+from olmax.model import dispatch, olmo3
 from olmax.model.attention import reference_attention, splash_attention, splash_length
 from olmax.model.params import init_params
 from olmax.recipes import get_recipe
@@ -138,9 +138,9 @@ def _model(dtype="float32", **kw):
 
 def _logits_and_grads(m, params, ids, platform=None, monkeypatch=None):
     """fp32 logits and the gradient of the mean next-token CE, with the model's projections
-    forced onto ``platform``'s branch (olmo3 reads it through ``target_platform``)."""
+    forced onto ``platform``'s branch (the model looks it up in ``dispatch.target_platform``)."""
     if platform is not None:
-        monkeypatch.setattr(olmo3, "target_platform", lambda: platform)
+        monkeypatch.setattr(dispatch, "target_platform", lambda: platform)
 
     def loss(p):
         logits = olmo3.forward(p, ids, m)
@@ -169,8 +169,8 @@ def tiny():
 
 @pytest.mark.integration
 def test_accelerator_branches_match_the_cpu_path(tiny, monkeypatch):
-    """Separate q/k/v and gate/up projections and einsum matmuls (the TPU/GPU branch: olmo3 only
-    asks whether the target is the CPU) through the fp32 reference kernel and through splash
+    """Separate q/k/v and gate/up projections and einsum matmuls (the TPU/GPU branch: the model only
+    asks the dispatch whether the target is the CPU) through the fp32 reference kernel and through splash
     (interpret mode), against the CPU's joined 2-D matmuls and blocked kernel and against the
     fp32 reference on the CPU branch: logits and every parameter's gradient (they agreed within
     2.4e-6 relative when this test was written)."""
@@ -190,7 +190,7 @@ def test_accelerator_branches_trace_separate_projections(tiny, monkeypatch):
     params = init_params(m, jax.random.key(1))
 
     def dots(platform):
-        monkeypatch.setattr(olmo3, "target_platform", lambda: platform)
+        monkeypatch.setattr(dispatch, "target_platform", lambda: platform)
         jaxpr = jax.make_jaxpr(lambda p: olmo3.forward(p, ids, m))(params)
         monkeypatch.undo()
         shapes = [len(e.invars[0].aval.shape) for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
@@ -312,9 +312,8 @@ def test_float32_compute_multiplies_in_float32_on_accelerators(platform, monkeyp
     TPU asks for float32 ("highest"); bf16 compute keeps the backend's default, and the CPU's
     programs (float32 either way) are as they were: no dot asks for more."""
     from olmax.config import Config
-    from olmax.model import attention, decode, loss
-    for mod in (attention, olmo3, decode):
-        monkeypatch.setattr(mod, "target_platform", lambda: platform)
+    from olmax.model import decode, loss
+    monkeypatch.setattr(dispatch, "target_platform", lambda: platform)
     impls = ("xla", "blocked") if platform != "cpu" else ("auto",)
     highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 200, (2, 64)), jnp.int32)

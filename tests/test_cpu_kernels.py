@@ -1,4 +1,4 @@
-"""olmax's CPU decode kernel (``olmax.model.cpu_kernels``): built here, it equals the product in
+"""olmax's CPU decode kernel (``olmax.kernels.cpu``): built here, it equals the product in
 float64 to fp32 rounding at every row count and shape, gives each row the same bits whatever
 batch it is in, decodes the same greedy tokens as XLA's products, and where it cannot be built
 says why and leaves decoding to XLA."""
@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from olmax.config import ModelConfig
-from olmax.model import cpu_kernels
-from olmax.model.decode import layout, layout_of
+from olmax.kernels import cpu as cpu_kernels
+from olmax.model.decode import layout_of
+from olmax.model.dispatch import decode_layout
 from olmax.model.generate import Generator, Sampling, generate
 from olmax.model.params import init_params
 
@@ -103,7 +104,7 @@ def test_kernel_registers_itself_on_first_use() -> None:
     this, XLA answered "No FFI handler registered"."""
     code = textwrap.dedent("""
         import jax, numpy as np
-        from olmax.model import cpu_kernels
+        from olmax.kernels import cpu as cpu_kernels
         assert "why" not in cpu_kernels._STATE
         w = jax.random.normal(jax.random.key(3), (32, 48))
         x = jax.random.normal(jax.random.key(4), (3, 32))
@@ -131,7 +132,7 @@ def test_decoding_uses_the_kernel_and_keeps_the_tokens(monkeypatch) -> None:
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [9, 10, 11], [3, 4]]
     gen = Generator(params, TINY, Sampling())
     with_kernel = generate(params, TINY, prompts, max_new_tokens=20, generator=gen)
-    assert layout_of(gen.prepared) == "packed" and layout(1, TINY) == "packed"
+    assert layout_of(gen.prepared) == "packed" and decode_layout(1, TINY) == "packed"
     one = generate(params, TINY, prompts[:1], max_new_tokens=20, generator=gen)[0]
     assert one.token_ids == with_kernel[0].token_ids
     np.testing.assert_allclose(one.logprobs, with_kernel[0].logprobs, atol=2e-5)
@@ -143,7 +144,26 @@ def test_decoding_uses_the_kernel_and_keeps_the_tokens(monkeypatch) -> None:
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
     monkeypatch.setattr(cpu_kernels, "_STATE", {"why": None})
-    assert layout(8, replace(TINY, compute_dtype="bfloat16")) == "packed"
+    assert decode_layout(8, replace(TINY, compute_dtype="bfloat16")) == "packed"
+
+
+def test_the_kernels_build_without_a_warning(tmp_path) -> None:
+    """Every C++ source and header beside the builder is compiled (and hashed into the library's
+    cache key), with warnings on (-Wall -Wextra, never -w), and for both instruction sets the
+    compiler prints nothing: a new warning fails here instead of scrolling past a first run."""
+    import platform
+
+    from olmax.kernels.cpu import build
+    ours = {p.name for p in build.HERE.iterdir() if p.suffix in (".cc", ".h")}
+    assert {p.name for p in (*build.SOURCES, *build.HEADERS)} == ours and len(ours) >= 4
+    for isa in cpu_kernels.ISAS:
+        assert set(build.WARNINGS) <= set(build.flags(isa)) and "-w" not in build.flags(isa)
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if platform.machine().lower() not in ("x86_64", "amd64") or not compiler:
+        pytest.skip("no compiler for x86-64 here")
+    for isa in cpu_kernels.ISAS:  # compiling needs no AVX-512 on this CPU, only running it
+        printed = build.compile_to(tmp_path / f"{isa}.so", isa)
+        assert printed == "" and (tmp_path / f"{isa}.so").stat().st_size > 0, printed
 
 
 def test_unbuildable_kernel_names_the_reason_and_decoding_goes_on(monkeypatch, tmp_path, caplog) -> None:
@@ -153,7 +173,7 @@ def test_unbuildable_kernel_names_the_reason_and_decoding_goes_on(monkeypatch, t
     monkeypatch.setattr(cpu_kernels, "_STATE", {})
     monkeypatch.setenv("OLMAX_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "/bin/false")
-    with caplog.at_level("WARNING", logger="olmax.model.cpu_kernels"):
+    with caplog.at_level("WARNING", logger="olmax.kernels.cpu"):
         assert cpu_kernels.available() is False
         assert cpu_kernels.available() is False
     reason = cpu_kernels.unavailable_reason()
@@ -169,7 +189,7 @@ def test_unbuildable_kernel_names_the_reason_and_decoding_goes_on(monkeypatch, t
     monkeypatch.setattr(cpu_kernels, "_STATE", {})
     monkeypatch.setenv("OLMAX_CPU_KERNELS", "0")
     caplog.clear()
-    with caplog.at_level("WARNING", logger="olmax.model.cpu_kernels"):
+    with caplog.at_level("WARNING", logger="olmax.kernels.cpu"):
         assert cpu_kernels.available() is False
     assert "OLMAX_CPU_KERNELS=0" in cpu_kernels.unavailable_reason() and not caplog.records
 

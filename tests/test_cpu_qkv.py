@@ -14,7 +14,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from olmax.model import cpu_kernels
+from olmax.kernels import cpu as cpu_kernels
 from olmax.model.layers import apply_rope, rms_norm
 from olmax.recipes import get_recipe
 from trainlib import run_on_cpu_devices
@@ -130,7 +130,7 @@ def test_the_model_uses_it_for_training_and_keeps_xla_elsewhere() -> None:
     """The tiny recipe's training step calls both entry points; bf16, the decode arithmetic (RL's
     forward, which must give the decode steps' bits) and heads not a multiple of 16 wide keep the
     XLA arithmetic, the same function."""
-    from olmax.model.layers import decode_arithmetic
+    from olmax.model.dispatch import reproduce_decode_bits
     from olmax.model.olmo3 import forward
     from olmax.model.params import init_params
 
@@ -140,7 +140,7 @@ def test_the_model_uses_it_for_training_and_keeps_xla_elsewhere() -> None:
         ids = jnp.zeros((2, 64), jnp.int32)
         f = lambda p: jnp.sum(forward(p, ids, m).astype(jnp.float32))
         if arithmetic:
-            with decode_arithmetic():
+            with reproduce_decode_bits():
                 return jax.jit(f).lower(params).as_text()
         return jax.jit(jax.grad(f)).lower(params).as_text()
 
@@ -162,7 +162,7 @@ def test_a_cpu_mesh_runs_it_per_batch_shard_with_one_devices_bits() -> None:
         import json
         import jax, jax.numpy as jnp, numpy as np
         from olmax.config import MeshConfig
-        from olmax.model import cpu_kernels
+        from olmax.kernels import cpu as cpu_kernels
         from olmax.sharding import activation_mesh, make_mesh
         from test_cpu_qkv import _inputs, _loss, EPS
         out = []

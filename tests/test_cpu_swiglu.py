@@ -1,5 +1,5 @@
-"""The CPU's SwiGLU kernel (``cpu_kernels.swiglu``, what ``olmax.model.olmo3.swiglu`` runs on a
-CPU in fp32): forward and gradient against float64 and against XLA's ``_swiglu``, rows whose
+"""The CPU's SwiGLU kernel (``olmax.kernels.cpu.swiglu``, what ``olmax.model.dispatch.swiglu`` runs
+on a CPU in fp32): forward and gradient against float64 and against XLA's ``layers.swiglu``, rows whose
 width is not a multiple of 8 included; each element's bits depend on its inputs alone (any row,
 any batch, every run); NaN stays in its element; the model's training step, prefill and decode
 steps all call it on the CPU in fp32, and bf16 and accelerator programs keep XLA's; a CPU mesh
@@ -14,7 +14,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from olmax.model import attention, cpu_kernels, olmo3
+from olmax.kernels import cpu as cpu_kernels
+from olmax.model import dispatch, layers
 from olmax.recipes import get_recipe
 from trainlib import run_on_cpu_devices
 
@@ -43,7 +44,7 @@ def test_forward_and_gradient_equal_float64_and_xla(f: int) -> None:
     y, back = jax.vjp(cpu_kernels.swiglu, gu)
     dgu = back(dy)[0]
     assert y.shape == dy.shape and dgu.shape == gu.shape and y.dtype == dgu.dtype == jnp.float32
-    y_xla, back_xla = jax.vjp(olmo3._swiglu, gu)
+    y_xla, back_xla = jax.vjp(layers.swiglu, gu)
     dgu_xla = back_xla(dy)[0]
     y64, dgu64 = _float64(np.asarray(gu), np.asarray(dy))
     for got, xla, exact in ((y, y_xla, y64), (dgu, dgu_xla, dgu64)):
@@ -90,7 +91,7 @@ def test_the_model_calls_it_on_the_cpu_in_fp32_only() -> None:
         m = get_recipe("tiny", list(overrides)).model
         params = init_params(m, jax.random.key(0))
         ids = jnp.zeros((2, 64), jnp.int32)
-        with mock.patch.object(olmo3, "target_platform", lambda: platform):
+        with mock.patch.object(dispatch, "target_platform", lambda: platform):
             return jax.jit(jax.grad(lambda p: jnp.sum(forward(p, ids, m).astype(jnp.float32)))).lower(params).as_text()
 
     text = hlo()
@@ -100,8 +101,8 @@ def test_the_model_calls_it_on_the_cpu_in_fp32_only() -> None:
     gu = _inputs(2, 16, seed=3)[0]
     with mock.patch.object(cpu_kernels, "_STATE", {"why": "turned off by OLMAX_CPU_KERNELS=0"}):
         assert not cpu_kernels.swiglu_supported(gu)
-        assert np.array_equal(olmo3.swiglu(gu), olmo3._swiglu(gu))
-    assert attention.target_platform() == "cpu"
+        assert np.array_equal(dispatch.swiglu(gu), layers.swiglu(gu))
+    assert dispatch.target_platform() == "cpu"
 
 
 @needs_kernel
@@ -112,7 +113,7 @@ def test_a_cpu_mesh_runs_it_per_batch_shard_with_one_devices_bits() -> None:
         import json
         import jax, jax.numpy as jnp, numpy as np
         from olmax.config import MeshConfig
-        from olmax.model import cpu_kernels
+        from olmax.kernels import cpu as cpu_kernels
         from olmax.sharding import activation_mesh, make_mesh
         from test_cpu_swiglu import _inputs
         gu, dy = _inputs(4, 40, seed=4)

@@ -167,7 +167,7 @@ def test_sharded_decoding_equals_one_device() -> None:
         alone = generate(params, TINY, groups, max_new_tokens=12, batch_size=1)
         shared = generate(params, TINY, groups, max_new_tokens=12, mesh=mesh)
         one, sharded = one + alone, sharded + shared
-        from olmax.model import cpu_kernels
+        from olmax.kernels import cpu as cpu_kernels
         print(json.dumps({"same": [a.token_ids == b.token_ids for a, b in zip(one, sharded)],
                           "lp": max(abs(p - q) for a, b in zip(one, sharded) for p, q in zip(a.logprobs, b.logprobs)),
                           "kernel": cpu_kernels.available()}))
@@ -245,8 +245,9 @@ def test_streamed_decode_compiles_to_ynnpack_and_switches_layout(monkeypatch) ->
     upgrade stops doing so, this fails. The generator keeps one copy of the weights, in the
     layout of the batch it runs, and the tokens do not depend on it; XLA_FLAGS that set
     YNNPACK's fusion types keep the plain one."""
-    from olmax.model import cpu_kernels
-    from olmax.model.decode import layout, layout_of
+    from olmax.kernels import cpu as cpu_kernels
+    from olmax.model.decode import layout_of
+    from olmax.model.dispatch import decode_layout
     from olmax.model.olmo3 import OutIn
     monkeypatch.setattr(cpu_kernels, "_STATE", {"why": "off for this test"})
     hlo = jax.jit(lambda x, t: OutIn(t).apply(x)).lower(jnp.zeros((8, 1, 512)), jnp.zeros((1024, 512))).compile().as_text()
@@ -262,9 +263,9 @@ def test_streamed_decode_compiles_to_ynnpack_and_switches_layout(monkeypatch) ->
     gen.load(params)  # RL after an update: the new weights come in the layout in use
     assert layout_of(gen.prepared) == "streamed"
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=")
-    assert layout(8, TINY) == "plain"
+    assert decode_layout(8, TINY) == "plain"
     monkeypatch.delenv("XLA_FLAGS")
-    assert layout(8, TINY) == "streamed" and layout(1, TINY) == "plain"
+    assert decode_layout(8, TINY) == "streamed" and decode_layout(1, TINY) == "plain"
     # Inside the whole decode step too (a neighbour fused into the reduction would take it off
     # YNNPACK): every layer's four projections and the LM head.
     rows, length = 4, 64
@@ -305,14 +306,15 @@ def test_a_generator_told_its_rows_compiles_one_prepare(kernel: bool, monkeypatc
     built, else the streamed one): the batches relayout nothing, and a reload runs the prepare
     program compiled at the start (one that only the second RL step compiled used to cost
     0.5 s of that step's generation time). The tokens are those of a generator not told."""
-    from olmax.model import cpu_kernels
-    from olmax.model.decode import layout, layout_of
+    from olmax.kernels import cpu as cpu_kernels
+    from olmax.model.decode import layout_of
+    from olmax.model.dispatch import decode_layout
     if not kernel:
         monkeypatch.setattr(cpu_kernels, "_STATE", {"why": "off for this test"})
     params = init_params(TINY, jax.random.key(0))
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13], [14]]
     gen = Generator(params, TINY, Sampling(), rows=4)
-    assert layout_of(gen.prepared) == layout(4, TINY) == ("packed" if cpu_kernels.available() else "streamed")
+    assert layout_of(gen.prepared) == decode_layout(4, TINY) == ("packed" if cpu_kernels.available() else "streamed")
     got = [c.token_ids for c in generate(params, TINY, prompts, max_new_tokens=5, batch_size=4, generator=gen)]
     for _ in range(2):
         gen.load(params)

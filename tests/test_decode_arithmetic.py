@@ -1,4 +1,4 @@
-"""The decode steps' arithmetic in a training forward (``olmax.model.layers.decode_arithmetic``):
+"""The decode steps' arithmetic in a training forward (``olmax.model.dispatch.reproduce_decode_bits``):
 RL's log-probs of the sampled tokens equal the log-probs the sampler reported, bit for bit, on
 the CPU kernels; each piece (attention over whole sequences, RMSNorm, the product at many rows)
 is checked against XLA and float64, and the gradients through it are XLA's."""
@@ -18,10 +18,12 @@ import jax
 import jax.numpy as jnp
 
 from olmax.config import Config, ModelConfig
-from olmax.model import cpu_kernels, decode, olmo3
+from olmax.kernels import cpu as cpu_kernels
+from olmax.model import olmo3
 from olmax.model.attention import reference_attention
 from olmax.model.generate import Sampling, generate
-from olmax.model.layers import decode_arithmetic, position_mask, rms_norm
+from olmax.model.dispatch import can_reproduce_decode_bits, reproduce_decode_bits, rms_norm
+from olmax.model.layers import position_mask
 from olmax.model.loss import token_logps
 from olmax.model.params import init_params
 from olmax.rl import grpo
@@ -90,7 +92,7 @@ def test_rl_log_probs_are_the_samplers_bit_for_bit(dtype: str, xla_bound: float)
     what the vLLM-free design still had to remove."""
     from dataclasses import replace
     model = replace(TINY, compute_dtype=dtype)
-    assert decode.kernel_arithmetic(model)
+    assert can_reproduce_decode_bits(model)
     gaps = sampled_gaps(model)
     assert gaps[True] == 0.0 and 0 < gaps[False] <= xla_bound, gaps
 
@@ -106,14 +108,14 @@ def test_rl_log_probs_are_the_samplers_on_a_mesh() -> None:
         import json
         from dataclasses import replace
         from olmax.config import MeshConfig
-        from olmax.model import decode
+        from olmax.model.dispatch import can_reproduce_decode_bits
         from olmax.sharding import make_mesh
         from test_decode_arithmetic import TINY, sampled_gaps
         out = []
         for dtype, shape in (("float32", dict(fsdp=4)), ("float32", dict(fsdp=2, tensor=2)), ("bfloat16", dict(fsdp=4))):
             mesh = make_mesh(MeshConfig(**shape))
             model = replace(TINY, compute_dtype=dtype)
-            out.append([decode.kernel_arithmetic(model, mesh), sampled_gaps(model, mesh)[True]])
+            out.append([can_reproduce_decode_bits(model, mesh), sampled_gaps(model, mesh)[True]])
         print(json.dumps(out))
     """)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
@@ -155,7 +157,7 @@ def test_sequence_attention_is_each_decode_steps(t: int, h: int, kv: int, e: int
 @needs_kernel
 def test_the_kernels_rms_norm() -> None:
     """Within fp32 rounding of XLA's RMSNorm and float64; a row alone gives the bits it gives in
-    a batch of 300; ``layers.rms_norm`` under the decode arithmetic is the kernel, and its gradient
+    a batch of 300; ``dispatch.rms_norm`` under the decode arithmetic is the kernel, and its gradient
     is XLA's RMSNorm's."""
     x = jax.random.normal(jax.random.key(0), (300, 96), jnp.float32) * 3
     w = jax.random.normal(jax.random.key(1), (96,), jnp.float32)
@@ -170,7 +172,7 @@ def test_the_kernels_rms_norm() -> None:
     dy = jax.random.normal(jax.random.key(2), x.shape, jnp.float32)
 
     def kernel_norm(x, w):
-        with decode_arithmetic():
+        with reproduce_decode_bits():
             return rms_norm(x, w, 1e-6)
 
     assert np.array_equal(np.asarray(jax.jit(kernel_norm)(x, w)), got)
@@ -224,12 +226,12 @@ def test_segments_are_refused_under_the_decode_arithmetic() -> None:
     """Packed documents are not what the decode steps compute: named, not silently attended across."""
     params = init_params(TINY, jax.random.key(0))
     toks = jnp.zeros((1, 8), jnp.int32)
-    with pytest.raises(ValueError, match="segment ids"), decode_arithmetic():
+    with pytest.raises(ValueError, match="segment ids"), reproduce_decode_bits():
         olmo3.forward(params, toks, TINY, segment_ids=jnp.ones((1, 8), jnp.int32))
 
 
 def test_token_logps_outside_the_block_are_unchanged() -> None:
-    """``decode_arithmetic(False)`` (RL off the kernels: TPUs, GPUs, no kernel built) is the plain
+    """``reproduce_decode_bits(False)`` (RL off the kernels: TPUs, GPUs, no kernel built) is the plain
     forward, to the bit."""
     cfg = Config(model=TINY)
     params = init_params(TINY, jax.random.key(0))
@@ -248,9 +250,9 @@ def test_only_the_kernels_devices_turn_it_on() -> None:
     from types import SimpleNamespace
 
     tpu = SimpleNamespace(devices=np.array([SimpleNamespace(platform="tpu")]), size=1)
-    assert decode.kernel_arithmetic(TINY, tpu) is False
-    assert decode.kernel_arithmetic(replace(TINY, compute_dtype="bfloat16")) is cpu_kernels.available()
+    assert can_reproduce_decode_bits(TINY, tpu) is False
+    assert can_reproduce_decode_bits(replace(TINY, compute_dtype="bfloat16")) is cpu_kernels.available()
     two = SimpleNamespace(devices=np.array([SimpleNamespace(platform="cpu")] * 2), size=2)
-    assert decode.kernel_arithmetic(TINY, two) is cpu_kernels.available()
+    assert can_reproduce_decode_bits(TINY, two) is cpu_kernels.available()
     one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
-    assert decode.kernel_arithmetic(TINY, one) is decode.kernel_arithmetic(TINY) is cpu_kernels.available()
+    assert can_reproduce_decode_bits(TINY, one) is can_reproduce_decode_bits(TINY) is cpu_kernels.available()

@@ -13,8 +13,9 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from olmax.model import cpu_kernels
-from olmax.model.attention import attend, blocked_attention, reference_attention, resolve_impl
+from olmax.kernels import cpu as cpu_kernels
+from olmax.model.attention import blocked_attention, reference_attention
+from olmax.model.dispatch import attend, resolve_attention
 from olmax.recipes import get_recipe
 from trainlib import run_on_cpu_devices
 
@@ -117,8 +118,8 @@ def test_auto_picks_the_kernel_on_a_cpu_in_fp32_and_falls_back_where_it_cannot_r
     """"auto" on a CPU: ``cpu`` in fp32 (where the kernel is built), ``blocked`` in bf16; ``cpu``
     with heads it cannot take (not a multiple of 16 wide) computes with ``blocked`` instead, the
     same function."""
-    assert resolve_impl("auto", jnp.float32, "cpu") == "cpu"
-    assert resolve_impl("auto", jnp.bfloat16, "cpu") == "blocked"
+    assert resolve_attention("auto", jnp.float32, "cpu") == "cpu"
+    assert resolve_attention("auto", jnp.bfloat16, "cpu") == "blocked"
     cfg = get_recipe("tiny", ["model.attention_impl=cpu"]).model
     q, k, v, _ = _inputs(1, 70, 2, 1, 20, seed=3)
     assert not cpu_kernels.flash_supported(q, k)
@@ -133,7 +134,7 @@ def test_auto_picks_the_kernel_on_a_cpu_in_fp32_and_falls_back_where_it_cannot_r
 def test_unavailable_kernel_leaves_auto_on_blocked(monkeypatch) -> None:
     """Where the kernel cannot be built (or ``OLMAX_CPU_KERNELS=0``), "auto" is the XLA kernel."""
     monkeypatch.setattr(cpu_kernels, "_STATE", {"why": "turned off by OLMAX_CPU_KERNELS=0"})
-    assert resolve_impl("auto", jnp.float32, "cpu") == "blocked"
+    assert resolve_attention("auto", jnp.float32, "cpu") == "blocked"
 
 
 @needs_kernel
@@ -145,7 +146,7 @@ def test_a_cpu_mesh_runs_the_kernel_per_batch_shard_with_one_devices_bits() -> N
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import NamedSharding, PartitionSpec as P
         from olmax.config import MeshConfig
-        from olmax.model import cpu_kernels
+        from olmax.kernels import cpu as cpu_kernels
         from olmax.sharding import activation_mesh, make_mesh
         from test_flash_attention import _inputs, _loss
         q, k, v, seg = _inputs(4, 160, 4, 2, 32, seed=4, segments=True)

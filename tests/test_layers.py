@@ -16,7 +16,9 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Lowest first. A module belongs to the longest prefix listed; every ``*.commands`` module is CLI.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("olmax", "olmax.config", "olmax.io", "olmax.recipes")),
-    ("model/data", ("olmax.model", "olmax.sharding", "olmax.optim", "olmax.data", "olmax.metrics", "olmax.chat")),
+    # kernels: the platform kernels, which only olmax.model.dispatch calls (they import sharding).
+    ("model/data", ("olmax.model", "olmax.kernels", "olmax.sharding", "olmax.optim", "olmax.data", "olmax.metrics",
+                    "olmax.chat")),
     ("compat/checkpoint", ("olmax.compat", "olmax.checkpoint")),
     ("train/eval", ("olmax.train", "olmax.objectives", "olmax.eval", "olmax.rl")),
     ("verify/tools", ("olmax.verify", "olmax.infer", "olmax.compile", "olmax.launch", "olmax.demos")),

@@ -15,7 +15,7 @@ import portpicker
 
 from trainlib import rl_overrides, small_overrides, write_rl_data
 from olmax.data.loader import DataLoader
-from olmax.model.decode import kernel_arithmetic
+from olmax.model.dispatch import can_reproduce_decode_bits
 from olmax.recipes import get_recipe
 from olmax.verify.resume import read_metrics
 import pytest
@@ -96,7 +96,7 @@ def test_two_processes_run_rl_resume_and_match_one_process(tmp_path):
     _launch(tmp_path / "one", ov, 1, 4, recipe="tiny_rl")
     mp, one = _rows(tmp_path / "mp"), _rows(tmp_path / "one")
     assert sorted(mp) == sorted(one) == [1, 2, 3]
-    exact = kernel_arithmetic(get_recipe("tiny_rl", ov).model)
+    exact = can_reproduce_decode_bits(get_recipe("tiny_rl", ov).model)
     for s in one:
         for k in ("rl/reward_mean", "rl/reward_std", "rl/response_length_mean", "rl/tokens_generated",
                   "rl/truncation_rate", "rl/groups_trained", "rl/trained_tokens"):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from olmax.config import ConfigError
-from olmax.model.decode import kernel_arithmetic
+from olmax.model.dispatch import can_reproduce_decode_bits
 from olmax.recipes import get_recipe
 from olmax.rl.rollout import PromptDataError, RlData, completion_text
 from olmax.train.loop import train
@@ -43,7 +43,7 @@ def test_rl_run_reports_its_metrics_and_samples_from_its_own_weights(straight: P
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     # On one CPU device the rollouts decode with olmax's kernels and the training forward repeats
     # their arithmetic: the gap is zero. Elsewhere it is fp32 rounding (vLLM-based trainers see 1e-2).
-    exact = kernel_arithmetic(get_recipe("tiny_rl", ["model.compute_dtype=float32"]).model)
+    exact = can_reproduce_decode_bits(get_recipe("tiny_rl", ["model.compute_dtype=float32"]).model)
     for r in got:
         assert (r["rl/max_logprob_gap"] == 0.0) if exact else (0 <= r["rl/max_logprob_gap"] <= 1e-5), r["rl/max_logprob_gap"]
         assert r["rl/updates"] == 4.0                       # 2 mini-batches x 2 epochs

@@ -20,9 +20,10 @@ import pytest
 from olmax.compile import parse_topology
 from olmax.config import ConfigError
 from olmax.eval.heldout import make_eval_step
-from olmax.model import cpu_kernels, olmo3
-from olmax.model.attention import (_head_major, blocked_attention, reference_attention, resolve_impl,
-                                   splash_attention)
+from olmax.kernels import cpu as cpu_kernels
+from olmax.model import layers, olmo3
+from olmax.model.attention import _head_major, blocked_attention, reference_attention, splash_attention
+from olmax.model.dispatch import resolve_attention
 from olmax.model.loss import head_loss, loss_denominator, loss_sums
 from olmax.model.olmo3 import REMAT_NAMES, layer_groups
 from olmax.model.params import init_params
@@ -96,8 +97,8 @@ def test_head_major_copy_is_exact(corner):
 def test_swiglu_backward_equals_autodiff():
     gu = jax.random.normal(jax.random.key(4), (2, 16, 2 * 24)) * 3
     plain = lambda gu: jnp.sum(jnp.cos(jax.nn.silu(gu[..., :24]) * gu[..., 24:]))
-    assert float(jnp.abs(olmo3._swiglu(gu) - jax.nn.silu(gu[..., :24]) * gu[..., 24:]).max()) == 0.0
-    got = jax.grad(lambda gu: jnp.sum(jnp.cos(olmo3._swiglu(gu))))(gu)
+    assert float(jnp.abs(layers.swiglu(gu) - jax.nn.silu(gu[..., :24]) * gu[..., 24:]).max()) == 0.0
+    got = jax.grad(lambda gu: jnp.sum(jnp.cos(layers.swiglu(gu))))(gu)
     want = jax.grad(plain)(gu)
     assert float(jnp.abs(got - want).max()) <= 1e-5 * float(jnp.abs(want).max())
 
@@ -115,12 +116,12 @@ def test_splash_window_is_w_keys_including_self():
 
 
 def test_auto_attention_per_platform():
-    assert resolve_impl("auto", jnp.bfloat16, "tpu") == "splash"
-    assert resolve_impl("auto", jnp.bfloat16, "gpu") == "cudnn"
-    assert resolve_impl("auto", jnp.float32, "gpu") == "xla"
-    assert resolve_impl("auto", jnp.float32, "cpu") == ("cpu" if cpu_kernels.available() else "blocked")
-    assert resolve_impl("auto", jnp.bfloat16, "cpu") == "blocked"
-    assert resolve_impl("splash", jnp.float32, "cpu") == "splash"
+    assert resolve_attention("auto", jnp.bfloat16, "tpu") == "splash"
+    assert resolve_attention("auto", jnp.bfloat16, "gpu") == "cudnn"
+    assert resolve_attention("auto", jnp.float32, "gpu") == "xla"
+    assert resolve_attention("auto", jnp.float32, "cpu") == ("cpu" if cpu_kernels.available() else "blocked")
+    assert resolve_attention("auto", jnp.bfloat16, "cpu") == "blocked"
+    assert resolve_attention("splash", jnp.float32, "cpu") == "splash"
 
 
 def test_splash_block_must_tile_sequence():

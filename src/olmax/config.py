@@ -65,7 +65,7 @@ class ModelConfig:
     init_std: float = 0.02
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    # Attention kernel (olmax.model.attention picks per platform for "auto"): splash (Pallas
+    # Attention kernel (olmax.model.dispatch picks per platform for "auto"): splash (Pallas
     # flash attention on TPU, skips blocks outside the sliding window), cudnn (flash attention
     # on GPU), xla (jax.nn.dot_product_attention's XLA path), cpu (olmax's C++ kernel, forward
     # and backward: CPU, fp32, heads a multiple of 16 wide; elsewhere blocked), blocked (the

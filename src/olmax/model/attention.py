@@ -1,4 +1,4 @@
-"""Attention kernels and the one place that picks one per platform.
+"""The attention implementations in XLA (and Pallas), which ``olmax.model.dispatch`` picks from.
 
 Every kernel computes the same function: softmax(q k^T / sqrt(e)) v with query i seeing keys
 ``i - W < k <= i`` (sliding layers, W = window) or ``k <= i`` (full layers), GQA by sharing each
@@ -15,10 +15,11 @@ mask rule is ``layers.position_mask`` in both cases.
   (its window, or the causal prefix): fewer FLOPs and a much smaller score matrix. The CPU's
   kernel; it agrees with ``reference`` to fp32 rounding (keys outside a row's window add an
   exact zero in ``reference``), with a hand-written backward pass (see ``blocked_attention``).
-- ``cpu``: the same blocks in olmax's C++ kernel (``cpu_kernels.flash_attention``), forward and
-  backward: each block's scores, softmax and products in one piece of work in cache, the
-  exponentials vectorised, q, k and v read in place. What "auto" picks on a CPU in fp32 where
-  the kernel is built; elsewhere (bf16, heads not a multiple of 16 wide, no kernel) ``blocked``.
+- ``cpu``: the same blocks in olmax's C++ kernel (``olmax.kernels.cpu.flash_attention``, through
+  the dispatch), forward and backward: each block's scores, softmax and products in one piece of
+  work in cache, the exponentials vectorised, q, k and v read in place. What "auto" picks on a CPU
+  in fp32 where the kernel is built; elsewhere (bf16, heads not a multiple of 16 wide, no kernel)
+  ``blocked``.
 - ``splash``: TPU Pallas flash attention (``jax.experimental.pallas.ops.tpu.splash_attention``);
   the mask is lazy (causal, or local with ``window_size=(W-1, 0)``), so blocks outside the window
   are never computed. Runs per device under ``shard_map`` (batch over the data-parallel axes,
@@ -31,73 +32,13 @@ mask rule is ``layers.position_mask`` in both cases.
 from __future__ import annotations
 
 import contextlib
-from functools import wraps
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from olmax.config import ConfigError, ModelConfig
-from olmax.model.cpu_kernels import available as cpu_kernels_available
-from olmax.model.cpu_kernels import flash_attention, flash_supported, sequence_attention
-from olmax.model.layers import attention_mask, kernel_input, kernel_output, position_mask, segment_mask
+from olmax.model.layers import attention_mask, position_mask, segment_mask
 from olmax.sharding import activation_spec, current_mesh, single_device
-
-
-def target_platform() -> str:
-    """The platform the code is being compiled for: the activation mesh's devices (abstract TPU
-    devices during an ahead-of-time compile on a CPU host), else JAX's default backend."""
-    mesh = current_mesh()
-    if mesh is not None:
-        return mesh.devices.flat[0].platform
-    return jax.default_backend()
-
-
-def fp32_products(dtype: Any) -> contextlib.AbstractContextManager:
-    """A context in which the dots traced for a model computing in ``dtype`` are exact when that
-    is float32. JAX's default precision lets an accelerator compute a float32 dot coarser and
-    faster: NVIDIA GPUs since Ampere with TF32 (10-bit mantissa), TPUs in one bf16 pass. PyTorch
-    (transformers, OLMo-core) multiplies float32 in float32 unless told otherwise, and so does
-    olmax: measured on an H200 (2026-12-04, jax 0.11.2), RL's fp32 log-prob gap
-    (``benchmarks/bench_logprob_gap.py``) was 4.4e-3 under the default and 8.6e-6 with float32
-    products. bf16 compute is left as it is (its float32 dots keep the backend's default, as
-    training's speed and the TPU compiles assume), and so is the CPU, whose float32 dots are
-    float32 either way: its programs stay as they were. Gradients inherit the precision of the
-    dots they transpose; a ``custom_vjp`` backward is traced apart and enters this itself (the
-    blocked kernel's). Not covered: splash's Pallas backward kernels (TPU, fp32 compute only),
-    which keep Mosaic's default."""
-    if jnp.dtype(dtype) != jnp.float32 or target_platform() == "cpu":
-        return contextlib.nullcontext()
-    return jax.default_matmul_precision("float32")
-
-
-def exact_fp32(fn: Any) -> Any:
-    """``fn`` (which takes a ``ModelConfig`` among its arguments) traced inside
-    ``fp32_products(cfg.compute_dtype)``."""
-    @wraps(fn)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        cfg = next((a for a in (*args, *kwargs.values()) if isinstance(a, ModelConfig)), None)
-        if cfg is None:
-            raise TypeError(f"{fn.__name__} was called without a ModelConfig")
-        with fp32_products(cfg.compute_dtype):
-            return fn(*args, **kwargs)
-    return wrapped
-
-
-def resolve_impl(requested: str, dtype: jnp.dtype | None = None, platform: str | None = None) -> str:
-    """``model.attention_impl`` -> a kernel. "auto": splash on TPU; on GPU cuDNN when the compute
-    dtype is bf16/fp16 (cuDNN has no fp32 kernel), XLA's fused path otherwise; on CPU olmax's
-    kernel in fp32 where it is built, else the XLA ``blocked`` kernel."""
-    platform = platform or target_platform()
-    if requested != "auto":
-        return requested
-    if platform == "tpu":
-        return "splash"
-    if platform == "gpu":
-        return "cudnn" if dtype is None or jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
-    if dtype is not None and jnp.dtype(dtype) == jnp.float32 and cpu_kernels_available():
-        return "cpu"
-    return "blocked"
 
 
 def _masked_softmax_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
@@ -213,8 +154,10 @@ def _blocked_forward(qh: jax.Array, kh: jax.Array, vh: jax.Array, seg: jax.Array
     return out, (qh, kh, vh, seg, out, lses)
 
 
-def _blocked_backward(window: int | None, block: int, res: tuple, dout: jax.Array) -> tuple[jax.Array, ...]:
-    with fp32_products(res[0].dtype):  # a custom_vjp backward is traced apart from its forward
+def _blocked_backward(window: int | None, block: int, precision: str | None, res: tuple,
+                      dout: jax.Array) -> tuple[jax.Array, ...]:
+    # A custom_vjp backward is traced apart from its forward: under the forward's dot precision.
+    with contextlib.nullcontext() if precision is None else jax.default_matmul_precision(precision):
         return _blocked_grads(window, block, res, dout)
 
 
@@ -246,24 +189,30 @@ def _blocked_grads(window: int | None, block: int, res: tuple, dout: jax.Array) 
             None)  # integer segment ids: no cotangent
 
 
-_blocked_vjp = jax.custom_vjp(lambda qh, kh, vh, seg, window, block: _blocked_forward(qh, kh, vh, seg, window, block)[0],
-                              nondiff_argnums=(4, 5))
-_blocked_vjp.defvjp(_blocked_forward, _blocked_backward)
+def _blocked_fwd(qh, kh, vh, seg, window, block, precision):  # the precision matters to the backward only
+    return _blocked_forward(qh, kh, vh, seg, window, block)
+
+
+_blocked_vjp = jax.custom_vjp(lambda *args: _blocked_fwd(*args)[0], nondiff_argnums=(4, 5, 6))
+_blocked_vjp.defvjp(_blocked_fwd, _blocked_backward)
 
 
 def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None,
-                      block: int | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
+                      block: int | None = None, segment_ids: jax.Array | None = None,
+                      precision: str | None = None) -> jax.Array:
     """``reference_attention`` one block of queries at a time, each over the keys it can see
     (``_query_blocks``), on head-major copies of q, k and v (``_head_major``), with a
     hand-written backward pass: autodiff would turn each block's slice of k and v into a
     full-length padded gradient, summed over blocks (work that grows with the square of the block
     count: a tenth of the ~100M step at 1,024 tokens), and keep every block's probabilities; this
     one recomputes them from the saved log-sum-exp and writes dk and dv once. (It is also the
-    faster one at four blocks, the tiny benchmark's 256 tokens.)"""
+    faster one at four blocks, the tiny benchmark's 256 tokens.) ``precision``: the
+    ``jax.default_matmul_precision`` to trace the backward under, as the forward was
+    (``olmax.model.dispatch.fp32_precision``; None: the backend's default)."""
     b, t, h, e = q.shape
     qh = _head_major(q, h // k.shape[2])
     kh, vh = _head_major(k, 1), _head_major(v, 1)
-    out = _blocked_vjp(qh, kh, vh, segment_ids, window, block or cpu_block_size(t))
+    out = _blocked_vjp(qh, kh, vh, segment_ids, window, block or cpu_block_size(t), precision)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, e)
 
 
@@ -323,12 +272,12 @@ def _splash_kernel(heads: int, t: int, window: int | None, block_q: int, block_k
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, cfg: ModelConfig,
-                     interpret: bool | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
+                     interpret: bool = True, segment_ids: jax.Array | None = None) -> jax.Array:
     """TPU splash attention (fp32 accumulation and softmax inside the kernel); segment ids go in
-    as the kernel's own ``SegmentIds`` (blocks are still skipped by the causal/local mask)."""
+    as the kernel's own ``SegmentIds`` (blocks are still skipped by the causal/local mask).
+    ``interpret``: in Pallas interpret mode, which runs off a TPU (numerical tests on the CPU);
+    the dispatch turns it off where the target is a TPU."""
     b, t0, h, e = q.shape
-    if interpret is None:
-        interpret = target_platform() != "tpu"
     t = splash_length(t0, cfg.attention_block_q, cfg.attention_block_kv)
     if t != t0:  # padded at the end (``splash_length``); padding is segment 0, its rows are dropped
         pad = lambda x: jnp.pad(x, [(0, 0), (0, t - t0)] + [(0, 0)] * (x.ndim - 2))
@@ -357,38 +306,3 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | Non
                               check_vma=False)
     out = local(qh, kh, vh, *seg)
     return out.transpose(0, 2, 1, 3)[:, :t0].astype(q.dtype)
-
-
-def kernel_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, cfg: ModelConfig) -> jax.Array:
-    """Causal self-attention with the CPU decode step's arithmetic (``cpu_kernels.
-    sequence_attention``, fp32): the prefill and, in RL, the training forward whose log-probs must
-    be the sampler's bit for bit. The gradient is ``attend``'s (the same function; only the
-    rounding of the forward differs). No segments: every row is one sequence from position 0
-    (padding at its end is never seen by a query before it)."""
-    @jax.custom_vjp
-    def f(q, k, v):  # bf16 enters the fp32 kernel exactly; the output is rounded back to q's dtype
-        return kernel_output(sequence_attention(kernel_input(q), kernel_input(k), kernel_input(v), window), q.dtype)
-
-    def fwd(q, k, v):
-        return f(q, k, v), (q, k, v)
-
-    def bwd(res, do):
-        return jax.vjp(lambda q, k, v: attend(q, k, v, window, cfg), *res)[1](do)
-
-    f.defvjp(fwd, bwd)
-    return f(q, k, v)
-
-
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, cfg: ModelConfig,
-           segment_ids: jax.Array | None = None) -> jax.Array:
-    """Self-attention of a sequence through the configured kernel (module docstring)."""
-    impl = resolve_impl(cfg.attention_impl, q.dtype)
-    if impl == "reference":
-        return reference_attention(q, k, v, window, segment_ids)
-    if impl == "cpu" and target_platform() == "cpu" and flash_supported(q, k):
-        return flash_attention(q, k, v, window, segment_ids)
-    if impl in ("blocked", "cpu"):
-        return blocked_attention(q, k, v, window, segment_ids=segment_ids)
-    if impl == "splash":
-        return splash_attention(q, k, v, window, cfg, segment_ids=segment_ids)
-    return fused_attention(q, k, v, window, impl, segment_ids)

@@ -7,7 +7,7 @@ The cache is data, a pytree that ``prefill`` returns and ``decode_step`` takes a
      "pos": {"full": [b, S_full], "sliding": [b, S_sliding]},                # position in each slot, -1 empty
      "length": [b]}                                                           # next position per row
 
-On the CPU every layer is in "rest" (``prepare`` unrolls them there; see its comment).
+On the CPU every layer is in "rest" (``prepare`` unrolls them there: ``dispatch.unrolled_decode_layers``).
 
 A full-attention layer keeps ``S_full = max_length`` slots (slot = position). A sliding layer
 keeps a ring of ``min(window, max_length)`` slots (slot = position mod S): the window's keys and
@@ -17,21 +17,21 @@ Prompts are right-padded to one length with ``lengths`` per row; padding never e
 that a query can see. The cache is in the compute dtype (fp32 where the CPU kernel reads it,
 ``cache_dtype``) and sharded like the activations
 (batch over the data axes, kv heads over ``tensor``). On the CPU the stacks are head-major,
-[.., b, kv_heads, S, e] (``head_major``).
+[.., b, kv_heads, S, e] (``dispatch.head_major_cache``).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from olmax.config import ModelConfig
-from olmax.model.attention import attend, cache_attention, kernel_attention, opaque_one, target_platform
-from olmax.model.layers import decode_arithmetic, kernel_input, kernel_output, position_mask, rms_norm
-from olmax.model import cpu_kernels
+from olmax.model import dispatch
+from olmax.model.attention import cache_attention, opaque_one
+from olmax.model.dispatch import LAYOUTS, attend, attention_as_decoded, head_major_cache, reproduce_decode_bits
+from olmax.model.layers import kernel_input, position_mask
 from olmax.model.olmo3 import OutIn, Packed, embed, join_projections, lm_head, rope_tables, run_layers, stack_layers
 from olmax.sharding import constrain, single_device
 
@@ -39,16 +39,8 @@ STACK_AXES = ("cache_stack", "batch", "length", "act_kv_heads", "head_dim")
 HEAD_MAJOR_AXES = ("cache_stack", "batch", "act_kv_heads", "length", "head_dim")
 
 
-def head_major() -> bool:
-    """Whether the cache is [.., b, kv_heads, S, e] (the CPU) rather than [.., b, S, kv_heads,
-    e]. The decode step's attention contracts each head's keys; from slot-major keys XLA CPU
-    first copied every layer's whole cache into head-major order, on every token (16 transposing
-    copies, a quarter to a third of a batch-8 decode step of the benchmark's model)."""
-    return target_platform() == "cpu"
-
-
 def _axes() -> tuple[str, ...]:
-    return HEAD_MAJOR_AXES if head_major() else STACK_AXES
+    return HEAD_MAJOR_AXES if head_major_cache() else STACK_AXES
 
 
 def _kind(cfg: ModelConfig, full: bool) -> str:
@@ -74,42 +66,6 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_length: int, dtype: Any = None
     return kv + 4 * batch * (sum(s.values()) + 1)
 
 
-LAYOUTS = ("plain", "streamed", "packed")
-# The compute dtypes the CPU kernel decodes: it computes in fp32, so bf16 weights and activations
-# enter it exactly (bf16 -> fp32) and its outputs are rounded to bf16 where XLA's would be.
-KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-
-
-def layout(rows: int, cfg: ModelConfig) -> str:
-    """The layout of the ``prepare``d weights a batch of ``rows`` decodes fastest with:
-
-    - ``packed`` (CPU, fp32 or bf16): olmax's CPU kernel (``olmax.model.cpu_kernels``,
-      ``olmax.model.olmo3.Packed``) at every row count, where it could be built; on a mesh of
-      several devices each runs it on its rows (``cpu_kernels`` splits the batch);
-    - ``streamed`` (CPU, 2 rows and up): ``[out, in]`` (``olmax.model.olmo3.OutIn``), whose speed is
-      YNNPACK's: XLA CPU hands the multiply-and-reduce to it under jax's default fusion settings
-      (``tests/test_decode.py`` checks that it does); where ``XLA_FLAGS`` sets the YNNPACK fusion
-      types, XLA's own reduction loop ran it 13x to 72x slower, so the plain layout is kept;
-    - ``plain`` ([in, out]) otherwise."""
-    if target_platform() != "cpu":
-        return "plain"
-    if jnp.dtype(cfg.compute_dtype) in KERNEL_DTYPES and cpu_kernels.available():
-        return "packed"
-    if rows >= 2 and "ynn_fusion_type" not in os.environ.get("XLA_FLAGS", ""):
-        return "streamed"
-    return "plain"
-
-
-def kernel_arithmetic(cfg: ModelConfig, mesh: Any = None) -> bool:
-    """Whether decoding on ``mesh`` (None: one device) uses olmax's CPU kernels (the ``packed``
-    layout, at any batch and device count): then a training forward under ``layers.
-    decode_arithmetic`` gives the decode steps' bits (RL). The mesh's own devices decide (an
-    ahead-of-time compile for a TPU runs on a CPU host)."""
-    if mesh is not None and mesh.devices.flat[0].platform != "cpu":
-        return False
-    return layout(1, cfg) == "packed"
-
-
 def layout_of(prepared: dict) -> str:
     head = prepared["lm_head"]
     return "packed" if isinstance(head, Packed) else "streamed" if isinstance(head, OutIn) else "plain"
@@ -119,14 +75,10 @@ def prepare(params: Any, cfg: ModelConfig, layout: str = "plain") -> dict[str, A
     """The parameters as the decode loop reads them: layers stacked for the scan and cast to the
     compute dtype once, and on the CPU q/k/v and gate/up joined (``join_projections``): the
     training forward does both inside every step, which in a decode step would copy every weight
-    once per token. ``layout`` (``layout()``; other than ``plain``, CPU only): every projection
-    and the LM head as the layout's weight class."""
-    cpu = target_platform() == "cpu"
-    # On the CPU the layers run unrolled: inside a scan XLA CPU copies each layer's weights out of
-    # the stack on every step (a 3.7x slower decode step at d 512 x 8 layers); TPUs and GPUs read
-    # the slice in place, and keep the scan's small program.
-    layers = stack_layers(params, cfg, unrolled=cpu)
-    if cpu:
+    once per token. ``layout`` (``dispatch.decode_layout``; other than ``plain``, CPU only): every
+    projection and the LM head as the layout's weight class."""
+    layers = stack_layers(params, cfg, unrolled=dispatch.unrolled_decode_layers())
+    if dispatch.joined_projections():
         layers = {part: [join_projections(layer) for layer in ls] for part, ls in layers.items()}
     # The LM head in the compute dtype once, as every step would cast it (the same numbers): a
     # bf16 step reads half its bytes (on an H200, 1.6 of the 4.9 GB a step of the 7B-width
@@ -137,26 +89,26 @@ def prepare(params: Any, cfg: ModelConfig, layout: str = "plain") -> dict[str, A
 
 
 def relayout(prepared: dict, cfg: ModelConfig, layout: str) -> dict:
-    """CPU ``prepare``d weights in another layout (``layout()``): every 2-D projection of the
-    (joined, unrolled) layers and the LM head as ``OutIn`` (``streamed``), ``Packed``
-    (``packed``) or ``[in, out]`` (``plain``). Exact either way (the same numbers moved); the LM
+    """CPU ``prepare``d weights in another layout (``dispatch.decode_layout``): every 2-D
+    projection of the (joined, unrolled) layers and the LM head as ``OutIn`` (``streamed``),
+    ``Packed`` (``packed``) or ``[in, out]`` (``plain``). Exact either way (the same numbers moved); the LM
     head goes to the compute dtype, as every step casts it."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown decode weight layout {layout!r} (known: {', '.join(LAYOUTS)})")
-    if layout != "plain" and target_platform() != "cpu":
+    if layout not in dispatch.decode_layouts():
         raise ValueError(f"the {layout} decode weights are a CPU layout")
 
     def one(w: Any) -> Any:
         if isinstance(w, OutIn):
             w = w.t.T
         elif isinstance(w, Packed):  # fp32 panels of compute-dtype values
-            w = cpu_kernels.unpack(w.p, w.out).astype(jnp.dtype(cfg.compute_dtype))
+            w = dispatch.unpack(w.p, w.out).astype(jnp.dtype(cfg.compute_dtype))
         elif w.ndim != 2:
             return w
         if layout == "streamed":
             return OutIn(w.T)
         if layout == "packed":
-            return Packed(cpu_kernels.pack(w.astype(jnp.float32)), w.shape[1])
+            return Packed(dispatch.pack(w.astype(jnp.float32)), w.shape[1])
         return w
 
     layers = {part: [{**layer, **{block: {n: one(w) for n, w in layer[block].items()} for block in ("attn", "mlp")}}
@@ -207,7 +159,7 @@ def empty_cache(cfg: ModelConfig, prepared: dict, batch: int, max_length: int) -
 
     def stack(count: int, layer: int) -> dict:
         s = n[_kind(cfg, cfg.layer_window(layer) is None)]
-        shape = (count, batch, cfg.n_kv_heads, s, cfg.head_dim) if head_major() else \
+        shape = (count, batch, cfg.n_kv_heads, s, cfg.head_dim) if head_major_cache() else \
             (count, batch, s, cfg.n_kv_heads, cfg.head_dim)
         return {name: constrain(jnp.zeros(shape, dt), _axes()) for name in ("k", "v")}
 
@@ -226,9 +178,9 @@ def prefill(prepared: dict, tokens: jax.Array, lengths: jax.Array, cfg: ModelCon
     segment_ids = (jnp.arange(t)[None, :] < lengths[:, None]).astype(jnp.int32)  # padding: segment 0
 
     # With the kernel (the packed layout) the prompt is computed with the decode steps' arithmetic
-    # (``layers.decode_arithmetic``), as RL's training forward is: each prompt query's attention as
-    # a decode step would compute it. Padding sits after each row's prompt, where no query before
-    # it looks.
+    # (``dispatch.reproduce_decode_bits``), as RL's training forward is: each prompt query's
+    # attention as a decode step would compute it. Padding sits after each row's prompt, where no
+    # query before it looks.
     kernel = layout_of(prepared) == "packed"
 
     def op(full: bool, window: int | None):
@@ -236,20 +188,20 @@ def prefill(prepared: dict, tokens: jax.Array, lengths: jax.Array, cfg: ModelCon
 
         def fill(q, k, v, cache):
             stack, index = cache
-            o = kernel_attention(q, k, v, window, cfg) if kernel else attend(q, k, v, window, cfg, segment_ids)
+            o = attention_as_decoded(q, k, v, window, cfg) if kernel else attend(q, k, v, window, cfg, segment_ids)
             where = jnp.clip(pos[kind], 0, t - 1)[:, :, None, None]
             entry = {name: _to_cache(jnp.take_along_axis(a, where, axis=1), stack[name]) for name, a in (("k", k), ("v", v))}
-            if head_major():
+            if head_major_cache():
                 entry = {name: a.transpose(0, 2, 1, 3) for name, a in entry.items()}
             return o, _update(stack, index, entry)
         return fill
 
     ops = {full: op(full, None if full else cfg.sliding_window) for full in {cfg.is_full_attention(i) for i in range(cfg.n_layers)}}
-    with decode_arithmetic(kernel):
+    with reproduce_decode_bits(kernel):
         x, kv = run_layers(cfg, prepared["layers"], embed(prepared, tokens, cfg), rope_tables(cfg, t),
                            segment_ids=segment_ids, caches=empty_cache(cfg, prepared, b, max_length), cache_ops=ops)
         last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)
-        logits = lm_head(prepared, rms_norm(last, prepared["final_norm"], cfg.norm_eps), cfg)[:, 0]
+        logits = lm_head(prepared, dispatch.rms_norm(last, prepared["final_norm"], cfg.norm_eps), cfg)[:, 0]
     return logits, {"kv": kv, "pos": pos, "length": lengths}
 
 
@@ -297,34 +249,31 @@ def decode_step(prepared: dict, tokens: jax.Array, cache: dict, cfg: ModelConfig
             stack, index = cache
             # Only the new token's b x kv_heads x e values are written, into the carried stack.
             # Row r's slot in every head: [b, kv_heads, e] written, whichever layout.
-            at = (index, rows, slice(None), where[kind]) if head_major() else (index, rows, where[kind])
+            at = (index, rows, slice(None), where[kind]) if head_major_cache() else (index, rows, where[kind])
             stack = {name: constrain(stack[name].at[at].set(_to_cache(a[:, 0], stack[name])), _axes())
                      for name, a in (("k", k), ("v", v))}
-            if kernel:  # olmax's CPU kernel: the same attention, at memory speed (``cpu_kernels.cc``)
-                _, _, h, e = q.shape
-                kv = stack["k"].shape[2]
+            if kernel:  # olmax's CPU kernel: the same attention, at memory speed
                 seen = position_mask(q_pos, pos[kind], window)[:, 0]
                 # On the CPU every layer is a stack of its own (``prepare``): the kernel reads the
                 # whole [1, ...] stack where the write left it (a slice would be a fused second
                 # copy of the write, at one row).
-                o = cpu_kernels.cache_attention(kernel_input(q.reshape(b, kv, h // kv, e)), stack["k"], stack["v"], seen)
-                return kernel_output(o.reshape(b, 1, h, e), q.dtype), stack
+                return dispatch.kernel_cache_attention(q, stack["k"], stack["v"], seen), stack
             keys, values = (jax.lax.dynamic_index_in_dim(stack[name], index, 0, keepdims=False) for name in ("k", "v"))
-            if b == 1 and head_major() and single_device():
+            if b == 1 and head_major_cache() and single_device():
                 # One row: XLA CPU writes the new key with a dynamic-update-slice and fuses a second
                 # copy of that write into the attention's read of the keys (a bitcast to its dot),
                 # and then copies the layer's key cache four times to give each write its own
                 # buffer (1 of 7 ms per step of the decode benchmark's model). Times an opaque one,
                 # the read is its own fusion over the written cache: the same keys, no copies.
                 keys = keys * opaque_one(q[0, 0, 0, 0])
-            return cache_attention(q, keys, values, q_pos, pos[kind], window, head_major()), stack
+            return cache_attention(q, keys, values, q_pos, pos[kind], window, head_major_cache()), stack
         return step
 
     kinds = {cfg.is_full_attention(i) for i in range(cfg.n_layers)}
     ops = {full: op(full, None if full else cfg.sliding_window) for full in kinds}
     tables = rope_tables(cfg, 1, q_pos, bound=max_length)
-    with decode_arithmetic(kernel):  # the norms' sums too: RL's training forward repeats them
+    with reproduce_decode_bits(kernel):  # the norms' sums too: RL's training forward repeats them
         x, kv = run_layers(cfg, prepared["layers"], embed(prepared, tokens[:, None], cfg), tables,
                            caches=cache["kv"], cache_ops=ops)
-        logits = lm_head(prepared, rms_norm(x, prepared["final_norm"], cfg.norm_eps), cfg)[:, 0]
+        logits = lm_head(prepared, dispatch.rms_norm(x, prepared["final_norm"], cfg.norm_eps), cfg)[:, 0]
     return logits, {"kv": kv, "pos": pos, "length": length + 1}

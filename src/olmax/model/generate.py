@@ -26,9 +26,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from olmax.config import ModelConfig
-from olmax.model.attention import resolve_impl
-from olmax.model.decode import decode_step, expand_rows, layout, layout_of, prefill, prepare, relayout
-from olmax.model.layers import decode_arithmetic, log_softmax
+from olmax.model.decode import decode_step, expand_rows, layout_of, prefill, prepare, relayout
+from olmax.model.dispatch import decode_layout, log_softmax, reproduce_decode_bits, resolve_attention
 from olmax.model.params import logical_axes
 from olmax.sharding import activation_mesh, batch_sharding, data_parallel_size, param_shardings
 
@@ -76,7 +75,7 @@ def prompt_bucket(longest: int, cfg: ModelConfig, mesh: Mesh | None = None) -> i
     two, at least 16, or 128 where ``cfg``'s attention resolves to splash under ``mesh`` (TPU:
     it tiles the prompt in blocks of 128)."""
     with activation_mesh(mesh):
-        splash = resolve_impl(cfg.attention_impl, jnp.dtype(cfg.compute_dtype)) == "splash"
+        splash = resolve_attention(cfg.attention_impl, jnp.dtype(cfg.compute_dtype)) == "splash"
     return _bucket(longest, lo=128 if splash else 16)
 
 
@@ -149,7 +148,7 @@ def sample(logits: jax.Array, keys: jax.Array, step: jax.Array, knobs: dict[str,
     rows never drawn); row i draws with ``fold_in(keys[i], step)``. ``knobs`` (traced, so a new
     setting compiles nothing): ``temperature``, ``top_k`` (0: off), ``top_p`` (1: off)."""
     logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_size, logits, -jnp.inf)
-    logp = log_softmax(logits)  # in the kernel's order under ``decode_arithmetic`` (RL's training forward's)
+    logp = log_softmax(logits)  # in the kernel's order under ``reproduce_decode_bits`` (RL's training forward's)
     if greedy:
         tok = _first_max(logits)
     else:
@@ -263,11 +262,11 @@ class Generator:
         self.prepared = self._prepare(params, layout=layout)
 
     def _wanted(self, rows: int) -> str:
-        return layout(rows, self.cfg)
+        return decode_layout(rows, self.cfg)
 
     def weights(self, rows: int) -> dict:
         """The prepared weights in the layout a batch of ``rows`` decodes fastest with
-        (``decode.layout``): one copy is kept, turned over when the batch size calls for another
+        (``dispatch.decode_layout``): one copy is kept, turned over when the batch size calls for another
         layout."""
         wanted = self._wanted(rows)
         if wanted != layout_of(self.prepared):
@@ -289,13 +288,13 @@ class Generator:
         if source is not None:  # the distinct prompts were prefilled: each row takes its prompt's cache
             logits, cache = expand_rows(logits, cache, source)
         keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(indices)
-        with decode_arithmetic(layout_of(prepared) == "packed"):
+        with reproduce_decode_bits(layout_of(prepared) == "packed"):
             tok, lp = sample(logits, keys, jnp.int32(0), knobs, greedy, self.cfg.vocab_size)
         return (*self._host_readable(tok, lp), cache, keys)
 
     def _decode_and_sample(self, prepared, tok, cache, keys, step, knobs, max_length, greedy):
         logits, cache = decode_step(prepared, tok, cache, self.cfg, max_length)
-        with decode_arithmetic(layout_of(prepared) == "packed"):
+        with reproduce_decode_bits(layout_of(prepared) == "packed"):
             tok, lp = sample(logits, keys, step, knobs, greedy, self.cfg.vocab_size)
         return (*self._host_readable(tok, lp), cache)
 

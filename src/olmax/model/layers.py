@@ -6,10 +6,7 @@ h query heads, k kv heads, g query heads per kv head (h = k*g), e head dim, v vo
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from functools import partial
 from typing import Any
 
 import jax
@@ -17,39 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from olmax.config import ModelConfig
-from olmax.model.cpu_kernels import rms_norm as cpu_rms_norm, row_sums
-
-
-_DECODE_ARITHMETIC = contextvars.ContextVar("olmax_decode_arithmetic", default=False)
-
-
-@contextlib.contextmanager
-def decode_arithmetic(on: bool = True):
-    """While tracing inside it, the model computes every sum with olmax's CPU kernels (fp32):
-    projections and the LM head (``cpu_kernels.matmul``), attention (``attention.
-    kernel_attention``), RMSNorm (``cpu_kernels.rms_norm``) and log-softmax's sum
-    (``cpu_kernels.row_sums``); what is left to XLA is elementwise (RoPE, SwiGLU, the residual
-    adds, exp and log). XLA CPU gives a row bits that depend on the program around it: its matmul
-    rounds a row of 32 otherwise than a row of 1, and it turns a multiply and the add after it into
-    one multiply-add where both land in one fusion (an RMSNorm's product into the residual add, in
-    a decode step and not in the forward of a sequence). In the kernels each output is one fixed
-    order of operations, so the CPU decode steps (the ``packed`` layout of ``olmax.model.decode``,
-    which run inside this block) and a training forward inside it give a token the same bits: RL's
-    log-probs are the sampler's. The gradients are XLA's. Only where the kernels run (CPU, fp32
-    or bf16; on a mesh each device on its rows); one sequence per row, no segments. In bf16 the
-    kernels compute in fp32 on bf16 numbers, rounded explicitly at their inputs and outputs (``kernel_input``,
-    ``kernel_output``), and RoPE's tables are rounded so that its products are exact
-    (``apply_rope``)."""
-    token = _DECODE_ARITHMETIC.set(on)
-    try:
-        yield
-    finally:
-        _DECODE_ARITHMETIC.reset(token)
-
-
-def decoding_arithmetic() -> bool:
-    """Whether a ``decode_arithmetic`` block is being traced."""
-    return _DECODE_ARITHMETIC.get()
 
 
 def _bf16_rounded(y: jax.Array) -> jax.Array:
@@ -57,7 +21,7 @@ def _bf16_rounded(y: jax.Array) -> jax.Array:
 
 
 def kernel_input(x: jax.Array) -> jax.Array:
-    """``x`` in fp32 for a CPU kernel (``decode_arithmetic``). A bf16 ``x`` is rounded to bf16
+    """``x`` in fp32 for a CPU kernel (``olmax.model.dispatch``). A bf16 ``x`` is rounded to bf16
     explicitly: XLA drops a conversion to bf16 and back (excess precision, on by default) where it
     finds one, and it finds one in one program and not in another (the final residual add before
     the norm of a training forward, not before the prefill's gather of the last token), so the two
@@ -73,43 +37,37 @@ def kernel_output(y: jax.Array, dtype: Any) -> jax.Array:
     return (_bf16_rounded(y) if jnp.dtype(dtype) == jnp.bfloat16 else y).astype(dtype)
 
 
-def log_softmax(z: jax.Array) -> jax.Array:
-    """``jax.nn.log_softmax`` over the last axis; under ``decode_arithmetic`` with its sum in the
-    kernel's fixed order (``cpu_kernels.row_sums``: the sampler's and the training forward's
-    log-probs alike)."""
-    if not decoding_arithmetic():
-        return jax.nn.log_softmax(z, axis=-1)
-    shifted = z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
-    return shifted - jnp.log(row_sums(jnp.exp(shifted)))
-
-
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm as OLMo-core/HF: fp32 compute, weight multiplied in fp32, then cast back (under
-    ``decode_arithmetic`` in the CPU kernel, ``cpu_kernels.rms_norm``, with this gradient)."""
+    """RMSNorm as OLMo-core/HF: fp32 compute, weight multiplied in fp32, then cast back."""
     w32 = weight.astype(jnp.float32)
-    if decoding_arithmetic():
-        return kernel_output(_kernel_rms_norm(kernel_input(x), w32, eps), x.dtype)
-    return _rms_norm(x.astype(jnp.float32), w32, eps).astype(x.dtype)
+    return rms_norm_f32(x.astype(jnp.float32), w32, eps).astype(x.dtype)
 
 
-def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+def rms_norm_f32(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm of fp32 ``x`` with fp32 weight ``w`` (``rms_norm`` without its casts)."""
     return w * (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _kernel_rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    return cpu_rms_norm(x, w, eps)
+@jax.custom_vjp
+def swiglu(gu: jax.Array) -> jax.Array:
+    """``silu(g) * u`` of ``gu = [g | u]`` (last axis), with a hand-written backward pass: it keeps
+    only ``gu`` (autodiff of ``silu`` keeps four [b, t, f] arrays)."""
+    g, u = jnp.split(gu, 2, axis=-1)
+    return jax.nn.silu(g) * u
 
 
-def _kernel_rms_norm_fwd(x: jax.Array, w: jax.Array, eps: float) -> tuple[jax.Array, tuple]:
-    return _kernel_rms_norm(x, w, eps), (x, w)
+def _swiglu_fwd(gu: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return swiglu(gu), gu
 
 
-def _kernel_rms_norm_bwd(eps: float, res: tuple, dy: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return jax.vjp(lambda x, w: _rms_norm(x, w, eps), *res)[1](dy)
+def _swiglu_bwd(gu: jax.Array, dy: jax.Array) -> tuple[jax.Array]:
+    g, u = jnp.split(gu, 2, axis=-1)
+    s = jax.nn.sigmoid(g)
+    dg = dy * u * (s * (1 + g * (1 - s)))
+    return (jnp.concatenate([dg, dy * (g * s)], axis=-1),)
 
 
-_kernel_rms_norm.defvjp(_kernel_rms_norm_fwd, _kernel_rms_norm_bwd)
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 # --------------------------------------------------------------------------- RoPE
@@ -171,14 +129,16 @@ def rope_at(cfg: ModelConfig, positions: jax.Array, bound: int, full_attention: 
     return jnp.take(cos, positions, axis=0), jnp.take(sin, positions, axis=0)
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, exact_products: bool = False) -> jax.Array:
     """x [b, t, n, e]; ``x*cos + rotate_half(x)*sin`` with ``rotate_half(x) = cat(-x2, x1)``;
-    cos/sin [t, e] (one table for every row) or [b, t, e] (per-row positions)."""
+    cos/sin [t, e] (one table for every row) or [b, t, e] (per-row positions). With
+    ``exact_products`` (the dispatch's, reproducing the decode steps' bits) a bf16 ``x``'s
+    products with the tables are exact in fp32 (below)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     rot = jnp.concatenate([-x2, x1], axis=-1)
     c, s = (cos[None, :, None, :], sin[None, :, None, :]) if cos.ndim == 2 else (cos[:, :, None, :], sin[:, :, None, :])
-    if decoding_arithmetic() and x.dtype == jnp.bfloat16:
+    if exact_products and x.dtype == jnp.bfloat16:
         # XLA CPU contracts one of the two products into the add (a multiply-add) or not,
         # depending on the fusion around it, which differs between a decode step and a training
         # forward; the 1-ulp difference decides a tie when the sum is rounded to bf16 (seen). With

@@ -28,10 +28,8 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from olmax.config import ConfigError, ModelConfig
-from olmax.model.attention import attend, exact_fp32, kernel_attention, target_platform
-from olmax.model.cpu_kernels import matmul as kernel_matmul, qkv as kernel_qkv, qkv_supported, skinny_matmul
-from olmax.model.cpu_kernels import swiglu as kernel_swiglu, swiglu_supported
-from olmax.model.layers import apply_rope, decoding_arithmetic, kernel_input, kernel_output, rms_norm, rope_at, rope_cos_sin, rope_inv_freq
+from olmax.model import dispatch
+from olmax.model.layers import rope_at, rope_cos_sin, rope_inv_freq
 from olmax.sharding import constrain
 
 # Tensors a remat policy may keep (names given with ``checkpoint_name`` below).
@@ -53,7 +51,7 @@ def remat_policy(name: str) -> Callable | None:
     if name == "save_proj":
         return cp.save_only_these_names(*PROJECTION_NAMES)
     if name == "offload_proj":  # the same tensors, in host memory between forward and backward
-        if target_platform() == "cpu":
+        if not dispatch.host_offload_available():
             raise ConfigError("model.remat=offload_proj offloads to host memory, which only TPUs and GPUs have; "
                               "use save_proj on the CPU")
         return cp.save_and_offload_only_these_names(
@@ -104,10 +102,10 @@ class OutIn:
 @jax.tree_util.register_pytree_node_class
 class Packed:
     """A projection weight ``[in, out]`` packed in panels of 16 output columns, ``[panels, in,
-    16]``, for olmax's CPU decode kernel (``olmax.model.cpu_kernels``; ``decode.prepare(layout=
-    "packed")``). Every row count goes through the kernel: the steps' few rows and the prefill's
-    many. fp32 panels (a bf16 model's weights as fp32 numbers; ``apply`` rounds its output to
-    ``x``'s dtype)."""
+    16]``, for olmax's CPU decode kernel (``olmax.kernels.cpu``, through ``dispatch.packed_matmul``;
+    ``decode.prepare(layout="packed")``). Every row count goes through the kernel: the steps' few
+    rows and the prefill's many. fp32 panels (a bf16 model's weights as fp32 numbers; ``apply``
+    rounds its output to ``x``'s dtype)."""
 
     def __init__(self, p: jax.Array, out: int):
         self.p, self.out = p, out
@@ -121,26 +119,15 @@ class Packed:
 
     def apply(self, x: jax.Array) -> jax.Array:
         """``x [..., in] @ w`` -> ``[..., out]`` in ``x``'s dtype (computed in fp32, rounded to it)."""
-        y = skinny_matmul(kernel_input(x.reshape(-1, x.shape[-1])), self.p, self.out)
-        return kernel_output(y.reshape(*x.shape[:-1], self.out), x.dtype)
+        return dispatch.packed_matmul(x, self.p, self.out)
 
 
 def _dense(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x [b, t, i] @ w [i, o]``. On the CPU one 2-D matmul over the b*t rows: contracting b and
-    t as two axes, XLA CPU computes the weight gradient from a transposed copy of the output
-    gradient, fused with the elementwise backward work before it (the norm's), and that fusion ran
-    at a thirtieth of memory speed (about a tenth of the tiny and small steps). The parameters
-    after training steps were the same bit for bit either way. ``w`` may be an ``OutIn`` or a
-    ``Packed`` (the CPU's decode steps)."""
+    """``x [b, t, i] @ w [i, o]`` (``dispatch.matmul``); ``w`` may be an ``OutIn`` or a ``Packed``
+    (the CPU's decode steps)."""
     if isinstance(w, (OutIn, Packed)):
         return w.apply(x)
-    if decoding_arithmetic():
-        # bf16 enters the fp32 kernel exactly and its output is rounded back, as ``Packed``'s
-        y = kernel_matmul(kernel_input(x.reshape(-1, x.shape[-1])), w.astype(jnp.float32))
-        return kernel_output(y.reshape(*x.shape[:-1], w.shape[-1]), x.dtype)
-    if target_platform() == "cpu":
-        return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[-1])
-    return jnp.einsum("bti,io->bto", x, w)
+    return dispatch.matmul(x, w)
 
 
 def _attention_block(cfg: ModelConfig, p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array,
@@ -152,82 +139,36 @@ def _attention_block(cfg: ModelConfig, p: dict, x: jax.Array, cos: jax.Array, si
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     heads = ("batch", "length", "act_heads", "head_dim")
     kv_heads = ("batch", "length", "act_kv_heads", "head_dim")
-    fused = False
-    if "qkv" in p or target_platform() == "cpu":
+    if "qkv" in p or dispatch.joined_projections():
         # One [d, (h+2k)e] projection, as the MLP's gate and up: dx is one matmul, not a sum of three.
         # Decoding joins the weights once, before its loop (``join_projections``).
         qkv = _dense(x, p["qkv"] if "qkv" in p else jnp.concatenate([p["q"], p["k"], p["v"]], axis=1))
-        # Training and evaluation on the CPU in fp32: the split, both norms and RoPE in olmax's
-        # kernel, one pass each way (the decode steps and RL's forward keep this arithmetic below).
-        fused = (target_platform() == "cpu" and cache_op is None and not decoding_arithmetic()
-                 and qkv_supported(qkv, p["q_norm"], p["k_norm"], cos, H, K))
-        if fused:
-            q, k, v = kernel_qkv(qkv, p["q_norm"], p["k_norm"], cos, sin, H, K, cfg.norm_eps)
-        else:
-            q, k, v = jnp.split(qkv, [H * E, (H + K) * E], axis=-1)
+        # The split, the q/k norms and RoPE: for training and evaluation on the CPU in fp32 in one
+        # pass each way in olmax's kernel (the decode steps and RL's forward keep XLA's arithmetic).
+        q, k, v = dispatch.qkv(qkv, p["q_norm"], p["k_norm"], cos, sin, cfg, cached=cache_op is not None)
     else:
         q, k, v = (_dense(x, p[name]) for name in ("q", "k", "v"))
-    if not fused:
-        q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
-        q, k = apply_rope(q.reshape(b, t, H, E), cos, sin), apply_rope(k.reshape(b, t, K, E), cos, sin)
+        q, k = dispatch.qk_norm_rope(q, k, p["q_norm"], p["k_norm"], cos, sin, cfg)
     q = checkpoint_name(constrain(q, heads), "query")
     k = checkpoint_name(constrain(k, kv_heads), "key")
     v = checkpoint_name(constrain(v.reshape(b, t, K, E), kv_heads), "value")
     if cache_op is not None:
         o, cache = cache_op(q, k, v, cache)
-    elif decoding_arithmetic():
-        if segment_ids is not None:
-            raise ValueError("the decode arithmetic (RL's log-probs) takes one sequence per row, no segment ids")
-        o = checkpoint_name(kernel_attention(q, k, v, window, cfg), "attn_out")
     else:
-        o = checkpoint_name(attend(q, k, v, window, cfg, segment_ids), "attn_out")
+        o = checkpoint_name(dispatch.self_attention(q, k, v, window, cfg, segment_ids), "attn_out")
     out = _dense(o.reshape(b, t, H * E), p["o"])
     out = checkpoint_name(constrain(out, ("batch", "length", "act_embed")), "attn_proj")
     return out if cache_op is None else (out, cache)
 
 
-@jax.custom_vjp
-def _swiglu(gu: jax.Array) -> jax.Array:
-    """``silu(g) * u`` of ``gu = [g | u]`` (last axis), with a hand-written backward pass: it keeps
-    only ``gu`` (autodiff of ``silu`` keeps four [b, t, f] arrays)."""
-    g, u = jnp.split(gu, 2, axis=-1)
-    return jax.nn.silu(g) * u
-
-
-def _swiglu_fwd(gu: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return _swiglu(gu), gu
-
-
-def _swiglu_bwd(gu: jax.Array, dy: jax.Array) -> tuple[jax.Array]:
-    g, u = jnp.split(gu, 2, axis=-1)
-    s = jax.nn.sigmoid(g)
-    dg = dy * u * (s * (1 + g * (1 - s)))
-    return (jnp.concatenate([dg, dy * (g * s)], axis=-1),)
-
-
-_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
-
-
-def swiglu(gu: jax.Array) -> jax.Array:
-    """``silu(g) * u`` of ``gu = [g | u]``: on the CPU in fp32 in olmax's kernel (one pass over
-    the rows forward and one backward, where XLA made three and kept two more [b, t, f] arrays for
-    the backward), else ``_swiglu``. Every use of the model on the CPU (training, prefill, decode
-    steps, RL's forward) goes through here, so they compute it alike."""
-    if target_platform() == "cpu" and swiglu_supported(gu):
-        return kernel_swiglu(gu)
-    return _swiglu(gu)
-
-
 def _mlp_block(m: dict, h: jax.Array) -> jax.Array:
     """SwiGLU ``down(silu(gate(h)) * up(h))``."""
     hidden = ("batch", "length", "act_mlp")
-    if "gate_up" in m or target_platform() == "cpu":
-        # One [d, 2f] projection: one matmul for dh in the backward pass instead of two summed
-        # (the sum ran as a slow transposing fusion on the CPU). On TPU/GPU the weights may be
-        # sharded along f, where concatenating them would move data.
+    if "gate_up" in m or dispatch.joined_projections():
+        # One [d, 2f] projection: one matmul for dh in the backward pass instead of two summed.
         gu = _dense(h, m["gate_up"] if "gate_up" in m else jnp.concatenate([m["gate"], m["up"]], axis=1))
         gu = checkpoint_name(constrain(gu, hidden), "mlp_gate_up")
-        out = _dense(swiglu(gu), m["down"])
+        out = _dense(dispatch.swiglu(gu), m["down"])
         return checkpoint_name(constrain(out, ("batch", "length", "act_embed")), "mlp_out")
     g = checkpoint_name(constrain(_dense(h, m["gate"]), hidden), "mlp_gate")
     u = checkpoint_name(constrain(_dense(h, m["up"]), hidden), "mlp_up")
@@ -242,8 +183,8 @@ def _layer(cfg: ModelConfig, window: int | None, p: dict, x: jax.Array, cos: jax
     a = _attention_block(cfg, p["attn"], x, cos, sin, window, segment_ids, cache, cache_op)
     if cache_op is not None:
         a, cache = a
-    h = x + rms_norm(a, p["attn_norm"], cfg.norm_eps)
-    out = h + rms_norm(_mlp_block(p["mlp"], h), p["mlp_norm"], cfg.norm_eps)
+    h = x + dispatch.rms_norm(a, p["attn_norm"], cfg.norm_eps)
+    out = h + dispatch.rms_norm(_mlp_block(p["mlp"], h), p["mlp_norm"], cfg.norm_eps)
     return out if cache_op is None else (out, cache)
 
 
@@ -294,7 +235,7 @@ def stack_layers(params: Any, cfg: ModelConfig, unrolled: bool = False) -> dict[
     return {"groups": stacked, "rest": [_cast(layers[i], cdt) for i in range(groups * period, cfg.n_layers)]}
 
 
-@exact_fp32
+@dispatch.exact_fp32
 def run_layers(cfg: ModelConfig, layers: dict[str, list], x: jax.Array, tables: dict[bool, tuple], *,
                segment_ids: jax.Array | None = None, caches: Any = None,
                cache_ops: dict[bool, Callable] | None = None, hidden: list | None = None) -> tuple[jax.Array, Any]:
@@ -391,20 +332,18 @@ def hidden_states(params: Any, tokens: jax.Array, cfg: ModelConfig, *, positions
     tables = rope_tables(cfg, tokens.shape[1], positions)
     x, _ = run_layers(cfg, stack_layers(params, cfg, unrolled=return_hidden), x, tables,
                       segment_ids=segment_ids, hidden=hidden)
-    x = rms_norm(x, params["final_norm"], cfg.norm_eps)
+    x = dispatch.rms_norm(x, params["final_norm"], cfg.norm_eps)
     return (x, hidden) if return_hidden else x
 
 
-@exact_fp32
+@dispatch.exact_fp32
 def lm_head(params: Any, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Logits in fp32 [b, t, embedding_rows] from the final hidden states (padded rows included)."""
     w = params["lm_head"]
     if isinstance(w, (OutIn, Packed)):  # prepared in the compute dtype (``decode.prepare``)
         logits = w.apply(x)
-    elif decoding_arithmetic():
-        logits = _dense(x, w.astype(jnp.dtype(cfg.compute_dtype)))
     else:
-        logits = jnp.einsum("btd,dv->btv", x, w.astype(jnp.dtype(cfg.compute_dtype)))
+        logits = dispatch.lm_head_matmul(x, w.astype(jnp.dtype(cfg.compute_dtype)))
     return constrain(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from olmax.config import Config
-from olmax.model.decode import kernel_arithmetic
+from olmax.model.dispatch import can_reproduce_decode_bits
 from olmax.objectives.accumulate import accumulate, jit_update, micro_sharding, optimizer_update
 from olmax.objectives.base import Objective
 from olmax.optim import apply_update
@@ -135,7 +135,7 @@ class RlStep:
         # Where the rollouts decode with olmax's CPU kernels, the training forward repeats their
         # arithmetic (the old log-probs' and every update's forward): the old log-probs are the
         # sampler's bit for bit (``rl/max_logprob_gap`` 0).
-        self.exact = kernel_arithmetic(cfg.model, mesh)
+        self.exact = can_reproduce_decode_bits(cfg.model, mesh)
         # one optimizer update, jitted (what ``olmax compile`` lowers)
         step = make_grpo_step(cfg, loss, plan.accum_steps, update, micro_constraint=micro_sharding(mesh), mesh=mesh,
                               exact=self.exact)

@@ -181,11 +181,11 @@ def aggregate(per_tok: jax.Array, mask: jax.Array, aggregation: str, *, total_to
 def policy_logps(params: Any, tokens: jax.Array, completion_mask: jax.Array, cfg: Any, exact: bool = False
                  ) -> jax.Array:
     """The policy's log-probs of the completion tokens. ``exact``: with the CPU decode steps'
-    arithmetic (``olmax.model.layers.decode_arithmetic``), the bits the sampler reported, where the
-    generator decodes with the kernels (``olmax.model.decode.kernel_arithmetic``)."""
-    from olmax.model.layers import decode_arithmetic
+    arithmetic (``olmax.model.dispatch.reproduce_decode_bits``), the bits the sampler reported, where the
+    generator decodes with the kernels (``olmax.model.dispatch.can_reproduce_decode_bits``)."""
+    from olmax.model.dispatch import reproduce_decode_bits
     from olmax.model.loss import token_logps
-    with decode_arithmetic(exact):
+    with reproduce_decode_bits(exact):
         return token_logps(params, tokens, completion_mask, cfg, sampled_vocab=True)
 
 

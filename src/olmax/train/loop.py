@@ -35,6 +35,7 @@ from olmax.eval.alarm import ALARM, MemorisationAlarm
 from olmax.eval.heldout import HeldoutEvaluator
 from olmax.metrics.flops import device_peak_flops, flops_per_token, mfu
 from olmax.metrics.sinks import JsonlSink, MetricsLogger, ProgressBar, TensorBoardSink, WandbSink, named
+from olmax.model.dispatch import describe
 from olmax.model.params import init_params
 from olmax.objectives import get_objective
 from olmax.objectives.base import Data, Objective
@@ -236,6 +237,7 @@ def _fresh_state(r: _Run) -> tuple[Any, Any]:
         (r.run / "run_info.json").write_text(json.dumps({
             "git_commit": r.meta["git_commit"], "versions": r.meta["versions"], "mesh": dict(r.mesh.shape),
             "devices": jax.device_count(), "processes": jax.process_count(),
+            "implementations": describe(r.cfg.model, r.mesh.devices.flat[0].platform),  # olmax.model.dispatch
             "device_kind": jax.devices()[0].device_kind, "batch_plan": dataclasses.asdict(r.plan)}, indent=2))
     return params, opt_state
 

@@ -180,8 +180,8 @@ def run_parity(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike | None =
                               f"(model.{', model.'.join(sorted(RUNTIME_MODEL_FIELDS - {'compute_dtype'}))}); "
                               "use --dtype for the compute dtype")
     cfg = validate(cfg.override(list(overrides)))
-    from olmax.model.attention import resolve_impl
-    impl = resolve_impl(attention_impl or ("reference" if dtype == "float32" else cfg.model.attention_impl), dtype)
+    from olmax.model.dispatch import resolve_attention
+    impl = resolve_attention(attention_impl or ("reference" if dtype == "float32" else cfg.model.attention_impl), dtype)
     model_cfg = replace(cfg.model, compute_dtype=dtype, attention_impl=impl)
 
     docs = None

@@ -1,48 +1,48 @@
-"""olmax's CPU kernels for the decode steps' products and attention (``cpu_kernels.cc``), built
-on first use.
+"""olmax's C++ kernels for x86-64 CPUs, built on first use, and their ``jax.ffi`` calls. The
+model reaches them through ``olmax.model.dispatch``, which decides where each one runs.
 
-A decode step multiplies one to a few dozen rows by every weight of the model: a pass over the
-weights, which XLA CPU's products make below the machine's speed for a few rows. The kernel
-reads weights packed in panels of 16 output columns (``pack``: [in, out] -> [panels, in, 16]),
-each panel once for all rows, and shares the panels out between the calling thread and XLA's own
-intra-op thread pool. The attention kernel (``cache_attention``) reads each row's and kv head's
-cached keys and values once, only the slots its query sees. ``pack`` itself runs in the kernel
-too (RL packs the weights again after every update). The README (Benchmarks, decode speed) has
-what they gain end to end. ``flash_attention`` is the training attention on the CPU (forward and
-backward; ``olmax.model.attention``'s ``cpu`` kernel, what "auto" picks in fp32); ``swiglu``
-(every use of the model on the CPU in fp32) and ``qkv`` (the attention's q, k and v from its
-projection: the split, q/k RMSNorm and RoPE, for training and evaluation) do the elementwise
-work around it in one pass each way. ``matmul``, ``sequence_attention``, ``rms_norm`` and
-``row_sums`` let a training forward repeat the decode steps' arithmetic
-(``olmax.model.layers.decode_arithmetic``: RL's log-probs equal the sampler's), with XLA's
-gradients.
+The sources beside this file, one per purpose (``build.py`` compiles them into one library):
 
-Every output element is one fused multiply-add chain over the input axis in order, so a row's
-result does not depend on the other rows of the batch (tested bit for bit), and it is within
-fp32 rounding of XLA's product (a different order of the same sums).
+- ``decode.cc``: the decode steps' products and attention. A decode step multiplies one to a few
+  dozen rows by every weight of the model: a pass over the weights, which XLA CPU's products make
+  below the machine's speed for a few rows. ``skinny_matmul`` reads weights packed in panels of 16
+  output columns (``pack``: [in, out] -> [panels, in, 16], itself in the kernel, as RL packs the
+  weights again after every update), each panel once for all rows, and shares the panels out
+  between the calling thread and XLA's own intra-op thread pool. ``cache_attention`` reads each
+  row's and kv head's cached keys and values once, only the slots its query sees. The README
+  (Benchmarks, decode speed) has what they gain end to end.
+- ``attention.cc``: ``flash_attention``, the training attention on the CPU (forward and backward;
+  the ``cpu`` attention implementation, what "auto" picks in fp32), and ``sequence_attention``,
+  the decode step's attention over whole sequences.
+- ``projections.cc``: ``swiglu`` (every use of the model on the CPU in fp32) and ``qkv`` (the
+  attention's q, k and v from its projection: the split, q/k RMSNorm and RoPE, for training and
+  evaluation), the elementwise work around the products in one pass each way; ``rms_norm`` and
+  ``row_sums`` in one fixed order.
+- ``common.h``: what they share (work sharing, the fixed-order dot product and lane sums, one
+  query's attention, the vectorised exponential).
 
-Built with the C++ compiler on the path (``$CXX`` or ``c++``) against the FFI headers jaxlib
-ships, into ``$OLMAX_CACHE_DIR/kernels`` (default ``~/.cache/olmax/kernels``), once per source,
-jaxlib, compiler and instruction set. Used only where it can run: an x86-64 CPU with AVX2 and
-FMA; where the CPU also has AVX-512F and AVX-512VL the build may use 32 vector registers, and a
-block holds 12 rows instead of 6 (``isa()``; the same multiply-add chains, so the same bits as
-the AVX2 build, tested). Where it cannot be built or loaded, ``available()`` is False with the
-reason in ``unavailable_reason()`` (logged once), decoding keeps XLA's products and
-attention and training XLA's ``blocked`` attention; ``OLMAX_CPU_KERNELS=0`` turns it off. Traced for a CPU mesh of several devices, each
-device runs a kernel on its block of the batch (``_per_batch_shard``).
+``matmul``, ``sequence_attention``, ``rms_norm`` and ``row_sums`` let a training forward repeat
+the decode steps' arithmetic (``olmax.model.dispatch.reproduce_decode_bits``: RL's log-probs equal
+the sampler's), with XLA's gradients. Every output element is one fixed order of operations (the
+products: one fused multiply-add chain over the input axis in order), so a row's result does not
+depend on the other rows of the batch (tested bit for bit), and it is within fp32 rounding of
+XLA's (a different order of the same sums).
+
+Used only where it can run: an x86-64 CPU with AVX2 and FMA; where the CPU also has AVX-512F and
+AVX-512VL the build may use 32 vector registers, and a block holds 12 rows instead of 6 (``isa()``;
+the same multiply-add chains, so the same bits as the AVX2 build, tested). Where it cannot be built
+or loaded, ``available()`` is False with the reason in ``unavailable_reason()`` (logged once), and
+the dispatch keeps XLA's implementations; ``OLMAX_CPU_KERNELS=0`` turns it off. Traced for a CPU
+mesh of several devices, each device runs a kernel on its block of the batch
+(``_per_batch_shard``).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 from functools import partial
 from pathlib import Path
 
@@ -51,11 +51,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from olmax.kernels.cpu import build
 from olmax.sharding import BATCH_AXES, current_mesh
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 TARGET = "olmax_skinny_matmul"
 ATTENTION = "olmax_cache_attention"
 SEQUENCE = "olmax_sequence_attention"
@@ -112,44 +112,9 @@ def isa() -> str:
     return "avx512" if has_avx512() else "avx2"
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("OLMAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "olmax")
-    return Path(root) / "kernels"
-
-
 def _build() -> Path:
-    """The compiled library, built now if this source, jaxlib and compiler have none yet."""
-    import jaxlib
-
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not cxx:
-        raise RuntimeError("no C++ compiler on the path (set CXX or install g++)")
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise RuntimeError(f"the C++ compiler {cxx} does not run: {e}") from e
-    flags = ["-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w"]
-    if isa() == "avx512":
-        flags += ["-mavx512f", "-mavx512vl"]
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), jaxlib.__version__, version, *flags]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"olmax_cpu_kernels-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # A few seconds, once per machine: say so on stderr (stdout may be a command's JSON).
-    print(f"[olmax] building olmax's CPU kernels ({isa()}; once, a few seconds): {out}", file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        part = Path(tmp) / out.name
-        cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(part)]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        except (OSError, subprocess.SubprocessError) as e:
-            raise RuntimeError(f"building {SOURCE.name} failed: {e}") from e
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
-            raise RuntimeError(f"building {SOURCE.name} failed ({cxx}): " + " / ".join(tail))
-        os.replace(part, out)  # another process may have won the race: the same bytes either way
-    return out
+    """The compiled library for this CPU's instruction set (``build.library``)."""
+    return build.library(isa())
 
 
 def _load() -> str | None:
@@ -269,7 +234,7 @@ def sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | N
     computes a decode step's, over the same keys in the order the decode cache holds them (by
     position on full layers, by position mod ``window`` on sliding ones), so a prefill and a
     training forward give the bits the decode steps give (RL's log-probs). Forward only; see
-    ``olmax.model.attention.kernel_attention`` for the gradient."""
+    ``olmax.model.dispatch.attention_as_decoded`` for the gradient."""
     _require(q, k, v)
     scale = np.float32(q.shape[-1] ** -0.5)
     return _per_batch_shard(lambda q, k, v: jax.ffi.ffi_call(SEQUENCE, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
@@ -298,8 +263,8 @@ matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """RMSNorm over the last axis, fp32, in the kernel: the same bits for a row in any batch and
-    any program. Forward only: ``olmax.model.layers.rms_norm`` under ``decode_arithmetic`` uses it
-    and gives it XLA's RMSNorm's gradient."""
+    any program. Forward only: ``olmax.model.dispatch.rms_norm`` uses it (reproducing the decode
+    steps' bits) and gives it XLA's RMSNorm's gradient."""
     _require(x, w)
     rows = x.reshape(-1, x.shape[-1])
     y = _per_batch_shard(lambda r, w: jax.ffi.ffi_call(NORM, jax.ShapeDtypeStruct(r.shape, jnp.float32))(
@@ -310,7 +275,7 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 @jax.custom_vjp
 def row_sums(x: jax.Array) -> jax.Array:
     """Sums over the last axis (keepdims), fp32, in the kernel: the same bits for a row in any
-    batch and any program (``olmax.model.layers.log_softmax`` under ``decode_arithmetic``)."""
+    batch and any program (``olmax.model.dispatch.log_softmax``)."""
     _require(x)
     rows = x.reshape(-1, x.shape[-1])
     sums = _per_batch_shard(lambda r: jax.ffi.ffi_call(SUMS, jax.ShapeDtypeStruct(r.shape[:1], jnp.float32))(r), (rows,))
@@ -394,8 +359,8 @@ def _swiglu_call(name: str, out_cols: int, *arrays: jax.Array) -> jax.Array:
 @jax.custom_vjp
 def swiglu(gu: jax.Array) -> jax.Array:
     """``silu(g) * u`` of ``gu = [g | u]`` (last axis, fp32), forward and backward in the kernel,
-    one pass over the rows each: ``olmax.model.olmo3``'s SwiGLU on the CPU (within fp32 rounding of
-    XLA's, tested). The backward keeps only ``gu``."""
+    one pass over the rows each: ``olmax.model.dispatch.swiglu`` on the CPU (within fp32 rounding
+    of XLA's, tested). The backward keeps only ``gu``."""
     _require(gu)
     return _swiglu_call(SWIGLU_FWD, gu.shape[-1] // 2, gu)
 
@@ -455,8 +420,8 @@ def qkv(x: jax.Array, wq: jax.Array, wk: jax.Array, cos: jax.Array, sin: jax.Arr
     """The attention's q, k, v [b, t, heads | kv_heads, e] from its projection x = [q | k | v] [b,
     t, (heads + 2 kv_heads) e], fp32, forward and backward in the kernel: q and k RMSNormed over
     their whole width with weights ``wq`` / ``wk`` (``eps``), then RoPE with the tables cos/sin
-    ([t, e], or [b, t, e] per row); v as it is (``olmax.model.olmo3``'s attention on the CPU,
-    within fp32 rounding of XLA's split, ``rms_norm`` and ``apply_rope``, tested). The backward
+    ([t, e], or [b, t, e] per row); v as it is (``olmax.model.dispatch.qkv`` on the CPU, within
+    fp32 rounding of XLA's split, ``rms_norm`` and ``apply_rope``, tested). The backward
     gives dx in one buffer and the weights' gradients; cos and sin get none (constants)."""
     _require(x, wq, wk, cos, sin)
     return _qkv_forward(x, wq, wk, cos, sin, heads, kv_heads, eps)[0]
