@@ -127,15 +127,16 @@ def test_nan_stays_in_its_row() -> None:
 
 @needs_kernel
 def test_the_model_uses_it_for_training_and_keeps_xla_elsewhere() -> None:
-    """The tiny recipe's training step calls both entry points; bf16, the decode arithmetic (RL's
-    forward, which must give the decode steps' bits) and heads not a multiple of 16 wide keep the
-    XLA arithmetic, the same function."""
+    """The tiny recipe's training step with ``model.cpu_training_kernels`` calls both entry points;
+    by default, in bf16, under the decode arithmetic (RL's forward, which must give the decode steps'
+    bits) and with heads not a multiple of 16 wide the model keeps the XLA arithmetic, the same
+    function."""
     from olmax.model.dispatch import reproduce_decode_bits
     from olmax.model.olmo3 import forward
     from olmax.model.params import init_params
 
-    def hlo(overrides=(), arithmetic=False):
-        m = get_recipe("tiny", list(overrides)).model
+    def hlo(overrides=(), arithmetic=False, kernels=True):
+        m = get_recipe("tiny", [*overrides, f"model.cpu_training_kernels={str(kernels).lower()}"]).model
         params = init_params(m, jax.random.key(0))
         ids = jnp.zeros((2, 64), jnp.int32)
         f = lambda p: jnp.sum(forward(p, ids, m).astype(jnp.float32))
@@ -146,6 +147,7 @@ def test_the_model_uses_it_for_training_and_keeps_xla_elsewhere() -> None:
 
     text = hlo()
     assert cpu_kernels.QKV_FWD in text and cpu_kernels.QKV_BWD in text
+    assert cpu_kernels.QKV_FWD not in hlo(kernels=False)
     assert cpu_kernels.QKV_FWD not in hlo(["model.compute_dtype=bfloat16", "model.param_dtype=bfloat16"])
     assert cpu_kernels.QKV_FWD not in hlo(arithmetic=True)
     assert cpu_kernels.QKV_FWD not in hlo(["model.head_dim=24", "model.d_model=96", "model.n_heads=4", "model.n_kv_heads=4"])

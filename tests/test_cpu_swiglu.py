@@ -82,8 +82,9 @@ def test_nan_stays_in_its_element() -> None:
 
 @needs_kernel
 def test_the_model_calls_it_on_the_cpu_in_fp32_only() -> None:
-    """The tiny recipe's training step calls both entry points (no silent fallback); in bf16, and
-    traced for a TPU, the model keeps XLA's SwiGLU, with the same function."""
+    """The tiny recipe's training step with ``model.cpu_training_kernels`` calls both entry points
+    (no silent fallback); by default, in bf16, and traced for a TPU, the model keeps XLA's SwiGLU,
+    with the same function."""
     from olmax.model.olmo3 import forward
     from olmax.model.params import init_params
 
@@ -94,14 +95,16 @@ def test_the_model_calls_it_on_the_cpu_in_fp32_only() -> None:
         with mock.patch.object(dispatch, "target_platform", lambda: platform):
             return jax.jit(jax.grad(lambda p: jnp.sum(forward(p, ids, m).astype(jnp.float32)))).lower(params).as_text()
 
-    text = hlo()
+    on = "model.cpu_training_kernels=true"
+    text = hlo([on])
     assert cpu_kernels.SWIGLU_FWD in text and cpu_kernels.SWIGLU_BWD in text
-    assert cpu_kernels.SWIGLU_FWD not in hlo(["model.compute_dtype=bfloat16", "model.param_dtype=bfloat16"])
-    assert cpu_kernels.SWIGLU_FWD not in hlo(platform="tpu")
+    assert cpu_kernels.SWIGLU_FWD not in hlo()
+    assert cpu_kernels.SWIGLU_FWD not in hlo([on, "model.compute_dtype=bfloat16", "model.param_dtype=bfloat16"])
+    assert cpu_kernels.SWIGLU_FWD not in hlo([on], platform="tpu")
     gu = _inputs(2, 16, seed=3)[0]
     with mock.patch.object(cpu_kernels, "_STATE", {"why": "turned off by OLMAX_CPU_KERNELS=0"}):
         assert not cpu_kernels.swiglu_supported(gu)
-        assert np.array_equal(dispatch.swiglu(gu), layers.swiglu(gu))
+        assert np.array_equal(dispatch.swiglu(gu, get_recipe("tiny", [on]).model), layers.swiglu(gu))
     assert dispatch.target_platform() == "cpu"
 
 

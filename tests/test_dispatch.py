@@ -72,9 +72,12 @@ def test_the_model_reaches_the_kernels_through_the_dispatch_only():
 
 def test_describe_names_what_runs_on_each_platform():
     """The attention implementation "auto" resolves to on each platform and dtype, and where olmax's
-    C++ kernels run SwiGLU and q/k/v; on a CPU the kernel's own limits count (heads of 8 take the
-    blocked attention and XLA's q/k/v, not the kernel's)."""
-    tiny = get_recipe("tiny").model
+    C++ kernels run SwiGLU and q/k/v: by default XLA's arithmetic for training on a CPU (the more
+    faithful to OLMo-core), the kernels with ``model.cpu_training_kernels``, where the kernel's own
+    limits count (heads of 8 take the blocked attention and XLA's q/k/v, not the kernel's)."""
+    default = dispatch.describe(get_recipe("tiny").model, "cpu")
+    assert (default["attention"], default["swiglu"], default["qkv"]) == ("blocked", dispatch.XLA, dispatch.XLA)
+    tiny = get_recipe("tiny", ["model.cpu_training_kernels=true"]).model
     built = cpu_kernels.available()
     kernel = dispatch.KERNELS if built else dispatch.XLA
     cpu = dispatch.describe(tiny, "cpu")
@@ -103,7 +106,8 @@ def test_describe_agrees_with_what_the_model_traces():
 
     from olmax.model.olmo3 import forward
     from olmax.model.params import init_params
-    for m in (get_recipe("tiny").model, replace(get_recipe("tiny").model, head_dim=8)):
+    fast = get_recipe("tiny", ["model.cpu_training_kernels=true"]).model
+    for m in (get_recipe("tiny").model, fast, replace(fast, head_dim=8)):
         info = dispatch.describe(m, dispatch.target_platform())
         params = jax.eval_shape(lambda m=m: init_params(m, jax.random.key(0)))
         loss = lambda p, m=m: jnp.sum(forward(p, jnp.zeros((2, 64), jnp.int32), m))

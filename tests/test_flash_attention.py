@@ -115,11 +115,13 @@ def test_nan_in_a_query_reaches_its_output_and_no_other_row() -> None:
 
 @needs_kernel
 def test_auto_picks_the_kernel_on_a_cpu_in_fp32_and_falls_back_where_it_cannot_run() -> None:
-    """"auto" on a CPU: ``cpu`` in fp32 (where the kernel is built), ``blocked`` in bf16; ``cpu``
-    with heads it cannot take (not a multiple of 16 wide) computes with ``blocked`` instead, the
-    same function."""
-    assert resolve_attention("auto", jnp.float32, "cpu") == "cpu"
-    assert resolve_attention("auto", jnp.bfloat16, "cpu") == "blocked"
+    """"auto" on a CPU: ``blocked`` by default (XLA's arithmetic, the more faithful to OLMo-core);
+    with the training kernels on, ``cpu`` in fp32 (where the kernel is built) and ``blocked`` in
+    bf16; ``cpu`` with heads it cannot take (not a multiple of 16 wide) computes with ``blocked``
+    instead, the same function."""
+    assert resolve_attention("auto", jnp.float32, "cpu") == "blocked"
+    assert resolve_attention("auto", jnp.float32, "cpu", training_kernels=True) == "cpu"
+    assert resolve_attention("auto", jnp.bfloat16, "cpu", training_kernels=True) == "blocked"
     cfg = get_recipe("tiny", ["model.attention_impl=cpu"]).model
     q, k, v, _ = _inputs(1, 70, 2, 1, 20, seed=3)
     assert not cpu_kernels.flash_supported(q, k)
@@ -134,7 +136,7 @@ def test_auto_picks_the_kernel_on_a_cpu_in_fp32_and_falls_back_where_it_cannot_r
 def test_unavailable_kernel_leaves_auto_on_blocked(monkeypatch) -> None:
     """Where the kernel cannot be built (or ``OLMAX_CPU_KERNELS=0``), "auto" is the XLA kernel."""
     monkeypatch.setattr(cpu_kernels, "_STATE", {"why": "turned off by OLMAX_CPU_KERNELS=0"})
-    assert resolve_attention("auto", jnp.float32, "cpu") == "blocked"
+    assert resolve_attention("auto", jnp.float32, "cpu", training_kernels=True) == "blocked"
 
 
 @needs_kernel

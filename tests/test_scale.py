@@ -119,7 +119,8 @@ def test_auto_attention_per_platform():
     assert resolve_attention("auto", jnp.bfloat16, "tpu") == "splash"
     assert resolve_attention("auto", jnp.bfloat16, "gpu") == "cudnn"
     assert resolve_attention("auto", jnp.float32, "gpu") == "xla"
-    assert resolve_attention("auto", jnp.float32, "cpu") == ("cpu" if cpu_kernels.available() else "blocked")
+    assert resolve_attention("auto", jnp.float32, "cpu") == "blocked"
+    assert resolve_attention("auto", jnp.float32, "cpu", True) == ("cpu" if cpu_kernels.available() else "blocked")
     assert resolve_attention("auto", jnp.bfloat16, "cpu") == "blocked"
     assert resolve_attention("splash", jnp.float32, "cpu") == "splash"
 

@@ -241,31 +241,34 @@ def log_softmax(z: jax.Array) -> jax.Array:
     return shifted - jnp.log(cpu.row_sums(jnp.exp(shifted)))
 
 
-def swiglu_impl(gu: Any, platform: str | None = None) -> str:
-    """``KERNELS`` where ``swiglu`` runs in olmax's CPU kernel (the CPU, fp32, the kernels built),
-    else ``XLA``. ``gu`` may be a ``jax.ShapeDtypeStruct``."""
-    if (platform or target_platform()) == "cpu" and cpu.swiglu_supported(gu):
+def swiglu_impl(gu: Any, cfg: ModelConfig, platform: str | None = None) -> str:
+    """``KERNELS`` where ``swiglu`` runs in olmax's CPU kernel (the CPU, fp32, the kernels built):
+    the decode steps and a forward reproducing their bits (RL's), and training and evaluation with
+    ``model.cpu_training_kernels``; else ``XLA``. ``gu`` may be a ``jax.ShapeDtypeStruct``."""
+    if ((platform or target_platform()) == "cpu" and (reproducing_decode_bits() or cfg.cpu_training_kernels)
+            and cpu.swiglu_supported(gu)):
         return KERNELS
     return XLA
 
 
-def swiglu(gu: jax.Array) -> jax.Array:
+def swiglu(gu: jax.Array, cfg: ModelConfig) -> jax.Array:
     """``silu(g) * u`` of ``gu = [g | u]``: on the CPU in fp32 in olmax's kernel (one pass over
     the rows forward and one backward, where XLA made three and kept two more [b, t, f] arrays for
-    the backward), else ``layers.swiglu``. Every use of the model on the CPU (training, prefill,
-    decode steps, RL's forward) goes through here, so they compute it alike."""
-    if swiglu_impl(gu) == KERNELS:
+    the backward; ``swiglu_impl`` says where), else ``layers.swiglu``. The decode steps and RL's
+    training forward both take the kernel, so they compute it alike."""
+    if swiglu_impl(gu, cfg) == KERNELS:
         return cpu.swiglu(gu)
     return layers.swiglu(gu)
 
 
 def qkv_impl(x: Any, wq: Any, wk: Any, cos: Any, heads: int, kv_heads: int, cached: bool = False,
-             platform: str | None = None) -> str:
+             platform: str | None = None, training_kernels: bool = False) -> str:
     """``KERNELS`` where ``qkv`` runs in olmax's CPU kernel: training and evaluation on the CPU
-    in fp32 (not the decode steps, ``cached``, nor a forward reproducing their bits, which keep
-    the XLA arithmetic), heads a multiple of 16 wide, the kernels built; else ``XLA``. The
-    arguments may be ``jax.ShapeDtypeStruct``s."""
-    if ((platform or target_platform()) == "cpu" and not cached and not reproducing_decode_bits()
+    in fp32 with ``training_kernels`` (``model.cpu_training_kernels``; not the decode steps,
+    ``cached``, nor a forward reproducing their bits, which keep the XLA arithmetic), heads a
+    multiple of 16 wide, the kernels built; else ``XLA``. The arguments may be
+    ``jax.ShapeDtypeStruct``s."""
+    if ((platform or target_platform()) == "cpu" and training_kernels and not cached and not reproducing_decode_bits()
             and cpu.qkv_supported(x, wq, wk, cos, heads, kv_heads)):
         return KERNELS
     return XLA
@@ -278,7 +281,7 @@ def qkv(x: jax.Array, wq: jax.Array, wk: jax.Array, cos: jax.Array, sin: jax.Arr
     cos/sin), in olmax's CPU kernel (one pass each way, ``qkv_impl``) or as ``qk_norm_rope``.
     ``cached``: a decode step's or prefill's."""
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    if qkv_impl(x, wq, wk, cos, H, K, cached) == KERNELS:
+    if qkv_impl(x, wq, wk, cos, H, K, cached, training_kernels=cfg.cpu_training_kernels) == KERNELS:
         return cpu.qkv(x, wq, wk, cos, sin, H, K, cfg.norm_eps)
     q, k, v = jnp.split(x, [H * E, (H + K) * E], axis=-1)
     q, k = qk_norm_rope(q, k, wq, wk, cos, sin, cfg)
@@ -300,10 +303,12 @@ def qk_norm_rope(q: jax.Array, k: jax.Array, wq: jax.Array, wk: jax.Array, cos: 
 # --------------------------------------------------------------------------- attention
 
 
-def resolve_attention(requested: str, dtype: Any = None, platform: str | None = None) -> str:
+def resolve_attention(requested: str, dtype: Any = None, platform: str | None = None,
+                      training_kernels: bool = False) -> str:
     """``model.attention_impl`` -> an implementation. "auto": splash on TPU; on GPU cuDNN when the
-    compute dtype is bf16/fp16 (cuDNN has no fp32 kernel), XLA's fused path otherwise; on CPU
-    olmax's kernel in fp32 where it is built, else the XLA ``blocked`` one."""
+    compute dtype is bf16/fp16 (cuDNN has no fp32 kernel), XLA's fused path otherwise; on CPU the
+    XLA ``blocked`` one, or with ``training_kernels`` (``model.cpu_training_kernels``) olmax's
+    kernel in fp32 where it is built."""
     platform = platform or target_platform()
     if requested != "auto":
         return requested
@@ -311,7 +316,7 @@ def resolve_attention(requested: str, dtype: Any = None, platform: str | None = 
         return "splash"
     if platform == "gpu":
         return "cudnn" if dtype is None or jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
-    if dtype is not None and jnp.dtype(dtype) == jnp.float32 and cpu.available():
+    if training_kernels and dtype is not None and jnp.dtype(dtype) == jnp.float32 and cpu.available():
         return "cpu"
     return "blocked"
 
@@ -321,7 +326,7 @@ def attention_impl(cfg: ModelConfig, q: Any, k: Any, platform: str | None = None
     ``jax.ShapeDtypeStruct``s): ``resolve_attention``'s, where olmax's CPU kernel (``cpu``) takes
     them (the CPU, fp32, heads a multiple of 16 wide), else the XLA ``blocked`` one in its place."""
     platform = platform or target_platform()
-    impl = resolve_attention(cfg.attention_impl, q.dtype, platform)
+    impl = resolve_attention(cfg.attention_impl, q.dtype, platform, cfg.cpu_training_kernels)
     if impl == "cpu" and not (platform == "cpu" and cpu.flash_supported(q, k)):
         return "blocked"
     return impl
@@ -459,8 +464,8 @@ def describe(cfg: ModelConfig, platform: str) -> dict[str, Any]:
     layout = decode_layout(1, cfg, platform)
     out: dict[str, Any] = {
         "attention": attention_impl(cfg, q, k, platform),
-        "swiglu": swiglu_impl(jax.ShapeDtypeStruct((1, 2 * cfg.mlp_hidden), dt), platform),
-        "qkv": qkv_impl(x, wq, wk, cos, H, K, platform=platform),
+        "swiglu": swiglu_impl(jax.ShapeDtypeStruct((1, 2 * cfg.mlp_hidden), dt), cfg, platform),
+        "qkv": qkv_impl(x, wq, wk, cos, H, K, platform=platform, training_kernels=cfg.cpu_training_kernels),
         "decode_layout": layout,
         "reproduces_decode_bits": layout == "packed",
         "kernels": KERNELS if platform == "cpu" and cpu.available() else XLA,

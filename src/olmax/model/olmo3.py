@@ -161,14 +161,14 @@ def _attention_block(cfg: ModelConfig, p: dict, x: jax.Array, cos: jax.Array, si
     return out if cache_op is None else (out, cache)
 
 
-def _mlp_block(m: dict, h: jax.Array) -> jax.Array:
+def _mlp_block(m: dict, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     """SwiGLU ``down(silu(gate(h)) * up(h))``."""
     hidden = ("batch", "length", "act_mlp")
     if "gate_up" in m or dispatch.joined_projections():
         # One [d, 2f] projection: one matmul for dh in the backward pass instead of two summed.
         gu = _dense(h, m["gate_up"] if "gate_up" in m else jnp.concatenate([m["gate"], m["up"]], axis=1))
         gu = checkpoint_name(constrain(gu, hidden), "mlp_gate_up")
-        out = _dense(dispatch.swiglu(gu), m["down"])
+        out = _dense(dispatch.swiglu(gu, cfg), m["down"])
         return checkpoint_name(constrain(out, ("batch", "length", "act_embed")), "mlp_out")
     g = checkpoint_name(constrain(_dense(h, m["gate"]), hidden), "mlp_gate")
     u = checkpoint_name(constrain(_dense(h, m["up"]), hidden), "mlp_up")
@@ -184,7 +184,7 @@ def _layer(cfg: ModelConfig, window: int | None, p: dict, x: jax.Array, cos: jax
     if cache_op is not None:
         a, cache = a
     h = x + dispatch.rms_norm(a, p["attn_norm"], cfg.norm_eps)
-    out = h + dispatch.rms_norm(_mlp_block(p["mlp"], h), p["mlp_norm"], cfg.norm_eps)
+    out = h + dispatch.rms_norm(_mlp_block(p["mlp"], h, cfg), p["mlp_norm"], cfg.norm_eps)
     return out if cache_op is None else (out, cache)
 
 
