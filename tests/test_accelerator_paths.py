@@ -200,6 +200,7 @@ def test_accelerator_branches_trace_separate_projections(tiny, monkeypatch):
     assert dots("cpu") == (4, 1)
 
 
+@pytest.mark.integration
 def test_bf16_splash_matches_the_cpu_path_and_the_fp32_reference(tiny):
     """bf16 compute through splash (q scaled in fp32 and rounded to bf16 before the kernel) is as
     close to the fp32 reference as the CPU's bf16 path is, logits and gradients, and close to the

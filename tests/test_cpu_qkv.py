@@ -72,6 +72,8 @@ CASES = [  # b, t, heads, kv heads, head width, per-row tables
     (1, 33, 2, 1, 128, True),   # MQA, heads of 128, per-row positions, chunks of 11
     (2, 7, 4, 4, 32, True),     # chunks of 7
 ]
+# The two longest run in the integration tier (`make test-integration`).
+CASES = [pytest.param(*c, marks=pytest.mark.integration) if c[1] >= 40 else c for c in CASES]
 
 
 @needs_kernel

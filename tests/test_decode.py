@@ -72,6 +72,7 @@ def test_bucketed_shapes_compile_once() -> None:
     assert gen._decode._cache_size() == 1
 
 
+@pytest.mark.integration
 def test_repeated_prompts_are_prefilled_once(monkeypatch) -> None:
     """Rows that repeat a prompt (GRPO's group of completions of one prompt) share one prefill:
     8 rows of 2 distinct prompts prefill 2 rows, and every row draws the tokens it draws run

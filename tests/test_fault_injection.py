@@ -27,8 +27,8 @@ from olmax.checkpoint.load import restore_train_state
 from olmax.checkpoint.store import CheckpointError, Checkpointer
 from olmax.config import CheckpointConfig
 from olmax.recipes import get_recipe
-from olmax.train import step as step_module  # the train step takes its optimizer update from here
-from olmax.train.loop import NONFINITE_METRIC, NonFiniteError, all_finite, train
+from olmax.objectives import accumulate as step_module  # the steps take their optimizer update from here
+from olmax.train.loop import NONFINITE_METRIC, all_finite, train
 from olmax.verify.resume import read_metrics
 
 # End-to-end runs in child processes: the integration tier (`make test-integration`).

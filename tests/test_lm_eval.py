@@ -178,6 +178,7 @@ def test_jit_programs_are_bucketed(results: dict[str, dict], models: tuple[objec
     assert ox._decoder is dec and dec._decode._cache_size() == n + 1
 
 
+@pytest.mark.integration
 def test_sampled_generation(models: tuple[object, OlmaxLM]) -> None:
     """gen_kwargs that ask for sampling sample: reproducibly, whatever the batch size, and greedy
     again when do_sample is false."""
@@ -296,6 +297,7 @@ def empty_hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
 
 
+@pytest.mark.integration
 def test_missing_datasets_are_named(hf_dir: Path, empty_hf_cache: None) -> None:
     # Same --include-path as the end-to-end test below, so both share one (cached) task index.
     base = ["--checkpoint", f"hf:{hf_dir}", "--include-path", str(suite.LOCAL_TASKS_DIR)]

@@ -246,6 +246,7 @@ def test_nonsense_values_are_errors_naming_the_field(override, field, corpus):
         cfg_for(corpus, override)
 
 
+@pytest.mark.integration
 def test_max_steps_zero_and_steps_below_the_checkpoint(tmp_path, corpus):
     with pytest.raises(ConfigError, match="--max-steps-this-run must be positive"):
         train(cfg_for(corpus), tmp_path / "a", progress=False, max_steps_this_run=0)
@@ -264,6 +265,7 @@ def _edit_same_size(path: Path, at: int) -> None:
     x.tofile(path)
 
 
+@pytest.mark.integration
 def test_same_size_edit_is_caught_on_resume_and_names_the_file_and_flag(tmp_path, corpus):
     cfg = cfg_for(corpus, "train.steps=4")
     train(cfg, tmp_path / "run", progress=False, max_steps_this_run=2)

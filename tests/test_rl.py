@@ -205,6 +205,7 @@ def test_microbatch_mean_against_float64_numpy():
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
 def test_token_and_sequence_mean_do_not_depend_on_accumulation(aggregation):
     from olmax.model.params import init_params

@@ -55,8 +55,8 @@ def _assert_matches_reference(kernel, q, k, v, window):
         assert float(jnp.abs(a - b).max()) <= 1e-5 * max(1.0, float(jnp.abs(b).max())), f"d{name}"
 
 
-@pytest.mark.parametrize("window,heads,kv", [pytest.param(None, 4, 4, marks=INTEGRATION), (64, 4, 2),
-                                             pytest.param(200, 4, 1, marks=INTEGRATION)])
+@pytest.mark.parametrize("window,heads,kv", [pytest.param(*c, marks=INTEGRATION)
+                                             for c in [(None, 4, 4), (64, 4, 2), (200, 4, 1)]])
 def test_splash_matches_reference_forward_and_gradients(window, heads, kv):
     """fp32, sequence 256 in 128-blocks: full causal, window 64 (blocks outside it skipped) and a
     window that does not align with the blocks; MHA, GQA and MQA."""
