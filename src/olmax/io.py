@@ -130,137 +130,140 @@ def _gcs_client():
                           "set GOOGLE_APPLICATION_CREDENTIALS (OLMAX_GCS_ENDPOINT for an emulator)") from None
 
 
+class GcsFileSystem:
+    """fsspec's ``gs://`` / ``gcs://`` over Google's own Python client (``google-cloud-storage``).
+
+    pyarrow's GCS client hangs on a ranged read (``read_at``) before it sends the request (seen
+    with pyarrow 26 against an emulator and against a minimal server), and gcsfs pins fsspec to
+    its own release, so ``gs://`` uses the official client. The client's own retries are off
+    (``retry=None``): every call is retried by :func:`with_retries`, as for ``s3://``.
+    Credentials: Google's application-default credentials; ``OLMAX_GCS_ENDPOINT`` (e.g.
+    ``http://127.0.0.1:4443``) points it at an emulator or test server, anonymously.
+
+    Only the methods: fsspec is an optional extra, so :func:`_gcs_class` makes the filesystem fsspec
+    registers (this class over fsspec's ``AbstractFileSystem``) when ``gs://`` is first used.
+    """
+
+    protocol = ("gs", "gcs")
+    root_marker = ""
+    TIMEOUT = (20, 120)  # (connect, read) seconds per request
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._local = threading.local()  # one client (one HTTP session) per thread
+
+    @property
+    def client(self):
+        c = getattr(self._local, "client", None)
+        if c is None:
+            c = self._local.client = _gcs_client()
+        return c
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> str:
+        path = str(path)
+        for p in ("gs://", "gcs://"):
+            if path.startswith(p):
+                path = path[len(p):]
+        return path.rstrip("/")
+
+    def _split(self, path: str) -> tuple[str, str]:
+        bucket, _, key = self._strip_protocol(path).partition("/")
+        if not bucket:
+            raise RemoteError(f"gs://{path}: no bucket in the URL (gs://BUCKET/PATH)")
+        return bucket, key
+
+    def _blob(self, path: str):
+        bucket, key = self._split(path)
+        if not key:
+            raise IsADirectoryError(f"gs://{bucket} is a bucket, not an object")
+        return self.client.bucket(bucket).blob(key)
+
+    @staticmethod
+    def _file(bucket: str, blob) -> dict[str, Any]:
+        return {"name": f"{bucket}/{blob.name}", "size": int(blob.size or 0), "type": "file",
+                "generation": blob.generation}
+
+    def _list(self, bucket: str, prefix: str, delimiter: str | None, max_results: int | None = None):
+        it = self.client.list_blobs(bucket, prefix=prefix, delimiter=delimiter, max_results=max_results,
+                                    retry=None, timeout=self.TIMEOUT)
+        blobs = list(it)
+        return blobs, sorted(it.prefixes)
+
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        from google.api_core import exceptions as gexc
+        bucket, key = self._split(path)
+        if key:
+            try:
+                blob = self.client.bucket(bucket).get_blob(key, retry=None, timeout=self.TIMEOUT)
+            except gexc.NotFound:  # a missing bucket
+                raise FileNotFoundError(f"gs://{bucket}/{key}: no such bucket") from None
+            if blob is not None:
+                return self._file(bucket, blob)
+        blobs, prefixes = self._list(bucket, f"{key}/" if key else "", "/", max_results=1)
+        if blobs or prefixes or not key:
+            return {"name": f"{bucket}/{key}".rstrip("/"), "size": 0, "type": "directory"}
+        raise FileNotFoundError(f"gs://{bucket}/{key}")
+
+    def exists(self, path: str, **kwargs: Any) -> bool:
+        try:
+            self.info(path)  # other errors than a missing object are raised (and retried)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def ls(self, path: str, detail: bool = True, **kwargs: Any):
+        bucket, key = self._split(path)
+        prefix = f"{key}/" if key else ""
+        blobs, prefixes = self._list(bucket, prefix, "/")
+        out = [self._file(bucket, b) for b in blobs if b.name != prefix]
+        out += [{"name": f"{bucket}/{p.rstrip('/')}", "size": 0, "type": "directory"} for p in prefixes]
+        if not out and key:
+            out = [self.info(path)]  # a file, or FileNotFoundError
+        return out if detail else [e["name"] for e in out]
+
+    def find(self, path: str, maxdepth: int | None = None, withdirs: bool = False, detail: bool = False,
+             **kwargs: Any):
+        bucket, key = self._split(path)
+        blobs, _ = self._list(bucket, f"{key}/" if key else "", None)
+        out = {f"{bucket}/{b.name}": self._file(bucket, b) for b in blobs if not b.name.endswith("/")}
+        return out if detail else sorted(out)
+
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
+        if start is not None and start < 0 or end is not None and end < 0:
+            raise ValueError("negative offsets are not supported for gs://")
+        if end is not None and end <= (start or 0):
+            return b""
+        ranged = start is not None or end is not None
+        return self._blob(path).download_as_bytes(start=start, end=None if end is None else end - 1,
+                                                  checksum=None if ranged else "auto", retry=None,
+                                                  timeout=self.TIMEOUT)
+
+    def get_file(self, rpath: str, lpath: str, **kwargs: Any) -> None:
+        self._blob(rpath).download_to_filename(os.fspath(lpath), retry=None, timeout=self.TIMEOUT)
+
+    def put_file(self, lpath: str, rpath: str, **kwargs: Any) -> None:
+        self._blob(rpath).upload_from_filename(os.fspath(lpath), retry=None, timeout=self.TIMEOUT)
+
+    def pipe_file(self, path: str, value: bytes, **kwargs: Any) -> None:
+        self._blob(path).upload_from_string(value, retry=None, timeout=self.TIMEOUT)
+
+    def rm(self, path: str, recursive: bool = False, **kwargs: Any) -> None:
+        from google.api_core import exceptions as gexc
+        bucket, key = self._split(path)
+        names = [key] if key else []
+        if recursive:
+            names += [b.name for b in self._list(bucket, f"{key}/" if key else "", None)[0]]
+        for name in names:
+            try:
+                self.client.bucket(bucket).blob(name).delete(retry=None, timeout=self.TIMEOUT)
+            except gexc.NotFound:
+                pass  # already gone (or the prefix was no object itself)
+
+
 def _gcs_class():
     from fsspec.spec import AbstractFileSystem
-
-    class GcsFileSystem(AbstractFileSystem):
-        """fsspec's ``gs://`` / ``gcs://`` over Google's own Python client (``google-cloud-storage``).
-
-        pyarrow's GCS client hangs on a ranged read (``read_at``) before it sends the request (seen
-        with pyarrow 26 against an emulator and against a minimal server), and gcsfs pins fsspec to
-        its own release, so ``gs://`` uses the official client. The client's own retries are off
-        (``retry=None``): every call is retried by :func:`with_retries`, as for ``s3://``.
-        Credentials: Google's application-default credentials; ``OLMAX_GCS_ENDPOINT`` (e.g.
-        ``http://127.0.0.1:4443``) points it at an emulator or test server, anonymously.
-        """
-
-        protocol = ("gs", "gcs")
-        root_marker = ""
-        TIMEOUT = (20, 120)  # (connect, read) seconds per request
-
-        def __init__(self, **kwargs: Any):
-            super().__init__(**kwargs)
-            self._local = threading.local()  # one client (one HTTP session) per thread
-
-        @property
-        def client(self):
-            c = getattr(self._local, "client", None)
-            if c is None:
-                c = self._local.client = _gcs_client()
-            return c
-
-        @classmethod
-        def _strip_protocol(cls, path: Any) -> str:
-            path = str(path)
-            for p in ("gs://", "gcs://"):
-                if path.startswith(p):
-                    path = path[len(p):]
-            return path.rstrip("/")
-
-        def _split(self, path: str) -> tuple[str, str]:
-            bucket, _, key = self._strip_protocol(path).partition("/")
-            if not bucket:
-                raise RemoteError(f"gs://{path}: no bucket in the URL (gs://BUCKET/PATH)")
-            return bucket, key
-
-        def _blob(self, path: str):
-            bucket, key = self._split(path)
-            if not key:
-                raise IsADirectoryError(f"gs://{bucket} is a bucket, not an object")
-            return self.client.bucket(bucket).blob(key)
-
-        @staticmethod
-        def _file(bucket: str, blob) -> dict[str, Any]:
-            return {"name": f"{bucket}/{blob.name}", "size": int(blob.size or 0), "type": "file",
-                    "generation": blob.generation}
-
-        def _list(self, bucket: str, prefix: str, delimiter: str | None, max_results: int | None = None):
-            it = self.client.list_blobs(bucket, prefix=prefix, delimiter=delimiter, max_results=max_results,
-                                        retry=None, timeout=self.TIMEOUT)
-            blobs = list(it)
-            return blobs, sorted(it.prefixes)
-
-        def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
-            from google.api_core import exceptions as gexc
-            bucket, key = self._split(path)
-            if key:
-                try:
-                    blob = self.client.bucket(bucket).get_blob(key, retry=None, timeout=self.TIMEOUT)
-                except gexc.NotFound:  # a missing bucket
-                    raise FileNotFoundError(f"gs://{bucket}/{key}: no such bucket") from None
-                if blob is not None:
-                    return self._file(bucket, blob)
-            blobs, prefixes = self._list(bucket, f"{key}/" if key else "", "/", max_results=1)
-            if blobs or prefixes or not key:
-                return {"name": f"{bucket}/{key}".rstrip("/"), "size": 0, "type": "directory"}
-            raise FileNotFoundError(f"gs://{bucket}/{key}")
-
-        def exists(self, path: str, **kwargs: Any) -> bool:
-            try:
-                self.info(path)  # other errors than a missing object are raised (and retried)
-                return True
-            except FileNotFoundError:
-                return False
-
-        def ls(self, path: str, detail: bool = True, **kwargs: Any):
-            bucket, key = self._split(path)
-            prefix = f"{key}/" if key else ""
-            blobs, prefixes = self._list(bucket, prefix, "/")
-            out = [self._file(bucket, b) for b in blobs if b.name != prefix]
-            out += [{"name": f"{bucket}/{p.rstrip('/')}", "size": 0, "type": "directory"} for p in prefixes]
-            if not out and key:
-                out = [self.info(path)]  # a file, or FileNotFoundError
-            return out if detail else [e["name"] for e in out]
-
-        def find(self, path: str, maxdepth: int | None = None, withdirs: bool = False, detail: bool = False,
-                 **kwargs: Any):
-            bucket, key = self._split(path)
-            blobs, _ = self._list(bucket, f"{key}/" if key else "", None)
-            out = {f"{bucket}/{b.name}": self._file(bucket, b) for b in blobs if not b.name.endswith("/")}
-            return out if detail else sorted(out)
-
-        def cat_file(self, path: str, start: int | None = None, end: int | None = None, **kwargs: Any) -> bytes:
-            if start is not None and start < 0 or end is not None and end < 0:
-                raise ValueError("negative offsets are not supported for gs://")
-            if end is not None and end <= (start or 0):
-                return b""
-            ranged = start is not None or end is not None
-            return self._blob(path).download_as_bytes(start=start, end=None if end is None else end - 1,
-                                                      checksum=None if ranged else "auto", retry=None,
-                                                      timeout=self.TIMEOUT)
-
-        def get_file(self, rpath: str, lpath: str, **kwargs: Any) -> None:
-            self._blob(rpath).download_to_filename(os.fspath(lpath), retry=None, timeout=self.TIMEOUT)
-
-        def put_file(self, lpath: str, rpath: str, **kwargs: Any) -> None:
-            self._blob(rpath).upload_from_filename(os.fspath(lpath), retry=None, timeout=self.TIMEOUT)
-
-        def pipe_file(self, path: str, value: bytes, **kwargs: Any) -> None:
-            self._blob(path).upload_from_string(value, retry=None, timeout=self.TIMEOUT)
-
-        def rm(self, path: str, recursive: bool = False, **kwargs: Any) -> None:
-            from google.api_core import exceptions as gexc
-            bucket, key = self._split(path)
-            names = [key] if key else []
-            if recursive:
-                names += [b.name for b in self._list(bucket, f"{key}/" if key else "", None)[0]]
-            for name in names:
-                try:
-                    self.client.bucket(bucket).blob(name).delete(retry=None, timeout=self.TIMEOUT)
-                except gexc.NotFound:
-                    pass  # already gone (or the prefix was no object itself)
-
-    return GcsFileSystem
+    return type("GcsFileSystem", (GcsFileSystem, AbstractFileSystem), {})
 
 
 _registered = False

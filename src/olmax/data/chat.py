@@ -58,12 +58,10 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import shutil
 import sys
-from collections import Counter, deque
-from concurrent.futures import ProcessPoolExecutor
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -517,6 +515,76 @@ class _PairWriter:
 # --------------------------------------------------------------------------- entry point
 
 
+class _Tally:
+    """Encoded chunks in input order into the writer, counting what was read, written, truncated,
+    dropped and skipped (a bad line is an error unless ``skip_bad``)."""
+
+    def __init__(self, writer: _PartWriter | _PairWriter, vocab: int, preference: bool, skip_bad: bool):
+        self.writer, self.vocab, self.preference, self.skip_bad = writer, vocab, preference, skip_bad
+        self.counts = {"records": 0, "written": 0, "truncated": 0, "dropped_no_labels": 0, "tokens": 0,
+                       "trained_tokens": 0, "max_token_id": -1}
+        self.skipped: Counter = Counter()
+
+    def consume(self, name: str, res: _Chunk) -> None:
+        counts = self.counts
+        # records in input order: a bad line and the next good one are ordered by line number
+        bad = {n: (r, msg) for n, r, msg in res.bad}
+        if bad and not self.skip_bad:
+            n = min(bad)
+            raise DataError(f"{name}:{n}: {bad[n][1]} (--skip-bad skips and counts such lines)")
+        for r, _ in bad.values():
+            self.skipped[r] += 1
+        counts["records"] += len(res.lines) + len(bad) + res.dropped
+        counts["truncated"] += res.truncated
+        counts["dropped_no_labels"] += res.dropped
+        per = 2 if self.preference else 1
+        for k in range(len(res.lines)):
+            seqs = [(res.tokens[per * k + j], res.masks[per * k + j]) for j in range(per)]
+            for ids, m in seqs:
+                counts["tokens"] += len(ids)
+                counts["trained_tokens"] += int(m.sum())
+                counts["max_token_id"] = max(counts["max_token_id"], int(ids.max()))
+            if counts["max_token_id"] >= self.vocab:
+                raise DataError(f"{name}:{res.lines[k]}: token id {counts['max_token_id']} >= vocab size {self.vocab}")
+            if self.preference:
+                self.writer.add(*seqs)  # type: ignore[call-arg]
+            else:
+                self.writer.add(*seqs[0])  # type: ignore[call-arg]
+            counts["written"] += 1
+
+    def check_written(self, paths: list[Path]) -> None:
+        if self.counts["written"] == 0:
+            raise DataError(f"no {'pairs' if self.preference else 'conversations'} left to write from "
+                            f"{', '.join(map(str, paths))} (skipped: {dict(self.skipped) or 0}, "
+                            f"dropped with no trained tokens: {self.counts['dropped_no_labels']})")
+
+    def report(self) -> dict:
+        counts, skipped = self.counts, self.skipped
+        return {("pairs" if self.preference else "conversations"): counts["written"],
+                "records_read": counts["records"], "tokens": counts["tokens"],
+                "trained_tokens": counts["trained_tokens"],
+                "trained_share": round(counts["trained_tokens"] / max(counts["tokens"], 1), 6),
+                "truncated": counts["truncated"], "dropped_no_labels": counts["dropped_no_labels"],
+                "skipped": sum(skipped.values()), "skipped_by_reason": dict(sorted(skipped.items()))}
+
+    def finish(self, meta: dict, cap: int) -> dict:
+        """Close the writer; the manifest: ``meta`` and the files written (SFT parts or pair arrays)."""
+        counts = self.counts
+        if self.preference:
+            shas = self.writer.finish()  # type: ignore[union-attr]
+            return {"format": PAIRS_FORMAT, **meta, "pairs": counts["written"],
+                    "total_tokens": counts["tokens"],
+                    "files": {PAIRS_TOKEN_IDS: {"sha256": shas[PAIRS_TOKEN_IDS], "dtype": "uint32"},
+                              PAIRS_LABELS_MASK: {"sha256": shas[PAIRS_LABELS_MASK], "dtype": "bool"},
+                              PAIRS_INDEX: {"sha256": shas[PAIRS_INDEX], "dtype": "int64",
+                                            "columns": ["chosen_offset", "chosen_len", "rejected_offset",
+                                                        "rejected_len"]}}}
+        files = self.writer.finish()  # type: ignore[union-attr]
+        return {"format": SFT_FORMAT, **meta, "part_tokens": cap, "total_tokens": counts["tokens"],
+                "total_documents": counts["written"], "headerless": True, "labels_mask_dtype": "bool",
+                "files": files}
+
+
 def tokenize_chat(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: str | Path,
                   template: str = "olmo3", preference: bool = False, max_length: int | None = None,
                   skip_bad: bool = False, processes: int = 1, part_tokens: int | None = None,
@@ -528,7 +596,7 @@ def tokenize_chat(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenize
     from tokenizers import Tokenizer
     from tqdm import tqdm
 
-    from olmax.data.tokenize import _check_inputs, _find_eos, smallest_dtype
+    from olmax.data.tokenize import _check_inputs, _find_eos, building, check_out_dir, encode_in_order, smallest_dtype
     if processes <= 0:
         raise DataError(f"--processes must be positive, got {processes}")
     if labels not in LABEL_RULES:
@@ -539,8 +607,7 @@ def tokenize_chat(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenize
         raise DataError(f"--shard-tokens must be positive, got {part_tokens}")
     paths = _check_inputs(inputs)
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise DataError(f"output directory {out} already exists and is not empty; choose another --out")
+    check_out_dir(out)
     if not Path(tokenizer).is_file():
         raise DataError(f"tokenizer file not found: {tokenizer}")
     tok_json = Path(tokenizer).read_text()
@@ -558,110 +625,27 @@ def tokenize_chat(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenize
         raise DataError(f"vocab size {vocab} does not fit the pairs' uint32 token ids")
     cap = part_tokens or PART_BYTES // dtype.itemsize
 
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with building(out) as tmp:
         writer: _PartWriter | _PairWriter = _PairWriter(tmp) if preference else _PartWriter(tmp, dtype, cap)
-        counts = {"records": 0, "written": 0, "truncated": 0, "dropped_no_labels": 0, "tokens": 0,
-                  "trained_tokens": 0, "max_token_id": -1}
-        skipped: Counter = Counter()
-
-        def consume(name: str, res: _Chunk) -> None:
-            # records in input order: a bad line and the next good one are ordered by line number
-            bad = {n: (r, msg) for n, r, msg in res.bad}
-            if bad and not skip_bad:
-                n = min(bad)
-                raise DataError(f"{name}:{n}: {bad[n][1]} (--skip-bad skips and counts such lines)")
-            for r, _ in bad.values():
-                skipped[r] += 1
-            counts["records"] += len(res.lines) + len(bad) + res.dropped
-            counts["truncated"] += res.truncated
-            counts["dropped_no_labels"] += res.dropped
-            per = 2 if preference else 1
-            for k in range(len(res.lines)):
-                seqs = [(res.tokens[per * k + j], res.masks[per * k + j]) for j in range(per)]
-                for ids, m in seqs:
-                    counts["tokens"] += len(ids)
-                    counts["trained_tokens"] += int(m.sum())
-                    counts["max_token_id"] = max(counts["max_token_id"], int(ids.max()))
-                if counts["max_token_id"] >= vocab:
-                    raise DataError(f"{name}:{res.lines[k]}: token id {counts['max_token_id']} >= vocab size {vocab}")
-                if preference:
-                    writer.add(*seqs)  # type: ignore[call-arg]
-                else:
-                    writer.add(*seqs[0])  # type: ignore[call-arg]
-                counts["written"] += 1
-
+        tally = _Tally(writer, vocab, preference, skip_bad)
         bar = tqdm(total=sum(p.stat().st_size for p in paths), unit="B", unit_scale=True, desc="tokenize --chat",
                    disable=not progress, file=sys.stderr)
         tasks = ((name, (lines, preference, max_length), nbytes) for name, lines, nbytes in _read_chunks(paths))
-        if processes == 1:
-            _init_worker(tok.to_str(), eos, tpl, labels, single_thread=False)
-            for name, task, nbytes in tasks:
-                consume(name, _encode_chunk(task))
-                bar.update(nbytes)
-        else:
-            with ProcessPoolExecutor(processes, mp.get_context("spawn"), _init_worker,
-                                     (tok.to_str(), eos, tpl, labels, True)) as pool:
-                pending: deque = deque()
-
-                def drain(keep: int) -> None:
-                    while len(pending) > keep:
-                        name, fut, n = pending.popleft()
-                        consume(name, fut.result())
-                        bar.update(n)
-
-                try:
-                    for name, task, nbytes in tasks:
-                        pending.append((name, pool.submit(_encode_chunk, task), nbytes))
-                        drain(2 * processes - 1)
-                    drain(0)
-                except BaseException:
-                    for _, fut, _ in pending:
-                        fut.cancel()
-                    raise
+        encode_in_order(_encode_chunk, tasks, tally.consume, processes, _init_worker, (tok.to_str(), eos, tpl, labels),
+                        bar)
         bar.close()
-        if counts["written"] == 0:
-            raise DataError(f"no {'pairs' if preference else 'conversations'} left to write from "
-                            f"{', '.join(map(str, paths))} (skipped: {dict(skipped) or 0}, "
-                            f"dropped with no trained tokens: {counts['dropped_no_labels']})")
+        tally.check_written(paths)
         shutil.copyfile(tokenizer, tmp / "tokenizer.json")
         if tpl.source is not None:
             (tmp / "chat_template.jinja").write_text(tpl.source)
-        report = {("pairs" if preference else "conversations"): counts["written"],
-                  "records_read": counts["records"], "tokens": counts["tokens"],
-                  "trained_tokens": counts["trained_tokens"],
-                  "trained_share": round(counts["trained_tokens"] / max(counts["tokens"], 1), 6),
-                  "truncated": counts["truncated"], "dropped_no_labels": counts["dropped_no_labels"],
-                  "skipped": sum(skipped.values()), "skipped_by_reason": dict(sorted(skipped.items()))}
         meta = {"dtype": dtype.name, "eos_token_id": eos, "vocab_size": vocab,
                 "tokenizer": {"file": "tokenizer.json", "sha256": hashlib.sha256(tok_json.encode()).hexdigest(),
                               "vocab_size": vocab},
-                "template": tpl.describe(), "labels": labels, "label_rule": LABEL_RULES[labels], "max_length": max_length,
-                "inputs": [p.name for p in paths], "report": report}
-        if preference:
-            shas = writer.finish()  # type: ignore[union-attr]
-            manifest = {"format": PAIRS_FORMAT, **meta, "pairs": counts["written"],
-                        "total_tokens": counts["tokens"],
-                        "files": {PAIRS_TOKEN_IDS: {"sha256": shas[PAIRS_TOKEN_IDS], "dtype": "uint32"},
-                                  PAIRS_LABELS_MASK: {"sha256": shas[PAIRS_LABELS_MASK], "dtype": "bool"},
-                                  PAIRS_INDEX: {"sha256": shas[PAIRS_INDEX], "dtype": "int64",
-                                                "columns": ["chosen_offset", "chosen_len", "rejected_offset",
-                                                            "rejected_len"]}}}
-        else:
-            files = writer.finish()  # type: ignore[union-attr]
-            manifest = {"format": SFT_FORMAT, **meta, "part_tokens": cap, "total_tokens": counts["tokens"],
-                        "total_documents": counts["written"], "headerless": True, "labels_mask_dtype": "bool",
-                        "files": files}
+                "template": tpl.describe(), "labels": labels, "label_rule": LABEL_RULES[labels],
+                "max_length": max_length, "inputs": [p.name for p in paths], "report": tally.report()}
+        manifest = tally.finish(meta, cap)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
         return manifest
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def summary(manifest: dict, where: str | Path) -> str:

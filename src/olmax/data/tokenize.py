@@ -11,6 +11,7 @@ written back in input order, so the output is byte-identical for any process cou
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import io
@@ -20,9 +21,10 @@ import os
 import shutil
 import sys
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Iterator, Literal, Sequence
+from typing import Any, Literal
 
 import numpy as np
 
@@ -246,6 +248,102 @@ class _ShardWriter:
         return manifest
 
 
+class _SplitWriters:
+    """The shard writers of each split (``all``, or ``train`` and ``heldout``), fed encoded chunks in input order."""
+
+    def __init__(self, writers: dict[str, _ShardWriter], vocab: int):
+        self.writers, self.vocab = writers, vocab
+
+    def consume(self, _name: str, result: tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]) -> None:
+        name, tokens, lens, nbytes, held, max_id = result
+        if max_id >= self.vocab:
+            raise DataError(f"{name}: token id {max_id} >= vocab size {self.vocab} (tokenizer and "
+                            f"vocab_size disagree)")
+        if "all" in self.writers:
+            self.writers["all"].add(tokens, lens, nbytes)
+            return
+        tok_held = np.repeat(held, lens)
+        for split, flag in (("train", False), ("heldout", True)):
+            if (held == flag).any():
+                self.writers[split].add(tokens[tok_held == flag], lens[held == flag], nbytes[held == flag])
+
+    def finish(self, meta: dict, paths: list[Path], heldout: float, tok_path: Path) -> dict:
+        """Close the last shards and write each split's manifest; refuse an empty corpus or training split."""
+        manifests = {s: w.finish({**meta, "split": s}) for s, w in self.writers.items()}
+        if sum(m["total_documents"] for m in manifests.values()) == 0:
+            raise DataError(f"empty corpus: no documents in {', '.join(map(str, paths))}")
+        if heldout > 0:
+            if manifests["train"]["total_documents"] == 0:
+                raise DataError(f"--heldout {heldout} left no training documents")
+            if manifests["heldout"]["total_documents"] == 0:
+                print(f"warning: --heldout {heldout} selected no documents", file=sys.stderr)
+            for w in self.writers.values():  # each split is self-contained
+                shutil.copyfile(tok_path, w.root / "tokenizer.json")
+            tok_path.unlink()
+        return manifests
+
+
+# --------------------------------------------------------------------------- running (tokenize and tokenize --chat)
+
+
+def check_out_dir(out: Path) -> None:
+    """Refuse an existing ``--out`` unless it is an empty folder (output is never overwritten)."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DataError(f"output directory {out} already exists and is not empty; choose another --out")
+
+
+@contextlib.contextmanager
+def building(out: Path) -> Iterator[Path]:
+    """A temporary sibling of ``out`` to write into, renamed to ``out`` when the block ends without an
+    error (``out`` may exist only as an empty folder); an error removes it, so a failure leaves nothing."""
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def encode_in_order(encode: Callable[[Any], Any], tasks: Iterable[tuple[str, Any, int]],
+                    consume: Callable[[str, Any], None], processes: int, init: Callable[..., None],
+                    init_args: tuple, bar: Any) -> None:
+    """``consume(name, encode(task))`` for each ``(name, task, raw bytes)`` of ``tasks``, in their order,
+    advancing the progress ``bar`` by the bytes. With ``processes`` > 1 the tasks are encoded by worker
+    processes, set up by ``init(*init_args, single_thread=True)``, a bounded number of tasks ahead of
+    ``consume``; the output is the same for any process count."""
+    if processes == 1:
+        init(*init_args, single_thread=False)
+        for name, task, nbytes in tasks:
+            consume(name, encode(task))
+            bar.update(nbytes)
+        return
+    # spawn: no fork of a process that may hold tokenizer threads; a worker that dies
+    # raises BrokenProcessPool instead of hanging.
+    with ProcessPoolExecutor(processes, mp.get_context("spawn"), init, (*init_args, True)) as pool:
+        pending: deque = deque()
+
+        def drain(keep: int) -> None:  # in submission order, whatever finishes first
+            while len(pending) > keep:
+                name, fut, n = pending.popleft()
+                consume(name, fut.result())
+                bar.update(n)
+
+        try:
+            for name, task, nbytes in tasks:
+                pending.append((name, pool.submit(encode, task), nbytes))
+                drain(2 * processes - 1)  # bounded read-ahead keeps memory flat
+            drain(0)
+        except BaseException:
+            for _, fut, _ in pending:
+                fut.cancel()
+            raise
+
+
 # --------------------------------------------------------------------------- entry points
 
 
@@ -303,15 +401,11 @@ def tokenize(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: st
         raise DataError(f"--shard-tokens and --processes must be positive, got {shard_tokens}, {processes}")
     paths = _check_inputs(inputs)
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise DataError(f"output directory {out} already exists and is not empty; choose another --out")
+    check_out_dir(out)
     if tokenizer is not None and not Path(tokenizer).is_file():
         raise DataError(f"tokenizer file not found: {tokenizer}")
 
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with building(out) as tmp:
         tok_path = tmp / "tokenizer.json"
         if train_bpe_vocab is not None:
             train_bpe(paths, train_bpe_vocab, tok_path, text_field=text_field, text_unit=text_unit, heldout=heldout)
@@ -331,62 +425,12 @@ def tokenize(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: st
                 "heldout_fraction": heldout, "heldout_rule": HELDOUT_RULE, "text_field": text_field,
                 "text_unit": text_unit, "inputs": [p.name for p in paths]}
         splits = {"train": tmp / "train", "heldout": tmp / "heldout"} if heldout > 0 else {"all": tmp}
-        writers = {s: _ShardWriter(d, dtype, shard_tokens) for s, d in splits.items()}
-
-        def consume(result: tuple[str, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]) -> None:
-            name, tokens, lens, nbytes, held, max_id = result
-            if max_id >= vocab:
-                raise DataError(f"{name}: token id {max_id} >= vocab size {vocab} (tokenizer and "
-                                f"vocab_size disagree)")
-            if "all" in writers:
-                writers["all"].add(tokens, lens, nbytes)
-                return
-            tok_held = np.repeat(held, lens)
-            for split, flag in (("train", False), ("heldout", True)):
-                if (held == flag).any():
-                    writers[split].add(tokens[tok_held == flag], lens[held == flag], nbytes[held == flag])
+        writers = _SplitWriters({s: _ShardWriter(d, dtype, shard_tokens) for s, d in splits.items()}, vocab)
 
         bar = tqdm(total=sum(p.stat().st_size for p in paths), unit="B", unit_scale=True, desc="tokenize",
                    disable=not progress, file=sys.stderr)
-        tasks = ((name, texts, eos, heldout, nbytes) for name, texts, nbytes in _chunks(paths, text_field, text_unit))
-        if processes == 1:
-            _init_worker(tok_json, single_thread=False)
-            for *task, nbytes in tasks:
-                consume(_encode(tuple(task)))  # type: ignore[arg-type]
-                bar.update(nbytes)
-        else:
-            # spawn: no fork of a process that may hold tokenizer threads; a worker that dies
-            # raises BrokenProcessPool instead of hanging.
-            with ProcessPoolExecutor(processes, mp.get_context("spawn"), _init_worker, (tok_json, True)) as pool:
-                pending: deque = deque()
-
-                def drain(keep: int) -> None:  # in submission order, whatever finishes first
-                    while len(pending) > keep:
-                        res, n = pending.popleft()
-                        consume(res.result())
-                        bar.update(n)
-
-                for *task, nbytes in tasks:
-                    pending.append((pool.submit(_encode, tuple(task)), nbytes))
-                    drain(2 * processes - 1)  # bounded read-ahead keeps memory flat
-                drain(0)
+        tasks = ((name, (name, texts, eos, heldout), nbytes)
+                 for name, texts, nbytes in _chunks(paths, text_field, text_unit))
+        encode_in_order(_encode, tasks, writers.consume, processes, _init_worker, (tok_json,), bar)
         bar.close()
-
-        manifests = {s: w.finish({**meta, "split": s}) for s, w in writers.items()}
-        if sum(m["total_documents"] for m in manifests.values()) == 0:
-            raise DataError(f"empty corpus: no documents in {', '.join(map(str, paths))}")
-        if heldout > 0:
-            if manifests["train"]["total_documents"] == 0:
-                raise DataError(f"--heldout {heldout} left no training documents")
-            if manifests["heldout"]["total_documents"] == 0:
-                print(f"warning: --heldout {heldout} selected no documents", file=sys.stderr)
-            for s in splits:  # each split is self-contained
-                shutil.copyfile(tok_path, splits[s] / "tokenizer.json")
-            tok_path.unlink()
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-        return manifests
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        return writers.finish(meta, paths, heldout, tok_path)

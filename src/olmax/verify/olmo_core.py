@@ -336,33 +336,14 @@ def _olmo_core_scheduler(cfg: Config):
     return ConstantWithWarmup(warmup=s.warmup)
 
 
-def run_olmo_core(cfg: Config, paths: list[str], work: str | os.PathLike,
-                  hf_dir: str | os.PathLike | None, world_size: int = 1, metrics_interval: int = 1,
-                  label_mask_paths: list[str] | None = None) -> Trace:
-    """Train ``cfg`` in OLMo-core on ``paths``; write its initial weights to ``hf_dir`` (HF format)
-    before the first step (None: do not export). Returns the per-step trace; metrics are collected
-    every ``metrics_interval`` steps (OLMo-core's own default is 5, which syncs less often).
+def _olmo_core_processes(cfg: Config, work: Path, world_size: int):
+    """Set up torch.distributed for OLMo-core; the data-parallel config (None: one process in fp32).
 
-    ``world_size`` > 1: this process is one rank of an initialised gloo group of that size, and the
-    model is wrapped for data parallelism as ``OLMo-3-1025-7B-pretrain-1.py`` configures it (HSDP,
-    block-wise wrapping, fp32 gradient reduction; fp32 parameters here). The trace's ids are this
-    rank's share of each batch (columns ``rank::world_size``)."""
-    import torch
-    from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
-    from olmo_core.data.types import NumpyDatasetDType
-    from olmo_core.nn.hf.checkpoint import save_hf_model
-    from olmo_core.optim import OptimGroupOverride, SkipStepAdamWConfig
-    from olmo_core.train import Duration, TrainerConfig
-    from olmo_core.train.callbacks import Callback
-    from olmo_core.train.common import LoadStrategy
-    from olmo_core.train.train_module import TransformerTrainModuleConfig
-
-    work = Path(work)
-    work.mkdir(parents=True, exist_ok=True)
+    ``world_size`` > 1: this process must be one rank of an initialised group of that size; one
+    process gets its own group (and torchrun's variables when the wrapper casts to bf16)."""
     import olmo_core.distributed.parallel as oc_parallel
     # One world mesh per process in OLMo-core; this process may train several runs one after another.
     oc_parallel._WORLD_MESH = None
-    dp_config = None
     bf16 = cfg.model.compute_dtype == "bfloat16"
     if world_size == 1:
         _init_single_process_group(work)
@@ -372,24 +353,30 @@ def run_olmo_core(cfg: Config, paths: list[str], work: str | os.PathLike,
     else:
         import torch.distributed as dist
         if not dist.is_initialized() or dist.get_world_size() != world_size:
-            raise RuntimeError(f"run_olmo_core(world_size={world_size}) needs an initialised process group of that size")
-    if world_size > 1 or bf16:
-        from olmo_core.config import DType
-        from olmo_core.distributed.parallel import DataParallelType
-        from olmo_core.train.train_module import (TransformerDataParallelConfig,
-                                                  TransformerDataParallelWrappingStrategy)
-        # OLMo-3-1025-7B-pretrain-1.py: HSDP, bf16 parameters in compute, fp32 gradient reduction.
-        dp_config = TransformerDataParallelConfig(
-            name=DataParallelType.hsdp, param_dtype=DType.bfloat16 if bf16 else None, reduce_dtype=DType.float32,
-            wrapping_strategy=TransformerDataParallelWrappingStrategy.blocks)
-    t0 = time.perf_counter()
-    m, d, o, tr = cfg.model, cfg.data, cfg.optim, cfg.train
-    L = d.sequence_length
+            raise RuntimeError(f"run_olmo_core(world_size={world_size}) needs an initialised process group of "
+                               "that size")
+    if not (world_size > 1 or bf16):
+        return None
+    from olmo_core.config import DType
+    from olmo_core.distributed.parallel import DataParallelType
+    from olmo_core.train.train_module import TransformerDataParallelConfig, TransformerDataParallelWrappingStrategy
+    # OLMo-3-1025-7B-pretrain-1.py: HSDP, bf16 parameters in compute, fp32 gradient reduction.
+    return TransformerDataParallelConfig(
+        name=DataParallelType.hsdp, param_dtype=DType.bfloat16 if bf16 else None, reduce_dtype=DType.float32,
+        wrapping_strategy=TransformerDataParallelWrappingStrategy.blocks)
 
+
+def _olmo_core_train_module(cfg: Config, dp_config: Any, world_size: int):
+    """The model (built on CPU, initialised by OLMo-core) in its train module, with OLMo 3's optimizer."""
+    import torch
+    from olmo_core.optim import OptimGroupOverride, SkipStepAdamWConfig
+    from olmo_core.train.train_module import TransformerTrainModuleConfig
+
+    o, tr, L = cfg.optim, cfg.train, cfg.data.sequence_length
     model = olmo_core_model_config(cfg).build(init_device="cpu")
     # Per rank, as olmax's micro_batch_size is per device.
     micro = (tr.micro_batch_size or tr.global_batch_size // world_size) * L
-    train_module = TransformerTrainModuleConfig(
+    return TransformerTrainModuleConfig(
         dp_config=dp_config,
         rank_microbatch_size=micro,
         max_sequence_length=L,
@@ -406,15 +393,14 @@ def run_olmo_core(cfg: Config, paths: list[str], work: str | os.PathLike,
         max_grad_norm=o.max_grad_norm,
     ).build(model, device=torch.device("cpu"))
 
-    # OLMo-core's initial weights (init_weights ran in parallelize_model), in HF format.
-    if hf_dir is not None:
-        # Every rank takes part (the full tensors are gathered); rank 0 writes.
-        save_hf_model(hf_dir, train_module.model.state_dict(), train_module.model, save_overwrite=True)
-        if world_size == 1 or torch.distributed.get_rank() == 0:
-            _patch_hf_config(Path(hf_dir), cfg)
-        if world_size > 1:
-            torch.distributed.barrier()
 
+def _olmo_core_loader(cfg: Config, paths: list[str], work: Path, label_mask_paths: list[str] | None):
+    """OLMo-core's dataset over ``paths`` (packed as its SFT scripts pack with ``packing: obfd``, else
+    fixed-length instances) and its data loader."""
+    from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
+    from olmo_core.data.types import NumpyDatasetDType
+
+    m, d, L = cfg.model, cfg.data, cfg.data.sequence_length
     tokenizer = TokenizerConfig(vocab_size=m.vocab_size, eos_token_id=d.eos_token_id, pad_token_id=d.pad_token_id,
                                 bos_token_id=d.bos_token_id)
     masks = list(label_mask_paths) if label_mask_paths else sft_masks(cfg, list(paths))
@@ -429,10 +415,13 @@ def run_olmo_core(cfg: Config, paths: list[str], work: str | os.PathLike,
         dataset = NumpyFSLDatasetConfig(paths=list(paths), sequence_length=L, tokenizer=tokenizer,
                                         dtype=NumpyDatasetDType(d.dtype), work_dir=str(work / "dataset"),
                                         label_mask_paths=masks).build()
-    loader = NumpyDataLoaderConfig(global_batch_size=tr.global_batch_size * L, seed=d.seed, num_workers=0,
-                                   num_threads=1, work_dir=str(work / "dataset")).build(dataset)
+    return NumpyDataLoaderConfig(global_batch_size=cfg.train.global_batch_size * L, seed=d.seed, num_workers=0,
+                                 num_threads=1, work_dir=str(work / "dataset")).build(dataset)
 
-    trace = Trace()
+
+def _recorder(trace: Trace):
+    """A trainer callback that records into ``trace`` each step's start time, batch ids and metrics."""
+    from olmo_core.train.callbacks import Callback
 
     class Recorder(Callback):
         def pre_step(self, batch: dict[str, Any]) -> None:
@@ -448,13 +437,49 @@ def run_olmo_core(cfg: Config, paths: list[str], work: str | os.PathLike,
                 if name in metrics:
                     into[step] = float(metrics[name])
 
+    return Recorder()
+
+
+def run_olmo_core(cfg: Config, paths: list[str], work: str | os.PathLike,
+                  hf_dir: str | os.PathLike | None, world_size: int = 1, metrics_interval: int = 1,
+                  label_mask_paths: list[str] | None = None) -> Trace:
+    """Train ``cfg`` in OLMo-core on ``paths``; write its initial weights to ``hf_dir`` (HF format)
+    before the first step (None: do not export). Returns the per-step trace; metrics are collected
+    every ``metrics_interval`` steps (OLMo-core's own default is 5, which syncs less often).
+
+    ``world_size`` > 1: this process is one rank of an initialised gloo group of that size, and the
+    model is wrapped for data parallelism as ``OLMo-3-1025-7B-pretrain-1.py`` configures it (HSDP,
+    block-wise wrapping, fp32 gradient reduction; fp32 parameters here). The trace's ids are this
+    rank's share of each batch (columns ``rank::world_size``)."""
+    import torch
+    from olmo_core.nn.hf.checkpoint import save_hf_model
+    from olmo_core.train import Duration, TrainerConfig
+    from olmo_core.train.common import LoadStrategy
+
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    dp_config = _olmo_core_processes(cfg, work, world_size)
+    t0 = time.perf_counter()
+    train_module = _olmo_core_train_module(cfg, dp_config, world_size)
+
+    # OLMo-core's initial weights (init_weights ran in parallelize_model), in HF format.
+    if hf_dir is not None:
+        # Every rank takes part (the full tensors are gathered); rank 0 writes.
+        save_hf_model(hf_dir, train_module.model.state_dict(), train_module.model, save_overwrite=True)
+        if world_size == 1 or torch.distributed.get_rank() == 0:
+            _patch_hf_config(Path(hf_dir), cfg)
+        if world_size > 1:
+            torch.distributed.barrier()
+
+    loader = _olmo_core_loader(cfg, paths, work, label_mask_paths)
+    trace = Trace()
     trainer = TrainerConfig(
         save_folder=str(work / "trainer"), work_dir=str(work / "trainer"), save_overwrite=True,
         load_strategy=LoadStrategy.never, no_checkpoints=True, no_evals=True,
-        max_duration=Duration.steps(tr.steps), metrics_collect_interval=metrics_interval, cancel_check_interval=10**9,
-        callbacks={"olmax_recorder": Recorder()},
+        max_duration=Duration.steps(cfg.train.steps), metrics_collect_interval=metrics_interval,
+        cancel_check_interval=10**9, callbacks={"olmax_recorder": _recorder(trace)},
     ).build(train_module, loader)
-    if d.document_masking:
+    if cfg.data.document_masking:
         with intra_document_masking():
             trainer.fit()
     else:

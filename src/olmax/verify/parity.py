@@ -122,6 +122,64 @@ def compare_hidden(hf: dict[str, np.ndarray], ox: dict[str, np.ndarray], tol: fl
 # --------------------------------------------------------------------------- driver
 
 
+def _olmax_weights(hf_dir: Path, checkpoint: str | os.PathLike | None) -> tuple[Any, Any]:
+    """olmax's ``(params, config)``: from ``checkpoint``, which must be the model ``hf_dir`` holds, or
+    converted from ``hf_dir`` in memory."""
+    from olmax.compat.hf import ConversionError, config_from_hf, load_hf_params, read_hf_config
+    from olmax.config import model_differences
+
+    hf_cfg = config_from_hf(read_hf_config(hf_dir))  # rejects non-OLMo-3 checkpoints early
+    if checkpoint is None:
+        return load_hf_params(hf_dir)
+    from olmax.checkpoint.load import load_params
+    params, cfg = load_params(checkpoint)  # a weights dir, a run dir or RUN/checkpoints/N
+    # HF files carry neither olmax's vocabulary padding nor the master-weight dtype.
+    differ = model_differences(cfg.model, hf_cfg.model, ignore=frozenset({"padded_vocab_size", "param_dtype"}))
+    if differ:
+        f, a, b = differ[0]
+        raise ConversionError(f"--checkpoint {checkpoint} and --hf {hf_dir} describe different models "
+                              f"(model.{f}: {a!r} vs {b!r})")
+    return params, cfg
+
+
+def _parity_tokens(tokens: np.ndarray | str | os.PathLike | None, cfg: Any, batch: int, seq_len: int, seed: int,
+                   document_masking: bool) -> np.ndarray:
+    """The token rows, checked against the model: random (with EOS planted at random places for
+    ``document_masking``), the given array, or loaded from a file."""
+    from olmax.config import ConfigError
+
+    vocab = cfg.model.vocab_size
+    if tokens is None:
+        toks = random_tokens(vocab, batch, seq_len, seed)
+    elif isinstance(tokens, np.ndarray):
+        toks = check_tokens(tokens, vocab)
+    else:
+        toks = load_token_array(str(tokens), vocab)
+    if toks.shape[1] > cfg.model.max_position_embeddings:
+        # transformers' eager path would first build a [batch, 1, t, t] fp32 mask (80 GB at 100,000
+        # tokens) and fail in its allocator.
+        raise ConfigError(f"--seq-len {toks.shape[1]} (or rows of --tokens that long): longer than the model's "
+                          f"max_position_embeddings ({cfg.model.max_position_embeddings})")
+    if document_masking and tokens is None:  # three to five documents a row, some shorter than a window
+        eos = cfg.data.eos_token_id
+        rng = np.random.default_rng(seed + 1)
+        for row in toks:
+            row[rng.choice(toks.shape[1] - 1, size=min(4, toks.shape[1] - 1), replace=False)] = eos
+    return toks
+
+
+def _check_runtime_overrides(overrides: list[str] | tuple[str, ...]) -> None:
+    """Parity compares one model: ``overrides`` may change only how it is computed."""
+    from olmax.config import RUNTIME_MODEL_FIELDS, ConfigError
+
+    for o in overrides:
+        key = o.split("=", 1)[0].strip()
+        if not (key.startswith("model.") and key[len("model."):] in RUNTIME_MODEL_FIELDS - {"compute_dtype"}):
+            raise ConfigError(f"parity --set {o!r}: only how the model is computed may change "
+                              f"(model.{', model.'.join(sorted(RUNTIME_MODEL_FIELDS - {'compute_dtype'}))}); "
+                              "use --dtype for the compute dtype")
+
+
 def run_parity(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike | None = None,
                tokens: np.ndarray | str | os.PathLike | None = None, seq_len: int = 128, batch: int = 2,
                dtype: str = "float32", seed: int = 0, dump: str | os.PathLike | None = None,
@@ -138,47 +196,17 @@ def run_parity(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike | None =
     tokens get EOS planted at random places); olmax gets their positions and segment ids,
     transformers the same positions as ``position_ids``."""
     require("hf", "torch", "transformers")  # before olmax's side loads or converts the weights
-    from olmax.compat.hf import ConversionError, config_from_hf, load_hf_params, read_hf_config
-    from olmax.config import RUNTIME_MODEL_FIELDS, ConfigError, model_differences, validate
+    from olmax.compat.hf import ConversionError
+    from olmax.config import validate
 
     if dtype not in HIDDEN_TOL:
         raise ConversionError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
     hf_dir = Path(hf_dir)
-    hf_cfg = config_from_hf(read_hf_config(hf_dir))  # rejects non-OLMo-3 checkpoints early
-    if checkpoint is not None:
-        from olmax.checkpoint.load import load_params
-        params, cfg = load_params(checkpoint)  # a weights dir, a run dir or RUN/checkpoints/N
-        # HF files carry neither olmax's vocabulary padding nor the master-weight dtype.
-        differ = model_differences(cfg.model, hf_cfg.model, ignore=frozenset({"padded_vocab_size", "param_dtype"}))
-        if differ:
-            f, a, b = differ[0]
-            raise ConversionError(f"--checkpoint {checkpoint} and --hf {hf_dir} describe different models "
-                                  f"(model.{f}: {a!r} vs {b!r})")
-    else:
-        params, cfg = load_hf_params(hf_dir)
+    params, cfg = _olmax_weights(hf_dir, checkpoint)
     vocab = cfg.model.vocab_size
-    if tokens is None:
-        toks = random_tokens(vocab, batch, seq_len, seed)
-    elif isinstance(tokens, np.ndarray):
-        toks = check_tokens(tokens, vocab)
-    else:
-        toks = load_token_array(str(tokens), vocab)
-    if toks.shape[1] > cfg.model.max_position_embeddings:
-        # transformers' eager path would first build a [batch, 1, t, t] fp32 mask (80 GB at 100,000
-        # tokens) and fail in its allocator.
-        raise ConfigError(f"--seq-len {toks.shape[1]} (or rows of --tokens that long): longer than the model's "
-                          f"max_position_embeddings ({cfg.model.max_position_embeddings})")
+    toks = _parity_tokens(tokens, cfg, batch, seq_len, seed, document_masking)
     eos = cfg.data.eos_token_id if document_masking else None
-    if document_masking and tokens is None:  # three to five documents a row, some shorter than a window
-        rng = np.random.default_rng(seed + 1)
-        for row in toks:
-            row[rng.choice(toks.shape[1] - 1, size=min(4, toks.shape[1] - 1), replace=False)] = eos
-    for o in overrides:
-        key = o.split("=", 1)[0].strip()
-        if not (key.startswith("model.") and key[len("model."):] in RUNTIME_MODEL_FIELDS - {"compute_dtype"}):
-            raise ConfigError(f"parity --set {o!r}: only how the model is computed may change "
-                              f"(model.{', model.'.join(sorted(RUNTIME_MODEL_FIELDS - {'compute_dtype'}))}); "
-                              "use --dtype for the compute dtype")
+    _check_runtime_overrides(overrides)
     cfg = validate(cfg.override(list(overrides)))
     from olmax.model.dispatch import resolve_attention
     impl = resolve_attention(attention_impl or ("reference" if dtype == "float32" else cfg.model.attention_impl), dtype)
