@@ -35,10 +35,11 @@ import time
 from dataclasses import replace
 from functools import partial
 
-import olmax  # noqa: F401  (first: keeps JAX off a TPU runtime that has no TPU here)
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+import olmax  # noqa: F401  (first: keeps JAX off a TPU runtime that has no TPU here)
 
 HF = dict(vocab_size=16384, hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
           num_key_value_heads=8, max_position_embeddings=1024, sliding_window=128, rms_norm_eps=1e-6,
@@ -76,12 +77,12 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
+    from transformers import Olmo3ForCausalLM
 
     from olmax.checkpoint.load import load_params
     from olmax.compat.hf import random_hf_model
     from olmax.model.decode import cache_bytes, prefill, step_weight_bytes
     from olmax.model.generate import Generator, Sampling, cache_length, generate
-    from transformers import Olmo3ForCausalLM
 
     tmp = tempfile.mkdtemp(prefix="bench_generate_")
     random_hf_model(tmp, seed=0, **HF)

@@ -21,10 +21,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-import olmax  # noqa: F401  (first: keeps JAX off a TPU runtime that has no TPU here)
 import jax
 import numpy as np
 
+import olmax  # noqa: F401  (first: keeps JAX off a TPU runtime that has no TPU here)
 from olmax.config import Config, ModelConfig
 from olmax.model.dispatch import can_reproduce_decode_bits
 from olmax.model.generate import Sampling, generate

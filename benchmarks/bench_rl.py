@@ -37,8 +37,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import olmax  # noqa: F401  (first: keeps JAX off a TPU runtime that has no TPU here)
 from bench_generate import HF
+
+import olmax  # noqa: F401  (first: keeps JAX off a TPU runtime that has no TPU here)
 
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "fast", "blue", "sky", "is", "and", "we", "see"]
 PROMPTS, GROUP, NEW = 4, 8, 64

@@ -13,11 +13,11 @@ import argparse
 import time
 from functools import partial
 
-import olmax  # first: keeps JAX off a TPU runtime that has no TPU here
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import olmax  # first: keeps JAX off a TPU runtime that has no TPU here
 from olmax.metrics.flops import flops_per_token
 from olmax.model.params import count_params, init_params
 from olmax.objectives.lm import make_lm_step

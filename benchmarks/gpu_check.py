@@ -46,13 +46,15 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
-import olmax  # noqa: F401  (first: keeps JAX off a TPU runtime that has no TPU)
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+import olmax  # noqa: F401  (first: keeps JAX off a TPU runtime that has no TPU)
 
 DATASHEET_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16
 
@@ -207,9 +209,9 @@ class Check:
         from olmax.checkpoint.state import abstract_train_state, shardings
         from olmax.metrics.flops import device_peak_flops, flops_per_token
         from olmax.model.params import init_params
+        from olmax.objectives.lm import jit_lm_step
         from olmax.optim import init_opt_state
         from olmax.sharding import make_mesh, plan_batch
-        from olmax.objectives.lm import jit_lm_step
         batch, steps = self.shape["train_batch"], self.shape["train_steps"]
         cfg = self.config(batch)
         mesh = make_mesh(cfg.mesh)
@@ -363,7 +365,7 @@ class Check:
         def hf_run(ids: Any, n: int, **kw: Any) -> tuple[list[list[int]], list[float]]:
             st = Stamps()
             with torch.no_grad():
-                out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                out = hf.generate(input_ids=ids,  # noqa: F821 (``hf`` is deleted after its last use) attention_mask=torch.ones_like(ids), max_new_tokens=n,
                                   min_new_tokens=n, do_sample=False, pad_token_id=1, streamer=st, **kw)
             sync()
             return out[:, P:].tolist(), st.t

@@ -129,7 +129,7 @@ def run_olmo_core(s: dict, tokens: Path, out: Path, env: dict) -> list[float]:
     try:
         import olmo_core  # noqa: F401
     except ImportError as e:
-        raise PeerUnavailable(f"OLMo-core is not installed ({e}); `pip install -e '.[verify]'` brings it")
+        raise PeerUnavailable(f"OLMo-core is not installed ({e}); `pip install -e '.[verify]'` brings it") from None
     res = out / "olmo_core.json"
     cmd = [sys.executable, __file__, "--_olmo-core-worker", json.dumps({"shape": s, "tokens": str(tokens),
                                                                          "work": str(out / "olmo_core"),

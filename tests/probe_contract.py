@@ -35,10 +35,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).parent))
 
 from test_train_contract import _numeric_fields  # noqa: E402
-from trainlib import small_overrides, write_corpus  # noqa: E402
 
 from olmax import cli  # noqa: E402
 from olmax.config import Config  # noqa: E402
+from trainlib import small_overrides, write_corpus  # noqa: E402
 
 
 def strict(text: str):
@@ -258,7 +258,8 @@ def probe_kills(n: int, tmp: Path, counts: dict, accepted: list, recipes: list[s
             p.send_signal(signal.SIGKILL)
             p.wait()
             counts["kills"] += 1
-            accepted.append(f"killed {recipe} {time.perf_counter() - t0:.1f} s in, newest checkpoint folder: "
+            at = time.perf_counter() - t0  # named in the failure line below (it was an undefined name)
+            accepted.append(f"killed {recipe} {at:.1f} s in, newest checkpoint folder: "
                             f"step {newest_checkpoint(run)} of {STEPS}")
             r = subprocess.run([*cmd, "--run-dir", str(run)], env=env, capture_output=True, text=True)
             got = read_metrics(run) if r.returncode == 0 else {}

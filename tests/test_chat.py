@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 from olmax.chat.template import load_template, render_olmo3_chat
-from olmax.data import DataError
-from olmax.data import chat
+from olmax.data import DataError, chat
 
 SPECIALS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
 EOS, PAD = 0, 1
@@ -312,7 +311,7 @@ def test_bad_lines_name_file_and_line_or_are_skipped(tok_file: Path, tmp_path: P
         "eos_in_text": {"messages": [{"role": "user", "content": "hi"},
                                      {"role": "assistant", "content": "a<|endoftext|>b"}]},
     }
-    for i, (reason, rec) in enumerate(bad.items()):
+    for i, rec in enumerate(bad.values()):
         f = tmp_path / f"bad{i}.jsonl"
         f.write_text(json.dumps(good) + "\n\n" + json.dumps(rec) + "\n")
         with pytest.raises(DataError, match=rf"{f}:3: .*--skip-bad"):

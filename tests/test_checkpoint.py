@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from olmax.checkpoint.store import CheckpointError, Checkpointer, StopSignal
+from olmax.checkpoint.store import Checkpointer, CheckpointError, StopSignal
 from olmax.config import CheckpointConfig, Config, ModelConfig
 
 

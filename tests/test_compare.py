@@ -12,8 +12,17 @@ import numpy as np
 import pytest
 
 from olmax.eval.alarm import AlarmConfig, MemorisationAlarm, check_memorisation, interp, judge
-from olmax.eval.compare import (bin_edges, bin_gap, compare, gap, milestone_table, paired_delta, read_run,
-                                read_runs, window_gap)
+from olmax.eval.compare import (
+    bin_edges,
+    bin_gap,
+    compare,
+    gap,
+    milestone_table,
+    paired_delta,
+    read_run,
+    read_runs,
+    window_gap,
+)
 from olmax.eval.runs import metric_rows, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

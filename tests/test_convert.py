@@ -19,16 +19,30 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Ol
 from transformers.models.olmo3.modeling_olmo3 import Olmo3RotaryEmbedding
 
 from olmax.compat import commands
-from olmax.compat.hf import (ConversionError, hf_config_to_olmax, hf_to_olmax, load_hf_params,
-                             olmax_to_hf, olmax_to_hf_config)
+from olmax.compat.hf import (
+    ConversionError,
+    hf_config_to_olmax,
+    hf_to_olmax,
+    load_hf_params,
+    olmax_to_hf,
+    olmax_to_hf_config,
+    random_hf_model,
+)
 from olmax.config import RUNTIME_MODEL_FIELDS, Config
+from olmax.model.weights_io import (
+    INDEX_NAME,
+    WeightsError,
+    flatten_tree,
+    iter_weights,
+    load_weights,
+    named_specs,
+    save_weights,
+)
+from olmax.recipes.olmo3 import olmo3_7b_model, olmo3_7b_stage1, olmo3_7b_stage3
 
 # How a recipe computes its model (kernels, remat, scan, dtype): never in a converted file's config.
 COMPUTE_FIELDS = RUNTIME_MODEL_FIELDS - {"init_std", "max_position_embeddings"}
-from olmax.model.weights_io import (INDEX_NAME, WeightsError, flatten_tree, iter_weights, load_weights,
-                                    named_specs, save_weights)
-from olmax.recipes.olmo3 import olmo3_7b_model, olmo3_7b_stage1, olmo3_7b_stage3
-from olmax.compat.hf import random_hf_model
+
 
 BASE = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, sliding_window=16, max_position_embeddings=128, rms_norm_eps=1e-6,

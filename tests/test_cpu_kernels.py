@@ -12,11 +12,10 @@ import sys
 import textwrap
 from dataclasses import replace
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from olmax.config import ModelConfig
 from olmax.kernels import cpu as cpu_kernels

@@ -8,11 +8,10 @@ mesh runs it per batch shard with one device's bits."""
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from olmax.kernels import cpu as cpu_kernels
 from olmax.model.layers import apply_rope, rms_norm

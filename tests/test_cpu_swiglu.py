@@ -6,13 +6,13 @@ steps all call it on the CPU in fp32, and bf16 and accelerator programs keep XLA
 runs it per batch shard with one device's bits."""
 
 from __future__ import annotations
-from unittest import mock
 
-import numpy as np
-import pytest
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from olmax.kernels import cpu as cpu_kernels
 from olmax.model import dispatch, layers

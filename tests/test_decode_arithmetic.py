@@ -11,18 +11,17 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from olmax.config import Config, ModelConfig
 from olmax.kernels import cpu as cpu_kernels
 from olmax.model import olmo3
 from olmax.model.attention import reference_attention
-from olmax.model.generate import Sampling, generate
 from olmax.model.dispatch import can_reproduce_decode_bits, reproduce_decode_bits, rms_norm
+from olmax.model.generate import Sampling, generate
 from olmax.model.layers import position_mask
 from olmax.model.loss import token_logps
 from olmax.model.params import init_params

@@ -12,8 +12,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from olmax.demos.rl import (build_task_set, heldout_accuracy, mean_se, paired_gain, preference_record, prompt_record,
-                            read_prompts, rl_overrides, sample_rewards, warm_start, write_prompts)
+from olmax.demos.rl import (
+    build_task_set,
+    heldout_accuracy,
+    mean_se,
+    paired_gain,
+    preference_record,
+    prompt_record,
+    read_prompts,
+    rl_overrides,
+    sample_rewards,
+    warm_start,
+    write_prompts,
+)
 
 # End-to-end runs in child processes: the integration tier (`make test-integration`).
 pytestmark = pytest.mark.integration
@@ -90,8 +101,8 @@ def _encoded(start: dict, prompts: list[dict]) -> list[list[int]]:
 
 
 def test_warm_start_and_heldout_accuracy(tmp_path: Path) -> None:
-    from olmax.cli import main
     from olmax.checkpoint.load import load_params
+    from olmax.cli import main
     from olmax.recipes import get_recipe
     demo = tmp_path / "demo"
     assert main(["demo", "--run-dir", str(demo), "--corpus-mb", "0.4", "--set", "train.steps=20",

@@ -8,9 +8,10 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from olmax.cli import main
 from olmax.demos.sft import build_chat_set, verdict
-import pytest
 
 # End-to-end runs in child processes: the integration tier (`make test-integration`).
 pytestmark = pytest.mark.integration

@@ -22,14 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainlib import small_overrides
 from olmax.checkpoint.load import restore_train_state
-from olmax.checkpoint.store import CheckpointError, Checkpointer
+from olmax.checkpoint.store import Checkpointer, CheckpointError
 from olmax.config import CheckpointConfig
-from olmax.recipes import get_recipe
 from olmax.objectives import accumulate as step_module  # the steps take their optimizer update from here
+from olmax.recipes import get_recipe
 from olmax.train.loop import NONFINITE_METRIC, all_finite, train
 from olmax.verify.resume import read_metrics
+from trainlib import small_overrides
 
 # End-to-end runs in child processes: the integration tier (`make test-integration`).
 pytestmark = pytest.mark.integration

@@ -7,11 +7,10 @@ kernel; a CPU mesh runs it per batch shard with one device's bits."""
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from olmax.kernels import cpu as cpu_kernels
 from olmax.model.attention import blocked_attention, reference_attention

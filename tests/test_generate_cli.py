@@ -20,7 +20,8 @@ import jax
 import pytest
 
 from olmax import cli
-from olmax.chat import codec as chat_codec, template as chat_template
+from olmax.chat import codec as chat_codec
+from olmax.chat import template as chat_template
 from olmax.compat.hf import random_hf_model
 from olmax.config import Config, DataConfig
 from olmax.infer.chat import run_chat

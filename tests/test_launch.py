@@ -16,11 +16,11 @@ from signal import SIGKILL
 
 import pytest
 
-from trainlib import small_overrides
 from olmax.launch import latest_checkpoint
 from olmax.recipes import get_recipe
 from olmax.train.loop import train
 from olmax.verify.resume import read_metrics
+from trainlib import small_overrides
 
 # End-to-end runs in child processes: the integration tier (`make test-integration`).
 pytestmark = pytest.mark.integration

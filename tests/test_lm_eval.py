@@ -26,20 +26,18 @@ import argparse
 import json
 from pathlib import Path
 
-import pytest
-
 # The references must run: a missing install fails here instead of skipping.
 import accelerate  # noqa: E402,F401  (lm-eval's HF model needs it)
 import lm_eval  # noqa: E402
-
+import pytest
 from lm_eval import utils as lm_utils  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
+from olmax.compat.hf import random_hf_model  # noqa: E402
 from olmax.config import ConfigError  # noqa: E402
 from olmax.eval import suite  # noqa: E402
-from olmax.model.generate import Sampling  # noqa: E402
 from olmax.eval.lm_eval_adapter import OlmaxLM  # noqa: E402
-from olmax.compat.hf import random_hf_model  # noqa: E402
+from olmax.model.generate import Sampling  # noqa: E402
 
 TASKS = ["olmax_mc", "olmax_ppl", "olmax_gen"]
 MAX_LENGTH = 48
@@ -227,6 +225,7 @@ def test_chat_template_renders_as_hf(hf_dir: Path, models: tuple[object, OlmaxLM
     """--apply_chat_template: a tokenizer's jinja template gives HFLM's prompts, with and without a
     generation prompt (a prefilled reply left open); without one, the built-in OLMo 3 template."""
     from lm_eval.models.huggingface import HFLM
+
     from olmax.chat.template import render_olmo3_chat
     d = tmp_path / "tok"
     d.mkdir()

@@ -17,8 +17,7 @@ from transformers.models.olmo3 import modeling_olmo3 as hf
 
 from olmax.config import ModelConfig, RopeScaling
 from olmax.model.attention import fused_attention, reference_attention
-from olmax.model.layers import (apply_rope, attention_mask, rms_norm,
-                                rope_cos_sin, rope_inv_freq)
+from olmax.model.layers import apply_rope, attention_mask, rms_norm, rope_cos_sin, rope_inv_freq
 from olmax.model.olmo3 import _layer
 from olmax.model.params import init_params, param_specs
 from olmax.recipes.olmo3 import olmo3_7b_stage3
@@ -247,7 +246,7 @@ def test_init_statistics_and_determinism() -> None:
                 assert abs(a.mean()) < 3 * trunc_std / np.sqrt(a.size) * 3
     again = init_params(m, jax.random.key(0))
     other = init_params(m, jax.random.key(1))
-    for a, b, c in zip(flat_p, jax.tree.leaves(again), jax.tree.leaves(other)):
+    for a, b in zip(flat_p, jax.tree.leaves(again)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert not np.array_equal(np.asarray(params["embed"]), np.asarray(other["embed"]))
     # Leaves of the same shape get different draws (fold_in per leaf).

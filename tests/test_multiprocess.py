@@ -12,13 +12,13 @@ import sys
 
 import numpy as np
 import portpicker
+import pytest
 
-from trainlib import rl_overrides, small_overrides, write_rl_data
 from olmax.data.loader import DataLoader
 from olmax.model.dispatch import can_reproduce_decode_bits
 from olmax.recipes import get_recipe
 from olmax.verify.resume import read_metrics
-import pytest
+from trainlib import rl_overrides, small_overrides, write_rl_data
 
 # End-to-end runs in child processes: the integration tier (`make test-integration`).
 pytestmark = pytest.mark.integration

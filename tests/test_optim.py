@@ -15,12 +15,11 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 import numpy as np
+import olmo_core.optim.scheduler as olmo_sched  # noqa: E402
 import pytest
 
 # The reference must run: a missing install fails here instead of skipping.
 import torch  # noqa: E402
-import olmo_core.optim.scheduler as olmo_sched  # noqa: E402
-
 from olmo_core.optim import OptimGroupOverride, SkipStepAdamWConfig  # noqa: E402
 from olmo_core.train.common import Duration  # noqa: E402
 from olmo_core.train.train_module.transformer.train_module import TransformerTrainModule  # noqa: E402

@@ -17,10 +17,9 @@ import numpy as np
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from olmax.compat.hf import ConversionError, hf_to_olmax, load_hf_params
+from olmax.compat.hf import ConversionError, hf_to_olmax, load_hf_params, random_hf_model
 from olmax.config import ConfigError
 from olmax.verify import parity
-from olmax.compat.hf import random_hf_model
 from olmax.verify.parity import FP32_CRITERIA, compare_logits, format_report, hf_reference, olmax_run, run_parity
 
 COMMON = dict(vocab_size=100, hidden_size=64, intermediate_size=96, max_position_embeddings=128,

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trainlib import small_overrides, write_corpus
 from olmax import cli
 from olmax.checkpoint.load import restore_train_state
 from olmax.checkpoint.store import Checkpointer
@@ -29,6 +28,7 @@ from olmax.optim import apply_update, init_opt_state
 from olmax.recipes import get_recipe
 from olmax.train.loop import NONFINITE_METRIC, NonFiniteError, all_finite, train
 from olmax.verify.resume import read_metrics
+from trainlib import small_overrides, write_corpus
 
 
 def cfg_for(paths, *extra):

@@ -14,8 +14,6 @@ import jax
 import numpy as np
 import pytest
 
-from remote_servers import RangeServer, S3Server
-from trainlib import small_overrides, write_corpus
 from olmax import io
 from olmax.checkpoint.load import load_params, restore_train_state
 from olmax.checkpoint.store import Checkpointer
@@ -25,6 +23,8 @@ from olmax.data.loader import DataLoader
 from olmax.recipes import get_recipe
 from olmax.train.loop import train
 from olmax.verify.resume import read_metrics
+from remote_servers import RangeServer, S3Server
+from trainlib import small_overrides, write_corpus
 
 # End-to-end runs in child processes: the integration tier (`make test-integration`).
 pytestmark = pytest.mark.integration

@@ -15,8 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from remote_servers import GcsServer
-from trainlib import small_overrides
 from olmax import io
 from olmax.checkpoint.store import Checkpointer
 from olmax.data import DataError
@@ -24,6 +22,8 @@ from olmax.data.dataset import TokenDataset
 from olmax.recipes import get_recipe
 from olmax.train.loop import train
 from olmax.verify.resume import read_metrics
+from remote_servers import GcsServer
+from trainlib import small_overrides
 
 # End-to-end runs in child processes: the integration tier (`make test-integration`).
 pytestmark = pytest.mark.integration

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from olmax.metrics.sinks import (METRIC_NAMES, JsonlSink, MetricsLogger, ProgressBar, TensorBoardSink,
-                                 named)
+from olmax.metrics.sinks import METRIC_NAMES, JsonlSink, MetricsLogger, ProgressBar, TensorBoardSink, named
 
 
 def rows(path) -> list[dict]:
@@ -184,10 +183,9 @@ def wandb_history(path) -> list[dict]:
 
 @pytest.mark.integration
 def test_wandb_sink_logs_the_jsonl_rows_offline_and_a_restart_resumes_the_same_run(tmp_path, corpus, monkeypatch):
-    from trainlib import small_overrides
-
     from olmax.recipes import get_recipe
     from olmax.train.loop import train
+    from trainlib import small_overrides
     wdir = _wandb_offline(monkeypatch, tmp_path)
     cfg = get_recipe("tiny", small_overrides(corpus, "train.steps=4", "wandb.project=olmax-test",
                                              "wandb.group=g", "wandb.tags=a,b"))
@@ -215,10 +213,10 @@ def test_wandb_sink_logs_the_jsonl_rows_offline_and_a_restart_resumes_the_same_r
 @pytest.mark.integration
 def test_a_failing_wandb_warns_once_and_training_goes_on(tmp_path, corpus, monkeypatch, capfd):
     import wandb
-    from trainlib import small_overrides
 
     from olmax.recipes import get_recipe
     from olmax.train.loop import train
+    from trainlib import small_overrides
     _wandb_offline(monkeypatch, tmp_path)
 
     def no_network(**kw):

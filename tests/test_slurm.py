@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from trainlib import small_overrides
 from olmax.launch import latest_checkpoint
 from olmax.recipes import get_recipe
 from olmax.train.loop import train
 from olmax.verify.resume import read_metrics
+from trainlib import small_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not all(shutil.which(b) for b in ("slurmctld", "slurmd", "munged", "sbatch")) or os.geteuid() != 0,

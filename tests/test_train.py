@@ -7,17 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
-from trainlib import small_overrides, write_corpus
 from olmax.checkpoint.load import restore_train_state
 from olmax.checkpoint.store import Checkpointer
 from olmax.config import ConfigError
 from olmax.recipes import get_recipe
 from olmax.train.loop import train
-from olmax.verify.resume import compare, read_metrics
+from olmax.verify.resume import read_metrics
+from trainlib import small_overrides, write_corpus
 
 
 def cfg_for(paths, *extra):

@@ -8,12 +8,12 @@ import typing
 
 import pytest
 
-from trainlib import small_overrides
 from olmax import cli
 from olmax.config import Config, ConfigError
 from olmax.data import DataError
 from olmax.recipes import get_recipe
 from olmax.train.loop import NonFiniteError, train
+from trainlib import small_overrides
 
 
 def cfg_for(paths, *extra):

@@ -13,13 +13,12 @@ import argparse
 import json
 import math
 
+import olmo_core  # noqa: F401  (the test extras: ai2-olmo-core; a missing install fails, never skips)
 import pytest
 
-import olmo_core  # noqa: F401  (the test extras: ai2-olmo-core; a missing install fails, never skips)
-
 import olmax.optim
-from olmax.verify import noise_floor as nf
 from olmax.verify import commands as verify_commands
+from olmax.verify import noise_floor as nf
 from olmax.verify import olmo_core as oc
 
 # End-to-end runs in child processes: the integration tier (`make test-integration`).

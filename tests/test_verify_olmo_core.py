@@ -10,9 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 
-import pytest
-
 import olmo_core  # noqa: E402,F401  (the test extras: ai2-olmo-core; a missing install fails, never skips)
+import pytest
 
 from olmax.verify import olmo_core as v  # noqa: E402
 

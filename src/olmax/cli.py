@@ -12,8 +12,7 @@ import threading
 import traceback
 import warnings
 
-from olmax import jsonout
-from olmax import commands, compile
+from olmax import commands, compile, jsonout
 from olmax.compat import commands as convert_commands
 from olmax.config import ConfigError
 from olmax.data import commands as data_commands
@@ -22,7 +21,8 @@ from olmax.extras import MissingExtra
 from olmax.infer import commands as infer_commands
 from olmax.launch import commands as launch_commands
 from olmax.train import commands as train_commands
-from olmax.verify import commands as verify_commands, parity
+from olmax.verify import commands as verify_commands
+from olmax.verify import parity
 
 # Exceptions that are the user's to fix (their messages name the field, file or flag). OSError
 # covers a full disk, a missing permission or a run directory that is a file.

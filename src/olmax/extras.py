@@ -41,7 +41,7 @@ class MissingExtra(ConfigError):
         super().__init__(f"{who} needs the '{extra}' extra ({module} is not installed): "
                          f"pip install 'olmax[{extra}]'")
 
-    def naming(self, who: str) -> "MissingExtra":
+    def naming(self, who: str) -> MissingExtra:
         """The same error, saying who needs the extra (``olmax convert``)."""
         return MissingExtra(self.extra, self.module, who)
 

@@ -37,7 +37,8 @@ import os
 import posixpath
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -292,7 +293,7 @@ _NEEDS = {"s3": ("fsspec", "pyarrow"), "gs": ("fsspec", "google.cloud.storage"),
           "https": ("fsspec", "aiohttp")}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fs_for(protocol: str, pid: int, env: tuple):  # pid: a forked loader worker builds its own clients
     require("remote", *_NEEDS.get(protocol, ("fsspec",)))
     import fsspec

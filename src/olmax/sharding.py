@@ -11,12 +11,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from olmax.config import ConfigError, MeshConfig
 

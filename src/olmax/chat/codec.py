@@ -18,8 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from olmax.chat.template import (DEFAULT_EOS, check_messages, read_template, render_jinja, render_olmo3_chat,
-                                 special_tokens)
+from olmax.chat.template import (
+    DEFAULT_EOS,
+    check_messages,
+    read_template,
+    render_jinja,
+    render_olmo3_chat,
+    special_tokens,
+)
 from olmax.config import Config, ConfigError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -103,7 +109,7 @@ class TextCodec:
     template_source: str = "built-in OLMo 3 Instruct template"
 
     @classmethod
-    def load(cls, path: str | Path, cfg: Config) -> "TextCodec":
+    def load(cls, path: str | Path, cfg: Config) -> TextCodec:
         from tokenizers import Tokenizer
         p = tokenizer_file(path)
         try:

@@ -37,7 +37,8 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from olmax import io
 from olmax.checkpoint.remote import RemoteCheckpoints, check_multiprocess

@@ -35,9 +35,23 @@ import numpy as np
 
 from olmax.config import Config, ConfigError, ModelConfig, RopeScaling, validate
 from olmax.extras import require
-from olmax.model.weights_io import (DEFAULT_SHARD_BYTES, DTYPES, INDEX_NAME, TensorReader, WeightsError,
-                                    atomic_dir, check_reader, dtype_name, iter_weights, load_config,
-                                    named_specs, np_dtype, save_weights, unflatten, write_shards)
+from olmax.model.weights_io import (
+    DEFAULT_SHARD_BYTES,
+    DTYPES,
+    INDEX_NAME,
+    TensorReader,
+    WeightsError,
+    atomic_dir,
+    check_reader,
+    dtype_name,
+    iter_weights,
+    load_config,
+    named_specs,
+    np_dtype,
+    save_weights,
+    unflatten,
+    write_shards,
+)
 
 ARCHITECTURE = "Olmo3ForCausalLM"
 MODEL_TYPE = "olmo3"

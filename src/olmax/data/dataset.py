@@ -16,9 +16,10 @@ import glob
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Literal
 
 import numpy as np
 
@@ -144,7 +145,7 @@ def resolve_paths(paths: Sequence[str], mix_root: str | None = None, *, dtype: s
             out += files
         else:
             out.append((p, None))
-    for path, label in out:
+    for path, _label in out:
         # Remote files are checked when their sizes are read (one metadata request each).
         if not io.is_remote(path) and not os.path.isfile(path):
             raise DataError(f"token file not found: {path} ({field})")

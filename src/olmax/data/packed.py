@@ -29,16 +29,28 @@ import bisect
 import functools
 import os
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 import numpy as np
 
 from olmax import io
 from olmax.config import Config
 from olmax.data import DataError
-from olmax.data.dataset import (Validate, chat_label_masks, check_mask_sizes, content_hash, expand_globs, file_sizes,
-                                label_mask_files, olmo_core_fingerprint, open_tokens, resolve_paths, validate_tokens)
+from olmax.data.dataset import (
+    Validate,
+    chat_label_masks,
+    check_mask_sizes,
+    content_hash,
+    expand_globs,
+    file_sizes,
+    label_mask_files,
+    olmo_core_fingerprint,
+    open_tokens,
+    resolve_paths,
+    validate_tokens,
+)
 
 LongDocStrategy = Literal["truncate", "fragment"]
 

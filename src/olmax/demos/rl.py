@@ -60,8 +60,9 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from olmax.demos.sft import SYSTEM, task_words
 
@@ -184,8 +185,8 @@ def _decoder(model: Any, tokenizer: Any) -> tuple[Any, Any, Any, Any]:
     ``tokenizer.json`` path, a folder holding one, or a ``TextCodec``)."""
     from dataclasses import replace
 
-    from olmax.infer.run import Model
     from olmax.chat.codec import TextCodec
+    from olmax.infer.run import Model
     if isinstance(model, (str, Path)):
         given = None if tokenizer is None or isinstance(tokenizer, TextCodec) else str(tokenizer)
         model = Model(str(model), tokenizer=given)
@@ -238,8 +239,8 @@ def sample_rewards(model: Any, prompts: Sequence[dict], k: int = 8, seed: int = 
     ``olmax.model.generate.Generator`` holding the same weights, to reuse its compiled programs."""
     import numpy as np
 
-    from olmax.infer.run import first_stop
     from olmax.chat.template import IM_END
+    from olmax.infer.run import first_stop
     from olmax.model.generate import Sampling, generate
     from olmax.rl.rewards import get_reward
     from olmax.rl.rollout import completion_text
@@ -315,9 +316,9 @@ def warm_start(demo_dir: str | Path, *, from_run: str | None = None, out: str | 
     demo`` first when missing). Everything is reused when present (the run resumes or is done).
     Returns the paths (``sft``, ``pretrained``, ``tokenizer``, ``train_prompts``,
     ``heldout_prompts``, ``chat``) and ``seconds`` (the wall time of this call)."""
+    from olmax.chat.codec import find_tokenizer
     from olmax.config import ConfigError
     from olmax.demos.sft import build_chat_folder, pretrained_run
-    from olmax.chat.codec import find_tokenizer
     from olmax.recipes import get_recipe
     from olmax.train.loop import train
 

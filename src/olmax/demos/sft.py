@@ -38,8 +38,9 @@ import random
 import sys
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 HELDOUT = 0.1
 SEED = 0
@@ -272,10 +273,10 @@ def run_demo_sft(demo_dir: str, *, from_run: str | None = None, out: str | None 
                  overrides: list[str] = (), pretrain_overrides: list[str] = (), corpus_mb: float = 12.0,
                  synthetic: int = 3000, max_doc: int | None = None, show: int = 3, check: int = 200) -> int:
     """``olmax demo sft``; returns the exit status (see the module doc)."""
+    from olmax.chat.codec import find_tokenizer
     from olmax.checkpoint.load import load_params
     from olmax.eval.heldout import HeldoutEvaluator
     from olmax.infer.run import Model
-    from olmax.chat.codec import find_tokenizer
     from olmax.recipes import get_recipe
     from olmax.train.loop import train
 

@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Mapping, Sequence, Union
+from typing import Any
 
 from olmax.eval.runs import mean_se, read_run
 
-Curve = Union[Mapping[int, float], Sequence[tuple[int, float]]]
+Curve = Mapping[int, float] | Sequence[tuple[int, float]]
 
 OK, ALARM, UNVERIFIED, NO_DATA = "ok", "memorisation", "unverified", "insufficient-data"
 

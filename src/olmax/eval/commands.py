@@ -26,7 +26,8 @@ import sys
 from typing import Any
 
 from olmax import jsonout
-from olmax.argtypes import TOKEN_DTYPES, nonneg_int, positive_int, seed as seed_flag
+from olmax.argtypes import TOKEN_DTYPES, nonneg_int, positive_int
+from olmax.argtypes import seed as seed_flag
 from olmax.eval import suite
 from olmax.eval.alarm import AlarmConfig
 

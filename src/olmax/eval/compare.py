@@ -45,8 +45,9 @@ Outputs in ``out`` (``olmax.eval.report``): ``loss.png``, ``gap.png``, ``report.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -23,8 +23,9 @@ the batch-difficulty variance).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np

@@ -19,8 +19,9 @@ JSON of ``olmax eval kl --json``: these keys plus ``a``, ``b`` (the paths), ``ba
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from functools import lru_cache
-from typing import Any, Iterable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -46,15 +46,20 @@ import jax.numpy as jnp
 import numpy as np
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
-from lm_eval.models.utils import (Collator, handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs,
-                                  postprocess_generated_text)
+from lm_eval.models.utils import (
+    Collator,
+    handle_stop_sequences,
+    has_bos_prefix,
+    normalize_gen_kwargs,
+    postprocess_generated_text,
+)
 from tqdm import tqdm
 
 from olmax.chat.template import tokenizer_template
+from olmax.checkpoint.load import load_params
 from olmax.config import Config, ConfigError
 from olmax.model.generate import Generator, Sampling, generate
 from olmax.model.olmo3 import forward
-from olmax.checkpoint.load import load_params
 
 DTYPES = ("float32", "bfloat16")
 # Smallest sequence bucket: below this, padding is cheaper than another compile.

@@ -14,9 +14,10 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 from olmax import jsonout
 from olmax.chat.codec import TextCodec, find_tokenizer, prompt_record

@@ -25,7 +25,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from olmax.launch import latest_checkpoint
 

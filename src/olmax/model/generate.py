@@ -16,9 +16,10 @@ turned into a token by the inverse of the distribution function (``_inverse_cdf`
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

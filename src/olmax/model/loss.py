@@ -20,8 +20,9 @@ per-rank rule with R ranks (``per_rank_weights``), as the SFT recipes do.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

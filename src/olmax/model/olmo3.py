@@ -19,8 +19,9 @@ layers with a KV cache carried through the same scan.
 from __future__ import annotations
 
 import typing
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -85,7 +86,7 @@ class OutIn:
         return (self.t,), None
 
     @classmethod
-    def tree_unflatten(cls, aux: None, children: tuple) -> "OutIn":
+    def tree_unflatten(cls, aux: None, children: tuple) -> OutIn:
         return cls(*children)
 
     def apply(self, x: jax.Array) -> jax.Array:
@@ -114,7 +115,7 @@ class Packed:
         return (self.p,), self.out
 
     @classmethod
-    def tree_unflatten(cls, out: int, children: tuple) -> "Packed":
+    def tree_unflatten(cls, out: int, children: tuple) -> Packed:
         return cls(children[0], out)
 
     def apply(self, x: jax.Array) -> jax.Array:

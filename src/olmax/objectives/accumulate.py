@@ -9,8 +9,9 @@ its micro-batch loss is already scaled so that the sum over micro-batches is the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -10,8 +10,9 @@ metrics holding the optimizer's (``grad_norm``, ``lr``, ``step_skipped``, ``nonf
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import jax
 from jax.sharding import Mesh
@@ -71,7 +72,9 @@ class Objective(abc.ABC):
     def prepare(self, data: Data, initial_params: Callable[[], Any], pshard: Any, plan: BatchPlan,
                 say: Callable[[str], None]) -> None:
         """Work before the first update of this process (``initial_params()``: the weights the
-        run started from; they may be the live ones, so use them before the first update only)."""
+        run started from; they may be the live ones, so use them before the first update only).
+        Nothing by default."""
+        return None
 
     def batch(self, data: Data, step: int, params: Any) -> Any:
         """Step ``step``'s batch, as the loop step takes it (``params``: the current weights)."""

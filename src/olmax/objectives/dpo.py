@@ -35,9 +35,10 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -5,8 +5,9 @@ accumulated over micro-batches (``olmax.objectives.accumulate``)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

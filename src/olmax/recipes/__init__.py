@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import argparse
 import difflib
-from typing import Callable
+from collections.abc import Callable
 
 from olmax.config import Config, ConfigError, load_yaml, validate
-from olmax.recipes.olmo3 import olmo3_7b_stage1, olmo3_7b_stage2, olmo3_7b_stage3, olmo3_32b
 from olmax.recipes.dpo import olmo3_7b_instruct_dpo, olmo3_7b_think_dpo, tiny_dpo
+from olmax.recipes.olmo3 import olmo3_7b_stage1, olmo3_7b_stage2, olmo3_7b_stage3, olmo3_32b
 from olmax.recipes.rl import olmo3_7b_instruct_rl, olmo3_7b_think_rl, tiny_rl
 from olmax.recipes.sft import olmo3_7b_instruct_sft, olmo3_7b_think_sft, tiny_sft
 from olmax.recipes.tiny import tiny

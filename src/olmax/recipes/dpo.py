@@ -19,8 +19,18 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from olmax.config import (CheckpointConfig, Config, DataConfig, DpoConfig, EvalConfig, MeshConfig, OptimConfig,
-                          ScheduleConfig, SkipStepConfig, TrainConfig)
+from olmax.config import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    DpoConfig,
+    EvalConfig,
+    MeshConfig,
+    OptimConfig,
+    ScheduleConfig,
+    SkipStepConfig,
+    TrainConfig,
+)
 from olmax.recipes.olmo3 import olmo3_7b_model
 from olmax.recipes.tiny import tiny
 

@@ -11,8 +11,17 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from olmax.config import (CheckpointConfig, Config, DataConfig, EvalConfig, ModelConfig, OptimConfig,
-                          RopeScaling, ScheduleConfig, TrainConfig)
+from olmax.config import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    EvalConfig,
+    ModelConfig,
+    OptimConfig,
+    RopeScaling,
+    ScheduleConfig,
+    TrainConfig,
+)
 
 SEQ_LEN = 8192                      # pretrain scripts: sequence_length = 8192
 STAGE1_BATCH = 512                  # global_batch_size = 512 * 8192 tokens

@@ -27,8 +27,18 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from olmax.config import (CheckpointConfig, Config, DataConfig, EvalConfig, MeshConfig, OptimConfig, RlConfig,
-                          ScheduleConfig, SkipStepConfig, TrainConfig)
+from olmax.config import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    EvalConfig,
+    MeshConfig,
+    OptimConfig,
+    RlConfig,
+    ScheduleConfig,
+    SkipStepConfig,
+    TrainConfig,
+)
 from olmax.recipes.tiny import tiny
 
 PROMPTS_PER_STEP = 64               # --num_unique_prompts_rollout 64

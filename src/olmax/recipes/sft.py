@@ -23,8 +23,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from olmax.config import (CheckpointConfig, Config, DataConfig, EvalConfig, MeshConfig, OptimConfig, ScheduleConfig,
-                          SkipStepConfig, TrainConfig)
+from olmax.config import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    EvalConfig,
+    MeshConfig,
+    OptimConfig,
+    ScheduleConfig,
+    SkipStepConfig,
+    TrainConfig,
+)
 from olmax.recipes.tiny import tiny
 
 SFT_SEQ_LEN = 32768               # sequence_length 32,768

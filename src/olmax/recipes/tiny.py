@@ -3,8 +3,18 @@ QK-norm, reordered norms, SwiGLU, untied head) at a size that trains in minutes 
 
 from __future__ import annotations
 
-from olmax.config import (CheckpointConfig, Config, DataConfig, EvalConfig, MeshConfig, ModelConfig,
-                          OptimConfig, ScheduleConfig, SkipStepConfig, TrainConfig)
+from olmax.config import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    EvalConfig,
+    MeshConfig,
+    ModelConfig,
+    OptimConfig,
+    ScheduleConfig,
+    SkipStepConfig,
+    TrainConfig,
+)
 
 
 def tiny() -> Config:

@@ -29,7 +29,7 @@ import math
 import re
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from olmax.extras import require
 

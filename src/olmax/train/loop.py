@@ -18,9 +18,10 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ import numpy as np
 from olmax import io
 from olmax.checkpoint.remote import RunMirror
 from olmax.checkpoint.state import abstract_train_state, shardings
-from olmax.checkpoint.store import CheckpointError, Checkpointer, CorruptCheckpointError, StopSignal
+from olmax.checkpoint.store import Checkpointer, CheckpointError, CorruptCheckpointError, StopSignal
 from olmax.config import Config, ConfigError
 from olmax.eval.alarm import ALARM, MemorisationAlarm
 from olmax.eval.heldout import HeldoutEvaluator

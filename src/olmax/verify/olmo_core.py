@@ -41,7 +41,8 @@ from typing import Any
 import numpy as np
 
 from olmax import jsonout
-from olmax.argtypes import positive_float, positive_int, seed as seed_flag
+from olmax.argtypes import positive_float, positive_int
+from olmax.argtypes import seed as seed_flag
 from olmax.config import Config, ConfigError
 from olmax.eval.runs import metric_rows, read_metrics
 from olmax.extras import require

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from olmax import jsonout
-from olmax.argtypes import positive_int, seed as seed_flag
+from olmax.argtypes import positive_int
+from olmax.argtypes import seed as seed_flag
 from olmax.eval.kl import check_tokens, load_token_array, logit_metrics, random_tokens, summarize
 from olmax.extras import require
 

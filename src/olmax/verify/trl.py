@@ -46,7 +46,8 @@ from typing import Any
 import numpy as np
 
 from olmax import jsonout
-from olmax.argtypes import positive_int, seed as seed_flag
+from olmax.argtypes import positive_int
+from olmax.argtypes import seed as seed_flag
 from olmax.config import Config, ConfigError
 from olmax.extras import require
 from olmax.verify.olmo_core import PARITY_MODEL
