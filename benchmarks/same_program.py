@@ -5,6 +5,10 @@ programs run at the same speed and give the same bits, so a refactor of the mode
 "identical" cannot have moved a pre-training figure.
 
     python benchmarks/same_program.py --against 73bb97b [--recipe tiny] [--set key=value ...]
+        [--set-here key=value ...]
+
+``--set-here`` applies to this working tree only: a field REV does not have (a switch that
+restores an earlier default, for example ``model.cpu_training_kernels=true``).
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ def main() -> int:
     ap.add_argument("--against", required=True, help="git revision to compare with")
     ap.add_argument("--recipe", default="tiny")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--set-here", dest="here", action="append", default=[],
+                    help="an override for this working tree only (a field REV lacks)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         wt = Path(tmp) / "wt"
@@ -64,7 +70,7 @@ def main() -> int:
             old = program(wt / "src", args.recipe, args.overrides)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(wt)], check=True)
-    new = program(ROOT / "src", args.recipe, args.overrides)
+    new = program(ROOT / "src", args.recipe, [*args.overrides, *args.here])
     if old == new:
         print(f"identical: the {args.recipe} train step compiles to the same {len(new)} lines of optimised HLO "
               f"as at {args.against}")
