@@ -55,7 +55,8 @@ def bench_tokenize(root: Path, mb: float, processes: list[int]) -> None:
     t = time.perf_counter()
     tok.encode_batch(docs, add_special_tokens=False)
     ref = text_mb / (time.perf_counter() - t)
-    print(f"\n[tokenize] {text_mb:.1f} MB of text ({nbytes / 1e6:.1f} MB JSONL), BPE vocab 8192, {os.cpu_count()} cores")
+    print(f"\n[tokenize] {text_mb:.1f} MB of text ({nbytes / 1e6:.1f} MB JSONL), BPE vocab 8192, "
+          f"{os.cpu_count()} cores")
     print(f"  tokenizers encode_batch, 1 process (its own threads, encode only): {ref:6.2f} MB/s")
     for p in processes:
         t = time.perf_counter()
@@ -99,7 +100,8 @@ def bench_order(n: int) -> None:
     perm = build_epoch_order(n, 34521, 1)
     dt = time.perf_counter() - t
     print(f"\n[global order] {n / 1e6:.0f}M instances: {dt:.1f} s, {perm.nbytes / 2**30:.2f} GiB (one uint32 copy); "
-          f"724M (the real mix) scales to about {dt * 724e6 / n:.0f} s if linear (random access makes it a lower bound)")
+          f"724M (the real mix) scales to about {dt * 724e6 / n:.0f} s if linear "
+          f"(random access makes it a lower bound)")
 
 
 def main() -> None:

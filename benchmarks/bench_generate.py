@@ -19,10 +19,10 @@ embedding, and the whole cache) over olmax's step time, as a share of the read b
 jitted sum on this machine in the same run (a small model's decode step is a pass over memory).
 
 Also: the KV cache's bytes as ``olmax.model.decode.cache_bytes`` reports them, as the arrays a
-prefill returns hold them (their shapes and dtypes, traced), and by the formula (per layer 2 x batch x slots x kv heads x head dim x 4
-bytes, slots = the cache length for full layers and min(window, length) for sliding ones, plus
-an int32 position per slot of each kind and the lengths); and for the 7B at 32,768 tokens the
-saving over a cache that keeps every position in every layer.
+prefill returns hold them (their shapes and dtypes, traced), and by the formula (per layer 2 x batch
+x slots x kv heads x head dim x 4 bytes, slots = the cache length for full layers and min(window,
+length) for sliding ones, plus an int32 position per slot of each kind and the lengths); and for the
+7B at 32,768 tokens the saving over a cache that keeps every position in every layer.
 
     .venv/bin/python benchmarks/bench_generate.py [--repeats 2]
 """
@@ -94,7 +94,8 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(f"[generate] random OLMo 3: d_model {m.d_model}, {m.n_layers} layers (window {m.sliding_window}), "
           f"{m.n_heads} heads / {m.n_kv_heads} kv, MLP {m.mlp_hidden}, vocab {m.vocab_size}, fp32; prompts of "
-          f"{PROMPT} tokens, greedy; torch {torch.__version__} ({torch.get_num_threads()} threads), jax {jax.__version__}",
+          f"{PROMPT} tokens, greedy; torch {torch.__version__} ({torch.get_num_threads()} threads), "
+          f"jax {jax.__version__}",
           flush=True)
     bandwidth = read_bandwidth()
     print(f"  memory read bandwidth (XLA's sum of 256 MB, best of 5): {bandwidth:.1f} GB/s", flush=True)
@@ -162,7 +163,8 @@ def main() -> None:
     for dt, item in (("bfloat16", 2),):
         got = cache_bytes(m7, 1, 32768, dtype=dt)
         dense = 2 * m7.n_layers * m7.n_kv_heads * m7.head_dim * item * 32768
-        print(f"  7B, batch 1, 32,768 tokens, {dt}: {got / 2**30:.2f} GiB (formula {formula_bytes(m7, 1, 32768, item) / 2**30:.2f}); "
+        print(f"  7B, batch 1, 32,768 tokens, {dt}: {got / 2**30:.2f} GiB "
+              f"(formula {formula_bytes(m7, 1, 32768, item) / 2**30:.2f}); "
               f"every position in every layer {dense / 2**30:.2f} GiB ({dense / got:.2f}x)")
     print("\n  ratios (olmax / transformers, decode tokens/s): "
           + ", ".join(f"batch {b}: {o / h:.2f}x" for b, o, h, *_ in rows))

@@ -63,7 +63,8 @@ def measure(d: int = 512, layers: int = 8, rows: int = 8, new: int = 40, seed: i
 
         def logps(model: ModelConfig, part: slice, exact: bool) -> np.ndarray:
             cfg = Config(model=model)
-            return np.asarray(jax.jit(lambda p, t, k: grpo.policy_logps(p, t, k, cfg, exact))(params, toks[part], mask[part]))
+            return np.asarray(jax.jit(lambda p, t, k: grpo.policy_logps(p, t, k, cfg, exact))(
+                params, toks[part], mask[part]))
 
         def worst(a: np.ndarray) -> float:
             return float(np.abs(a[sel]).max())
@@ -91,7 +92,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    print(f"[gap] random OLMo 3 d_model {args.d_model} x {args.layers} layers, {args.rows} rows x {args.new} sampled tokens")
+    print(f"[gap] random OLMo 3 d_model {args.d_model} x {args.layers} layers, {args.rows} rows x "
+          f"{args.new} sampled tokens")
     res = measure(args.d_model, args.layers, args.rows, args.new, args.seed)
     for dtype in ("float32", "bfloat16"):
         r = res[dtype]

@@ -454,7 +454,8 @@ def main() -> int:
     c.out["memory_end"] = memory()
     c.save()
     print(json.dumps(c.out, indent=2, default=str), flush=True)
-    print(f"[gpu_check] wrote {args.out}; {'FAILED: ' + ', '.join(c.out['errors']) if c.out['errors'] else 'all sections ran'}",
+    print(f"[gpu_check] wrote {args.out}; "
+          f"{'FAILED: ' + ', '.join(c.out['errors']) if c.out['errors'] else 'all sections ran'}",
           flush=True)
     return 1 if c.out["errors"] else 0
 

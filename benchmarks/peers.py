@@ -153,7 +153,8 @@ def _olmo_core_worker(spec: dict) -> None:
 
 
 def _python312() -> str | None:
-    for c in [shutil.which("python3.12")] + sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.12*/bin/python3.12"))):
+    for c in [shutil.which("python3.12")] + sorted(
+            glob.glob(os.path.expanduser("~/.pyenv/versions/3.12*/bin/python3.12"))):
         if c and subprocess.run([c, "--version"], capture_output=True).returncode == 0:
             return c
     return None
@@ -251,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     out_root = Path(a.out).resolve()  # the peers run in other working directories
     # Measured in a child process: a JAX runtime idling in this one would share the cores.
     peak = float(subprocess.run([sys.executable, "-c", "import olmax, sys; sys.path.insert(0, sys.argv[1]); "
-                                 "from bench_train import matmul_peak; print(matmul_peak())", str(Path(__file__).parent)],
+                                 "from bench_train import matmul_peak; print(matmul_peak())",
+                                 str(Path(__file__).parent)],
                                 capture_output=True, text=True, check=True).stdout.split()[-1])
     print(f"peers benchmark, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, fp32 matmul peak "
           f"{peak / 1e9:.0f} GFLOP/s; load average before: {os.getloadavg()[0]:.2f}; {a.repeats} interleaved "

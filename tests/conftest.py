@@ -15,7 +15,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # compiled program, keyed by its HLO, flags and devices, so a repeat loads instead of compiling; the
 # unit and integration tiers share it. OLMAX_TEST_JAX_CACHE=0 turns it off.
 if os.environ.get("OLMAX_TEST_JAX_CACHE", "1") != "0":
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "jax-tests"))
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                          str(Path(__file__).resolve().parents[1] / ".cache" / "jax-tests"))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 

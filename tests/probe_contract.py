@@ -124,11 +124,14 @@ FLAG_CASES = [
     (["inspect", "tiny", "--devices"], "--devices"), (["inspect", "tiny", "--hbm-gib"], "--hbm-gib"),
     (["data", "audit", "tiny", "--epoch"], "--epoch"), (["data", "audit", "tiny", "--processes"], "--processes"),
     (["data", "audit", "tiny", "--workers"], "--workers"),
-    (["verify", "resume", "tiny", "--steps"], "--steps"), (["verify", "resume", "tiny", "--interrupt-at"], "--interrupt-at"),
-    (["verify", "resume", "tiny", "--devices-before"], "--devices-before"), (["verify", "resume", "tiny", "--tol"], "--tol"),
+    (["verify", "resume", "tiny", "--steps"], "--steps"),
+    (["verify", "resume", "tiny", "--interrupt-at"], "--interrupt-at"),
+    (["verify", "resume", "tiny", "--devices-before"], "--devices-before"),
+    (["verify", "resume", "tiny", "--tol"], "--tol"),
     (["eval", "loss", "--checkpoint", "nope", "--data", "nope", "--batches"], "--batches"),
     (["eval", "loss", "--checkpoint", "nope", "--data", "nope", "--token-dtype"], "--token-dtype"),
-    (["launch", "local", "tiny", "--backoff"], "--backoff"), (["launch", "local", "tiny", "--max-restarts"], "--max-restarts"),
+    (["launch", "local", "tiny", "--backoff"], "--backoff"),
+    (["launch", "local", "tiny", "--max-restarts"], "--max-restarts"),
     (["launch", "tpu", "tiny", "--hosts"], "--hosts"), (["launch", "tpu", "tiny", "--num-slices"], "--num-slices"),
 ]
 

@@ -230,7 +230,8 @@ class GcsServer:
                 self._send(status, json.dumps(obj).encode())
 
             def _error(self, status: int, message: str) -> None:
-                reason = {403: "forbidden", 404: "notFound", 416: "requestedRangeNotSatisfiable"}.get(status, "backendError")
+                reason = {403: "forbidden", 404: "notFound", 416: "requestedRangeNotSatisfiable"}.get(
+                    status, "backendError")
                 self._json(status, {"error": {"code": status, "message": message,
                                               "errors": [{"message": message, "domain": "global", "reason": reason}]}})
 

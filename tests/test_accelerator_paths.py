@@ -43,7 +43,8 @@ def _qkv(b, t, h, kv, e, seed=0, dtype=jnp.float32):
 def test_splash_length():
     """Multiples of 128 run as they are (a 640 that 512-blocks do not tile stays the caller's
     error); shorter or ragged lengths pad to the next length both blocks tile."""
-    assert [splash_length(t, 512, 512) for t in (16, 100, 128, 200, 256, 640, 1000)] == [128, 128, 128, 256, 256, 640, 1024]
+    assert [splash_length(t, 512, 512) for t in (16, 100, 128, 200, 256, 640, 1000)] == [
+        128, 128, 128, 256, 256, 640, 1024]
     assert splash_length(300, 256, 512) == 512  # 384 is not tiled by 256-blocks
     assert splash_length(300, 128, 128) == 384
 
@@ -87,7 +88,8 @@ TPU_SCRIPT = textwrap.dedent("""
     out = {}
 
     def compiled(fn, mesh, args):
-        specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())), args[0])
+        specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, P())),
+                             args[0])
         lowered = jax.jit(fn).lower(specs, *args[1:])
         lowered.compile()
         return "tpu_custom_call" in lowered.as_text()  # the splash kernel, not a fallback
@@ -277,7 +279,8 @@ def test_rope_tables_built_once_per_distinct_frequencies():
     assert tables[True] is not tables[False]
     assert not np.array_equal(np.asarray(tables[True][0]), np.asarray(tables[False][0]))
     params = jax.eval_shape(lambda: init_params(m, jax.random.key(0)))
-    text = jax.jit(lambda p, x: olmo3.forward(p, x, m)).lower(params, jax.ShapeDtypeStruct((1, 16), jnp.int32)).as_text()
+    text = jax.jit(lambda p, x: olmo3.forward(p, x, m)).lower(params,
+                                                               jax.ShapeDtypeStruct((1, 16), jnp.int32)).as_text()
     import re
     assert len(re.findall(r"= stablehlo.constant dense[^\n]*tensor<16x32xf32>", text)) == 2  # one cos, one sin
 

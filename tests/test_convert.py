@@ -283,7 +283,8 @@ def test_olmo_core_forced_full_last_layer_round_trips(hf_fp32: Path) -> None:
                           "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}}}, "different rope_theta"),
     ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 5e5},
                           "sliding_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 5e5,
-                                                "original_max_position_embeddings": 64}}}, "full-attention layers only"),
+                                                "original_max_position_embeddings": 64}}},
+     "full-attention layers only"),
     ({"rope_parameters": {"full_attention": {"rope_type": "llama3", "rope_theta": 5e5}}}, "rope_type 'llama3'"),
     ({"num_attention_heads": None}, "num_attention_heads"),
 ])

@@ -219,7 +219,8 @@ def test_the_avx2_and_avx512_builds_give_the_same_bits(monkeypatch) -> None:
     out = {}
     for isa in cpu_kernels.ISAS:
         name = _register(isa, monkeypatch)
-        call = jax.jit(lambda x, p, name=name: jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x.shape[0], 80), jnp.float32))(x, p))
+        call = jax.jit(lambda x, p, name=name: jax.ffi.ffi_call(
+            name, jax.ShapeDtypeStruct((x.shape[0], 80), jnp.float32))(x, p))
         out[isa] = [np.asarray(call(x[:rows], p)) for rows in range(1, 31)]
     for rows, (a, b) in enumerate(zip(out["avx2"], out["avx512"]), start=1):
         assert np.array_equal(a, b), rows

@@ -39,7 +39,8 @@ def _xla(x, wq, wk, cos, sin, h, kv):
     e = d // (h + 2 * kv)
     q, k, v = jnp.split(x, [h * e, (h + kv) * e], axis=-1)
     q, k = rms_norm(q, wq, EPS), rms_norm(k, wk, EPS)
-    return apply_rope(q.reshape(b, t, h, e), cos, sin), apply_rope(k.reshape(b, t, kv, e), cos, sin), v.reshape(b, t, kv, e)
+    return (apply_rope(q.reshape(b, t, h, e), cos, sin), apply_rope(k.reshape(b, t, kv, e), cos, sin),
+            v.reshape(b, t, kv, e))
 
 
 def _math(x, wq, wk, cos, sin, h, kv):
@@ -122,7 +123,8 @@ def test_nan_stays_in_its_row() -> None:
     q, k, v = cpu_kernels.qkv(x.at[1, 3, 5].set(jnp.nan), wq, wk, cos, sin, h, kv, EPS)
     clean = cpu_kernels.qkv(x, wq, wk, cos, sin, h, kv, EPS)
     assert np.isnan(q[1, 3]).all() and np.isnan(q).sum() == q[1, 3].size
-    assert np.array_equal(np.delete(np.asarray(q).reshape(32, -1), 19, 0), np.delete(np.asarray(clean[0]).reshape(32, -1), 19, 0))
+    assert np.array_equal(np.delete(np.asarray(q).reshape(32, -1), 19, 0),
+                          np.delete(np.asarray(clean[0]).reshape(32, -1), 19, 0))
     assert np.array_equal(k, clean[1]) and np.array_equal(v, clean[2])
 
 
@@ -151,7 +153,8 @@ def test_the_model_uses_it_for_training_and_keeps_xla_elsewhere() -> None:
     assert cpu_kernels.QKV_FWD not in hlo(kernels=False)
     assert cpu_kernels.QKV_FWD not in hlo(["model.compute_dtype=bfloat16", "model.param_dtype=bfloat16"])
     assert cpu_kernels.QKV_FWD not in hlo(arithmetic=True)
-    assert cpu_kernels.QKV_FWD not in hlo(["model.head_dim=24", "model.d_model=96", "model.n_heads=4", "model.n_kv_heads=4"])
+    assert cpu_kernels.QKV_FWD not in hlo(["model.head_dim=24", "model.d_model=96", "model.n_heads=4",
+                                           "model.n_kv_heads=4"])
     x, wq, wk, cos, sin = _inputs(1, 8, 2, 2, 24)
     assert not cpu_kernels.qkv_supported(x, wq, wk, cos, 2, 2)
 
@@ -178,7 +181,8 @@ def test_a_cpu_mesh_runs_it_per_batch_shard_with_one_devices_bits() -> None:
                 with activation_mesh(make_mesh(MeshConfig(**shape))):
                     o1, g1 = jax.jit(step)(x, wq, wk)
                 exact = all(np.array_equal(a, b) for a, b in zip((*o0, g0[0]), (*o1, g1[0])))
-                close = all(np.allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(a)))) for a, b in zip(g0[1:], g1[1:]))
+                close = all(np.allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(a))))
+                            for a, b in zip(g0[1:], g1[1:]))
                 out.append(bool(exact and close))
         print(json.dumps(out))
     """) == [True] * 4

@@ -120,7 +120,8 @@ def test_a_cpu_mesh_runs_it_per_batch_shard_with_one_devices_bits() -> None:
         from olmax.sharding import activation_mesh, make_mesh
         from test_cpu_swiglu import _inputs
         gu, dy = _inputs(4, 40, seed=4)
-        step = lambda gu, dy: jax.vjp(cpu_kernels.swiglu, gu)[1](dy)[0] + jnp.pad(cpu_kernels.swiglu(gu), ((0, 0), (0, 0), (0, 40)))
+        step = lambda gu, dy: (jax.vjp(cpu_kernels.swiglu, gu)[1](dy)[0]
+                               + jnp.pad(cpu_kernels.swiglu(gu), ((0, 0), (0, 0), (0, 40))))
         want = jax.jit(step)(gu, dy)
         out = []
         for shape in (dict(data=2, fsdp=2), dict(fsdp=2, tensor=2)):

@@ -33,7 +33,8 @@ def _cache(cfg: ModelConfig, batch: int, prompt: int, max_length: int):
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     prepared = jax.eval_shape(partial(prepare, cfg=cfg), params)
     return jax.eval_shape(partial(prefill, cfg=cfg, max_length=max_length), prepared,
-                          jax.ShapeDtypeStruct((batch, prompt), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32))[1]
+                          jax.ShapeDtypeStruct((batch, prompt), jnp.int32),
+                          jax.ShapeDtypeStruct((batch,), jnp.int32))[1]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -200,7 +201,8 @@ def test_shared_prefill_copies_rows_within_each_shard() -> None:
         length = np.arange(fill, dtype=np.int32)
         source = rng.integers(0, 2, (4, per)).astype(np.int32)
         put = lambda a, axis=0: jax.device_put(a, batch_sharding(mesh, a.ndim) if axis == 0 else
-                                               jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, ("slice", "data", "fsdp"))))
+                                               jax.sharding.NamedSharding(
+                                                   mesh, jax.sharding.PartitionSpec(None, ("slice", "data", "fsdp"))))
         cache = {"kv": {"groups": [], "rest": [{"k": put(k, 1), "v": put(-k, 1)}]}, "pos": {"full": put(pos)},
                  "length": put(length)}
         def fn(logits, cache, source):
@@ -251,7 +253,8 @@ def test_streamed_decode_compiles_to_ynnpack_and_switches_layout(monkeypatch) ->
     from olmax.model.dispatch import decode_layout
     from olmax.model.olmo3 import OutIn
     monkeypatch.setattr(cpu_kernels, "_STATE", {"why": "off for this test"})
-    hlo = jax.jit(lambda x, t: OutIn(t).apply(x)).lower(jnp.zeros((8, 1, 512)), jnp.zeros((1024, 512))).compile().as_text()
+    hlo = jax.jit(lambda x, t: OutIn(t).apply(x)).lower(jnp.zeros((8, 1, 512)),
+                                                         jnp.zeros((1024, 512))).compile().as_text()
     assert "__ynn_fusion" in hlo and "reduce(" in hlo
     params = init_params(TINY, jax.random.key(0))
     gen = Generator(params, TINY, Sampling())
@@ -323,7 +326,8 @@ def test_a_generator_told_its_rows_compiles_one_prepare(kernel: bool, monkeypatc
         assert again == got
     assert gen._prepare._cache_size() == 1 and gen._relayout._cache_size() == 0
     untold = Generator(params, TINY, Sampling())
-    assert [c.token_ids for c in generate(params, TINY, prompts, max_new_tokens=5, batch_size=4, generator=untold)] == got
+    assert [c.token_ids
+            for c in generate(params, TINY, prompts, max_new_tokens=5, batch_size=4, generator=untold)] == got
     assert untold._relayout._cache_size() == 1   # the untold one turned its plain weights over
 
 

@@ -111,7 +111,8 @@ def test_rl_log_probs_are_the_samplers_on_a_mesh() -> None:
         from olmax.sharding import make_mesh
         from test_decode_arithmetic import TINY, sampled_gaps
         out = []
-        for dtype, shape in (("float32", dict(fsdp=4)), ("float32", dict(fsdp=2, tensor=2)), ("bfloat16", dict(fsdp=4))):
+        for dtype, shape in (("float32", dict(fsdp=4)), ("float32", dict(fsdp=2, tensor=2)),
+                             ("bfloat16", dict(fsdp=4))):
             mesh = make_mesh(MeshConfig(**shape))
             model = replace(TINY, compute_dtype=dtype)
             out.append([can_reproduce_decode_bits(model, mesh), sampled_gaps(model, mesh)[True]])

@@ -153,5 +153,6 @@ def test_warm_start_and_heldout_accuracy(tmp_path: Path) -> None:
     assert sum(1 for _ in open(demo / "rl" / "dpo_pairs.jsonl")) == len(train)
     # CPU devices (one or a mesh): the training forward repeats the kernels' decode arithmetic (README, RL)
     from olmax.model.dispatch import can_reproduce_decode_bits
-    assert out["max_logprob_gap"] == 0.0 if can_reproduce_decode_bits(rcfg.model) else 0 <= out["max_logprob_gap"] <= 1e-5
+    assert (out["max_logprob_gap"] == 0.0 if can_reproduce_decode_bits(rcfg.model)
+            else 0 <= out["max_logprob_gap"] <= 1e-5)
     assert {"accuracy_before_se", "accuracy_after_se", "greedy_before", "greedy_after"} <= set(out)

@@ -81,7 +81,8 @@ def test_describe_names_what_runs_on_each_platform():
     built = cpu_kernels.available()
     kernel = dispatch.KERNELS if built else dispatch.XLA
     cpu = dispatch.describe(tiny, "cpu")
-    assert {k: cpu[k] for k in ("attention", "swiglu", "qkv", "decode_layout", "reproduces_decode_bits", "kernels")} == {
+    assert {k: cpu[k] for k in ("attention", "swiglu", "qkv", "decode_layout", "reproduces_decode_bits",
+                                "kernels")} == {
         "attention": "cpu" if built else "blocked", "swiglu": kernel, "qkv": kernel,
         "decode_layout": "packed" if built else "plain", "reproduces_decode_bits": built, "kernels": kernel}
     assert cpu.get("kernel_isa") == (cpu_kernels.isa() if built else None)

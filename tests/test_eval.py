@@ -304,7 +304,8 @@ def test_eval_commands(cfg, data, runs, tmp_path, capsys):
     r = run("eval", "domains", "--checkpoint", str(tmp_path / "honest"), "--domain", f"chain={held['chain']}:2900",
             "--domain", f"cycles={held['cycles']}:3100", "--batches", "0", "--json")
     assert set(r["domains"]) == {"chain", "cycles"} and set(r["macro"]) == {"loss", "perplexity", "bits_per_byte"}
-    r = run("eval", "kl", str(tmp_path / "honest"), str(tmp_path / "honest"), "--seq-len", "16", "--batch-size", "2", "--json")
+    r = run("eval", "kl", str(tmp_path / "honest"), str(tmp_path / "honest"), "--seq-len", "16", "--batch-size", "2",
+            "--json")
     assert r["kl_mean"] == 0.0 and r["top1_agreement"] == 1.0 and r["tokens"] == 32
     r = run("eval", "kl", str(tmp_path / "init"), str(tmp_path / "honest"), "--data", held["chain"], "--json")
     assert r["kl_mean"] > 0.1 and r["inputs"] == held["chain"] and (r["batch"], r["seq_len"]) == (2, 128)

@@ -34,7 +34,8 @@ def _inputs(b, t, h, kv, e, seed=0, segments=False):
 
 
 def _loss(fn):
-    return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)) * jnp.cos(jnp.arange(q.shape[1], dtype=jnp.float32))[:, None, None])
+    return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v))
+                                   * jnp.cos(jnp.arange(q.shape[1], dtype=jnp.float32))[:, None, None])
 
 
 CASES = [  # b, t, h, kv, e, window, block, segments
@@ -77,7 +78,8 @@ def test_forward_and_gradients_equal_the_reference(b, t, h, kv, e, window, block
     scores = np.where(seen[:, None], scores, -np.inf)
     p = np.exp(scores - scores.max(-1, keepdims=True))
     exact = np.einsum("bhts,bshe->bthe", p / p.sum(-1, keepdims=True), np.repeat(v64, g, axis=2))
-    assert np.abs(np.asarray(out, np.float64) - exact).max() <= 2 * np.abs(np.asarray(want, np.float64) - exact).max() + 1e-6
+    assert (np.abs(np.asarray(out, np.float64) - exact).max()
+            <= 2 * np.abs(np.asarray(want, np.float64) - exact).max() + 1e-6)
 
 
 @needs_kernel

@@ -6,8 +6,8 @@ The transformers reference runs one prompt at a time (fp32, eager, its own KV ca
 run is then the plain unpadded computation, so the comparison does not depend on how HF
 handles padding in a batch (a left-padded batch with an attention mask shifts positions and
 fills sliding-window cache slots with masked pads; it is a different program whose fp32
-rounding could in principle differ; measured on this model it gives the same tokens). olmax runs the prompts of different lengths together,
-padded in its own buckets, with a short last batch.
+rounding could in principle differ; measured on this model it gives the same tokens). olmax runs
+the prompts of different lengths together, padded in its own buckets, with a short last batch.
 """
 
 from __future__ import annotations

@@ -173,7 +173,8 @@ def test_text_prompts_stop_strings_and_streaming(text_model: Path, capsys: pytes
     assert out == full[1]["text"] + "\n"
 
 
-def test_converted_checkpoint_keeps_its_tokenizer(text_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_converted_checkpoint_keeps_its_tokenizer(text_model: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
     """olmax convert carries the tokenizer files, so a converted checkpoint generates as its HF
     directory does, with no --tokenizer."""
     from olmax.compat.hf import hf_to_olmax
@@ -211,7 +212,8 @@ def test_chat_prompts_and_templates(text_model: Path, chat_tokenizer: Path, tmp_
     d = tmp_path / "tok"
     d.mkdir()
     (d / "tokenizer.json").write_bytes((text_model / "tokenizer.json").read_bytes())
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": "X{{ eos_token }}", "eos_token": "<|endoftext|>"}))
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": "X{{ eos_token }}",
+                                                          "eos_token": "<|endoftext|>"}))
     assert chat_codec.TextCodec.load(d, cfg).render_chat(msgs) == "X<|endoftext|>"
     (d / "chat_template.jinja").write_text(JINJA)
     c2 = chat_codec.TextCodec.load(d / "tokenizer.json", cfg)
@@ -220,10 +222,11 @@ def test_chat_prompts_and_templates(text_model: Path, chat_tokenizer: Path, tmp_
 
     # --chat: prompts are user turns; <|im_end|> is an EOS id; {"messages"} lines use the template.
     f = tmp_path / "p.jsonl"
-    f.write_text(json.dumps("the cat") + "\n" + json.dumps({"messages": [{"role": "user", "content": "the cat"}]}) + "\n"
+    f.write_text(json.dumps("the cat") + "\n"
+                 + json.dumps({"messages": [{"role": "user", "content": "the cat"}]}) + "\n"
                  + json.dumps({"prompt": "sky"}) + "\n")
-    rc, out, err = run(["generate", "--checkpoint", f"hf:{text_model}", "--tokenizer", str(chat_tokenizer), "--prompts", str(f),
-                        "--chat", "--max-new-tokens", "6", "--json"], capsys)
+    rc, out, err = run(["generate", "--checkpoint", f"hf:{text_model}", "--tokenizer", str(chat_tokenizer),
+                        "--prompts", str(f), "--chat", "--max-new-tokens", "6", "--json"], capsys)
     assert rc == 0, err
     res = jsonl(out)
     assert len(res) == 3 and res[0]["token_ids"] == res[1]["token_ids"]

@@ -185,7 +185,8 @@ def test_slurm_script_requeues_on_a_crash_and_gives_up_without_progress(tmp_path
     r = job(2, 137)  # progress to checkpoint 2, then a crash: requeue after the base backoff
     assert r.returncode == 0 and log() == ["requeue 77", "update JobId=77 StartTime=now+5"], r.stdout + r.stderr
     r = job(2, 137)  # no progress: requeue, the next backoff doubles
-    assert log()[-1] == "update JobId=77 StartTime=now+5" and "FAILS=1; DELAY=10" in (tmp_path / "olmax-launch-77.state").read_text()
+    assert (log()[-1] == "update JobId=77 StartTime=now+5"
+            and "FAILS=1; DELAY=10" in (tmp_path / "olmax-launch-77.state").read_text())
     r = job(2, 137)  # a second failure in a row without progress: past --max-restarts 1
     assert r.returncode == 1 and "gave up" in r.stdout and len(log()) == 4
     r = job(4, 0)

@@ -51,7 +51,8 @@ def train_tokenizer(out: Path) -> object:
     OLMo 3's special-token roles (eos ``<|endoftext|>``, pad ``<|pad|>``, no bos)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
-    corpus = [line for f in sorted((suite.LOCAL_TASKS_DIR / "data").glob("*.jsonl")) for line in f.read_text().splitlines()]
+    corpus = [line for f in sorted((suite.LOCAL_TASKS_DIR / "data").glob("*.jsonl"))
+              for line in f.read_text().splitlines()]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -118,7 +119,8 @@ def test_loglikelihood_matches_hf(results: dict[str, dict], models: tuple[object
     print(f"olmax_mc: max |delta loglikelihood| {worst:.2e} over {sum(len(h['resps']) for h, _ in pairs)} requests")
 
 
-def test_rolling_loglikelihood_and_perplexity_match_hf(results: dict[str, dict], models: tuple[object, OlmaxLM]) -> None:
+def test_rolling_loglikelihood_and_perplexity_match_hf(results: dict[str, dict],
+                                                       models: tuple[object, OlmaxLM]) -> None:
     ox_lm = models[1]
     windows, deltas = [], []
     for hf, ox in samples(results, "olmax_ppl"):
@@ -140,7 +142,8 @@ def test_generations_match_hf(results: dict[str, dict], models: tuple[object, Ol
     pairs = samples(results, "olmax_gen")
     for hf, ox in pairs:
         assert hf["resps"] == ox["resps"]
-    assert results["hf"]["results"]["olmax_gen"]["exact_match,none"] == results["olmax"]["results"]["olmax_gen"]["exact_match,none"]
+    assert (results["hf"]["results"]["olmax_gen"]["exact_match,none"]
+            == results["olmax"]["results"]["olmax_gen"]["exact_match,none"])
     # Both stopping paths are exercised: some prompts stop on a stop sequence, some run to max_gen_toks.
     ox_lm = models[1]
     until = pairs[0][1]["arguments"][0][1]["until"]
@@ -314,8 +317,9 @@ def test_missing_datasets_are_named(hf_dir: Path, empty_hf_cache: None) -> None:
 def test_suite_command_on_local_tasks(hf_dir: Path, results: dict[str, dict], tmp_path: Path,
                                       capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "lm_eval.json"
-    args = parse(["--checkpoint", f"hf:{hf_dir}", "--include-path", str(suite.LOCAL_TASKS_DIR), "--tasks", "olmax_local",
-                  "--max-length", str(MAX_LENGTH), "--batch-size", str(BATCH), "--json", "--out", str(out)])
+    args = parse(["--checkpoint", f"hf:{hf_dir}", "--include-path", str(suite.LOCAL_TASKS_DIR),
+                  "--tasks", "olmax_local", "--max-length", str(MAX_LENGTH), "--batch-size", str(BATCH), "--json",
+                  "--out", str(out)])
     assert args.func(args) == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert sorted(printed["tasks"]) == sorted(TASKS)

@@ -39,7 +39,8 @@ def hf_config(m: ModelConfig) -> Olmo3Config:
         vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.mlp_hidden, num_hidden_layers=m.n_layers,
         num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads, head_dim=m.head_dim,
         rms_norm_eps=m.norm_eps, sliding_window=m.sliding_window, max_position_embeddings=m.max_position_embeddings,
-        rope_parameters={"full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": m.rope_theta}},
+        rope_parameters={"full_attention": full,
+                         "sliding_attention": {"rope_type": "default", "rope_theta": m.rope_theta}},
         eos_token_id=0, pad_token_id=1)
 
 
@@ -70,7 +71,8 @@ def test_rms_norm_matches_hf(dtype: str) -> None:
 
 YARN_CASES = [
     # OLMo 3 long context (stage 3 / released 65k checkpoints): head_dim 128, theta 5e5.
-    (128, 500000.0, RopeScaling(factor=8.0, original_max_position_embeddings=8192, attention_factor=1.2079441541679836)),
+    (128, 500000.0, RopeScaling(factor=8.0, original_max_position_embeddings=8192,
+                                attention_factor=1.2079441541679836)),
     (64, 500000.0, RopeScaling(factor=3.0, original_max_position_embeddings=100, beta_fast=16.0, beta_slow=2.0)),
     (16, 10000.0, RopeScaling(factor=4.0, original_max_position_embeddings=32)),
     (256, 1e6, RopeScaling(factor=2.0, original_max_position_embeddings=4096)),
@@ -250,4 +252,5 @@ def test_init_statistics_and_determinism() -> None:
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert not np.array_equal(np.asarray(params["embed"]), np.asarray(other["embed"]))
     # Leaves of the same shape get different draws (fold_in per leaf).
-    assert not np.array_equal(np.asarray(params["layers"][0]["attn"]["q"]), np.asarray(params["layers"][1]["attn"]["q"]))
+    assert not np.array_equal(np.asarray(params["layers"][0]["attn"]["q"]),
+                              np.asarray(params["layers"][1]["attn"]["q"]))

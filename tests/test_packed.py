@@ -10,10 +10,10 @@ evaluate the causal (and ``kv > q - W`` window) rule on the *per-document positi
 (``remap_positions_for_packed_sequence``) AND-ed with "same sequence index"
 (``packed_sequence_mask_function``), materialised as a boolean [b, 1, t, t] mask (sdpa) and as
 0 / finfo.min added to the scores (eager). This is the same on every attention implementation,
-CPU included (checked here for eager; sdpa gives the same documents-alone logits to 8e-6). Two traps, both checked below: ``use_cache`` defaults to the config's ``True``
-for ``Olmo3ForCausalLM``, and with a cache (or with any 2-D ``attention_mask``) the packed
-detection is skipped silently: documents then attend to each other. The reference here always
-passes ``use_cache=False`` and no attention mask.
+CPU included (checked here for eager; sdpa gives the same documents-alone logits to 8e-6). Two traps,
+both checked below: ``use_cache`` defaults to the config's ``True`` for ``Olmo3ForCausalLM``, and
+with a cache (or with any 2-D ``attention_mask``) the packed detection is skipped silently: documents
+then attend to each other. The reference here always passes ``use_cache=False`` and no attention mask.
 
 Criteria (fp32, as ``olmax parity``'s): per-token KL(HF || olmax) max <= 1e-7 and top-1 agreement 100%
 over the real vocabulary at every non-padding position, through the reference, blocked and
@@ -122,8 +122,9 @@ def _forward_fn(m):
 
 
 def _olmax_logits(s: dict, impl: str, positions=None, segments=None) -> np.ndarray:
-    out = _forward_fn(replace(s["m"], attention_impl=impl))(s["params"], jnp.asarray(s["tokens"]), None if positions is None else jnp.asarray(positions),
-             None if segments is None else jnp.asarray(segments))
+    out = _forward_fn(replace(s["m"], attention_impl=impl))(s["params"], jnp.asarray(s["tokens"]),
+                                                            None if positions is None else jnp.asarray(positions),
+                                                            None if segments is None else jnp.asarray(segments))
     return np.asarray(out)[..., :VOCAB]
 
 

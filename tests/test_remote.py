@@ -208,7 +208,8 @@ def test_remote_data_and_run_dir_resume_bitwise(s3, reference, tmp_path, monkeyp
     # An upload of checkpoint 9 cut short (some files, no commit marker) is never the newest.
     client = s3.client()
     for key in [k for k in s3.keys("runs/a/checkpoints/4/") if not k.endswith("_OLMAX_COMMITTED")][:3]:
-        client.copy_object(Bucket=s3.BUCKET, Key=key.replace("/4/", "/9/"), CopySource={"Bucket": s3.BUCKET, "Key": key})
+        client.copy_object(Bucket=s3.BUCKET, Key=key.replace("/4/", "/9/"),
+                           CopySource={"Bucket": s3.BUCKET, "Key": key})
     assert any(k.startswith("runs/a/checkpoints/9/") for k in s3.keys("runs/a/"))
     ck = Checkpointer(run, cfg.checkpoint)
     assert ck.all_steps() == [2, 4] and ck.latest_step() == 4

@@ -45,7 +45,8 @@ def test_rl_run_reports_its_metrics_and_samples_from_its_own_weights(straight: P
     # their arithmetic: the gap is zero. Elsewhere it is fp32 rounding (vLLM-based trainers see 1e-2).
     exact = can_reproduce_decode_bits(get_recipe("tiny_rl", ["model.compute_dtype=float32"]).model)
     for r in got:
-        assert (r["rl/max_logprob_gap"] == 0.0) if exact else (0 <= r["rl/max_logprob_gap"] <= 1e-5), r["rl/max_logprob_gap"]
+        assert ((r["rl/max_logprob_gap"] == 0.0) if exact else (0 <= r["rl/max_logprob_gap"] <= 1e-5)), \
+            r["rl/max_logprob_gap"]
         assert r["rl/updates"] == 4.0                       # 2 mini-batches x 2 epochs
         assert 0 <= r["rl/zero_std_share"] <= 1 and 0 <= r["rl/truncation_rate"] <= 1
         assert r["rl/tokens_generated"] > 0 and r["rl/generation_tokens_per_sec"] > 0

@@ -380,7 +380,8 @@ def test_the_slice_count_comes_from_the_devices():
     builds the mesh `olmax compile --slices N` measured); an explicit value must agree."""
     from olmax.config import MeshConfig
     from olmax.sharding import device_slices, mesh_shape, slice_mesh_config
-    assert device_slices(_devs(2)) == 2 and device_slices(_devs(1)) == 1 and device_slices(_devs(2, platform="cpu")) is None
+    assert (device_slices(_devs(2)) == 2 and device_slices(_devs(1)) == 1
+            and device_slices(_devs(2, platform="cpu")) is None)
     cfg = slice_mesh_config(MeshConfig(), _devs(2))
     assert cfg.slice == 2 and mesh_shape(cfg, 8) == {"slice": 2, "data": 1, "fsdp": 4, "tensor": 1}
     assert slice_mesh_config(MeshConfig(slice=2), _devs(2)).slice == 2     # as `launch tpu --num-slices 2` sets it

@@ -46,7 +46,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="olmax", description="Faithful, verified LLM pre-training and post-training (SFT, DPO, RL with verifiable rewards) in JAX.")
+    parser = Parser(prog="olmax", description="Faithful, verified LLM pre-training and post-training "
+                                              "(SFT, DPO, RL with verifiable rewards) in JAX.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for module in COMMAND_MODULES:

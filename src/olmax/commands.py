@@ -25,8 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--devices", type=positive_int, default=None,
                    help="global device count for the memory estimate (default: the devices JAX sees)")
     p.add_argument("--topology", default=None,
-                   help="a TPU slice (v5p-128, v6e-256, ...): its device count and HBM give a fits / does not fit verdict")
-    p.add_argument("--hbm-gib", type=positive_float, default=None, help="memory per device for the verdict (e.g. 80 for an H100)")
+                   help="a TPU slice (v5p-128, v6e-256, ...): its device count and HBM give a fits / "
+                        "does not fit verdict")
+    p.add_argument("--hbm-gib", type=positive_float, default=None,
+                   help="memory per device for the verdict (e.g. 80 for an H100)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)
 
@@ -84,7 +86,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"at seq {cfg.data.sequence_length}")
     print(f"FLOPs/step        {info['flops_per_step']:.4e} ({info['tokens_per_step']:,} tokens)")
     print(f"memory/device     {mem['total_gib']:.2f} GiB on {n} devices: weights {mem['weights_gib']:.2f}, "
-          f"grads {mem['grads_gib']:.2f}, Adam {mem['adam_moments_gib']:.2f}, activations {mem['activations_gib']:.2f}, "
+          f"grads {mem['grads_gib']:.2f}, Adam {mem['adam_moments_gib']:.2f}, "
+          f"activations {mem['activations_gib']:.2f}, "
           f"layer workspace {mem['layer_workspace_gib']:.2f}, logits {mem['logits_gib']:.2f}, "
           f"attention scores {mem['attention_scores_gib']:.2f}")
     if "verdict" in info:

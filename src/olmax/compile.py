@@ -111,7 +111,8 @@ def quiet_libtpu(topology: Topology | None = None) -> None:
     told to stay on the CPU and libtpu what it would have found. Call before JAX initialises."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if topology is not None:
-        os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{topology.family.name}-{topology.chips * topology.family.cores_per_chip}")
+        os.environ.setdefault("TPU_ACCELERATOR_TYPE",
+                              f"{topology.family.name}-{topology.chips * topology.family.cores_per_chip}")
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     # No chip is opened, so several compiles (or a compile beside a test run) may share the machine:
@@ -356,7 +357,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                        "fits or not (needs the libtpu wheel, not a TPU)")
     add_recipe_args(p)
     p.add_argument("--topology", required=True, help="v5p-128, v6e-256, tpu7x-128, v5e-256 or v5p:4x4x4")
-    p.add_argument("--slices", type=positive_int, default=1, help="number of slices (multi-slice data parallelism over DCN)")
+    p.add_argument("--slices", type=positive_int, default=1,
+                   help="number of slices (multi-slice data parallelism over DCN)")
     p.add_argument("--no-eval", action="store_true", help="compile the train step only")
     p.add_argument("--step", choices=("train", "generate"), default="train",
                    help="train (default): the train and eval steps; generate: KV-cache prefill + one decode step")
@@ -378,8 +380,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
             print(jsonout.dumps(r, indent=2))
         else:
             print(f"recipe         {r['recipe']} ({r['compute_dtype']} compute, attention {r['attention']})")
-            print(f"topology       {r['topology']}: {r['devices']} devices, mesh {r['mesh']}, {r['hbm_gib']:.2f} GiB HBM each")
-            print(f"cache          {r['cache_gib_total']:.2f} GiB in all at batch {r['batch']} x {r['max_length']} tokens")
+            print(f"topology       {r['topology']}: {r['devices']} devices, mesh {r['mesh']}, "
+                  f"{r['hbm_gib']:.2f} GiB HBM each")
+            print(f"cache          {r['cache_gib_total']:.2f} GiB in all at batch {r['batch']} x "
+                  f"{r['max_length']} tokens")
             for what in ("prefill", "decode"):
                 if what in r:
                     oom = " (XLA: out of memory)" if "oom" in r[what] else ""

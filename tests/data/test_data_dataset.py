@@ -104,7 +104,8 @@ def test_bad_files(tmp_path: Path) -> None:
     odd.write_bytes(b"\1\0\2\0\3")
     with pytest.raises(DataError, match=r"odd.npy: size 5 bytes is not a multiple of 2 \(uint16"):
         TokenDataset([paths[0], str(odd)], sequence_length=32, dtype="uint16", **KW)
-    with pytest.raises(DataError, match=r"data.sequence_length=512 is longer than every token file .*part-00001.npy, 200"):
+    with pytest.raises(DataError,
+                       match=r"data.sequence_length=512 is longer than every token file .*part-00001.npy, 200"):
         TokenDataset(paths, sequence_length=512, **{**KW}, dtype="uint16")
     with pytest.raises(DataError, match="data.paths is empty"):
         TokenDataset([], sequence_length=32, **KW)

@@ -77,7 +77,8 @@ def test_fingerprint_mismatch_names_the_change(tmp_path: Path, files: list[str],
         resume(make_cfg(files + extra, tmp_path / "cache"))
     with pytest.raises(DataError) as err:   # a repeated basename inserted mid-list: only that one is new
         resume(make_cfg(files[:2] + extra + files[2:], tmp_path / "cache"))
-    assert "data state: files added: part-00000.npy. Restore the original files, start a new --run-dir, or pass --allow-fingerprint-mismatch" in str(err.value)
+    assert ("data state: files added: part-00000.npy. Restore the original files, start a new --run-dir, "
+            "or pass --allow-fingerprint-mismatch" in str(err.value))
     with pytest.raises(DataError, match=r"files removed: part-00004.npy"):
         resume(make_cfg(files[:4], tmp_path / "cache"))
     with pytest.raises(DataError, match=r"sequence_length changed: 32 -> 16"):
@@ -92,7 +93,8 @@ def test_fingerprint_mismatch_names_the_change(tmp_path: Path, files: list[str],
         DataLoader(cfg, start_step=3, resume=state)
     grown = np.concatenate([np.fromfile(files[1], "<u2"), np.ones(64, np.uint16)])
     write_tokens(Path(files[1]), grown)
-    with pytest.raises(DataError, match=r"files resized: part-00001.npy \(5000 -> 5128 bytes\).*allow-fingerprint-mismatch"):
+    with pytest.raises(DataError,
+                       match=r"files resized: part-00001.npy \(5000 -> 5128 bytes\).*allow-fingerprint-mismatch"):
         resume(cfg)
     dl = resume(cfg, allow_fingerprint_mismatch=True)          # the explicit override
     assert dl.start_step == 5 and dl.state().fingerprint != state.fingerprint

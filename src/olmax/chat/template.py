@@ -30,12 +30,13 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 # The system message OLMo 3 Instruct's template inserts when a conversation has none.
 OLMO3_SYSTEM_PREFIX = "You are a helpful function-calling AI assistant. "
-OLMO3_DEFAULT_SYSTEM = OLMO3_SYSTEM_PREFIX + "You do not currently have access to any functions. <functions></functions>"
+OLMO3_DEFAULT_SYSTEM = (OLMO3_SYSTEM_PREFIX
+                        + "You do not currently have access to any functions. <functions></functions>")
 # With tools and no system message, this preamble and the tools' JSON replace the "no functions" text.
-OLMO3_FUNCTIONS_PREAMBLE = ("You are provided with function signatures within <functions></functions> XML tags. You may "
-                            "call one or more functions to assist with the user query. Output any function calls within "
-                            "<function_calls></function_calls> XML tags. Do not make assumptions about what values to "
-                            "plug into functions.")
+OLMO3_FUNCTIONS_PREAMBLE = ("You are provided with function signatures within <functions></functions> XML tags. "
+                            "You may call one or more functions to assist with the user query. Output any function "
+                            "calls within <function_calls></function_calls> XML tags. Do not make assumptions about "
+                            "what values to plug into functions.")
 # OLMo 3 7B Think's SFT template (open-instruct ``olmo_thinker_no_think_7b``): default system message, and
 # the suffix a given system message gets when there are no tools.
 OLMO3_THINK_DEFAULT_SYSTEM = ("You are Olmo, a helpful AI assistant built by Ai2. Your date cutoff is December 2024, "

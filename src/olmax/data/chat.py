@@ -211,7 +211,8 @@ def _chat_tokenizer(tokenizer: Any, eos_token_id: int | None) -> ChatTokenizer:
         return tokenizer
     key: Any = str(tokenizer) if isinstance(tokenizer, (str, Path)) else id(tokenizer)
     hit = _TOKENIZERS.get(key)
-    if hit is None or (hit[0] is not tokenizer and not isinstance(key, str)) or (eos_token_id is not None and hit[1].eos_id != eos_token_id):
+    if (hit is None or (hit[0] is not tokenizer and not isinstance(key, str))
+            or (eos_token_id is not None and hit[1].eos_id != eos_token_id)):
         if len(_TOKENIZERS) > 8:
             _TOKENIZERS.clear()
         hit = _TOKENIZERS[key] = (tokenizer, ChatTokenizer(tokenizer, eos_token_id))
@@ -308,7 +309,8 @@ def preference_messages(rec: Any) -> tuple[list[dict], list[dict], Any]:
         return max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
     pc, pr = chosen[:last_assistant(chosen)], rejected[:last_assistant(rejected)]
     if [_message_key(m) for m in pc] != [_message_key(m) for m in pr]:
-        k = next((i for i, (a, b) in enumerate(zip(pc, pr)) if _message_key(a) != _message_key(b)), min(len(pc), len(pr)))
+        k = next((i for i, (a, b) in enumerate(zip(pc, pr)) if _message_key(a) != _message_key(b)),
+                 min(len(pc), len(pr)))
         raise ChatError(f"chosen and rejected do not share the prompt (the messages before the final assistant "
                         f"turn differ at message {k}: {len(pc)} vs {len(pr)} prompt messages)")
     return chosen, rejected, tools
@@ -686,7 +688,8 @@ def read_pairs(folder: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         raise DataError(f"{man}: format {got!r}, expected {PAIRS_FORMAT!r} (written by `olmax tokenize --chat "
                         f"--preference`)")
     arrays = []
-    for name, dt, ndim in ((PAIRS_TOKEN_IDS, np.uint32, 1), (PAIRS_LABELS_MASK, np.bool_, 1), (PAIRS_INDEX, np.int64, 2)):
+    for name, dt, ndim in ((PAIRS_TOKEN_IDS, np.uint32, 1), (PAIRS_LABELS_MASK, np.bool_, 1),
+                           (PAIRS_INDEX, np.int64, 2)):
         p = d / name
         if not p.is_file():
             raise DataError(f"{p}: not found")

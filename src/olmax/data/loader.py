@@ -90,7 +90,8 @@ def state_mismatches(saved: DataState, dataset: TokenDataset) -> list[str]:
                    for x, y in zip(a[i1:i2], b[j1:j2]) if x[1] != y[1]]
         for what, names in (("files added", added), ("files removed", removed), ("files resized", resized)):
             if names:
-                out.append(f"{what}: {', '.join(names[:5])}" + (f" and {len(names) - 5} more" if len(names) > 5 else ""))
+                out.append(f"{what}: {', '.join(names[:5])}"
+                           + (f" and {len(names) - 5} more" if len(names) > 5 else ""))
     if not out and saved.fingerprint != dataset.fingerprint:
         out.append(f"fingerprint changed: {saved.fingerprint[:12]} -> {dataset.fingerprint[:12]}")
     return out
@@ -185,7 +186,8 @@ class DataLoader:
         self.start_step = self._next = start_step
         self.stop_step = cfg.train.steps if stop_step is None else stop_step
         d = cfg.data
-        filt = (d.repetition_min_period, d.repetition_max_period, d.repetition_max_count) if d.repetition_filter else None
+        filt = ((d.repetition_min_period, d.repetition_max_period, d.repetition_max_count)
+                if d.repetition_filter else None)
         self.source = StepSource(self.dataset, self.order, process_index, process_count, share_fn=share_fn,
                                  repetition_filter=filt)
         self._iter: Any = None

@@ -74,7 +74,8 @@ class GlobalOrder:
     def cache_path(self, epoch: int) -> Path | None:
         if self.cache_dir is None:
             return None
-        return self.cache_dir / f"order-{self.key[:16] or 'nokey'}-n{self.num_instances}-seed{self.seed}-epoch{epoch}.npy"
+        return self.cache_dir / (f"order-{self.key[:16] or 'nokey'}-n{self.num_instances}-seed{self.seed}"
+                                 f"-epoch{epoch}.npy")
 
     def epoch(self, epoch: int) -> np.ndarray:
         """Epoch ``epoch`` as ``(batches_per_epoch, global_batch)`` uint32 (read-only)."""

@@ -209,7 +209,8 @@ class PackedDataset:
                 "eos_token_id": self.eos_token_id, "bos_token_id": self.bos_token_id, "dtype": self.dtype.name,
                 "sequence_length": self.sequence_length, "long_doc_strategy": self.long_doc_strategy,
                 "files": [[os.path.basename(f.path), f.size] for f in self.files],
-                **({"label_masks": [os.path.basename(f.mask_path) for f in self.files]} if self.has_label_masks else {})}
+                **({"label_masks": [os.path.basename(f.mask_path) for f in self.files]}
+                   if self.has_label_masks else {})}
 
     @functools.cached_property
     def fingerprint(self) -> str:

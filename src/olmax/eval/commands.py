@@ -49,14 +49,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--domain", action="append", required=True, metavar="SPEC",
                    help="NAME=PATH[,PATH...]:BYTES (raw UTF-8 bytes of the text), or a YAML file "
                         "{NAME: {paths: [...], bytes: N}} (repeatable)")
-    _window_args(p, batches_help="batches per domain (default eval.batches of the checkpoint; 0 = all)", all_batches=True)
+    _window_args(p, batches_help="batches per domain (default eval.batches of the checkpoint; 0 = all)",
+                 all_batches=True)
     p.set_defaults(func=cmd_domains)
 
     p = esub.add_parser("kl", help="token-level KL(A || B), top-1/top-10 agreement on identical inputs")
     p.add_argument("a", help="model A (the reference distribution): weights/run/checkpoint dir or hf:DIR")
     p.add_argument("b", help="model B")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--tokens", default=None, metavar="FILE.npy", help="token ids saved with numpy.save, [T] or [B, T]")
+    src.add_argument("--tokens", default=None, metavar="FILE.npy",
+                     help="token ids saved with numpy.save, [T] or [B, T]")
     src.add_argument("--data", nargs="+", default=None, metavar="FILE",
                      help="raw token files: the first --batch-size windows")
     p.add_argument("--seq-len", type=positive_int, default=128)
@@ -86,8 +88,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"alarm: train gap below -T nats counts as improvement (default {d.threshold})")
     p.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction,
                    help="alarm: held-out must keep this share of the train gain (default %(default)s)")
-    p.add_argument("--window", type=positive_int, default=None, help="alarm/milestone window in steps (default: bin width)")
-    p.add_argument("--heldout-metric", default=None, help="held-out metric for the alarm (default eval/heldout/CE loss)")
+    p.add_argument("--window", type=positive_int, default=None,
+                   help="alarm/milestone window in steps (default: bin width)")
+    p.add_argument("--heldout-metric", default=None,
+                   help="held-out metric for the alarm (default eval/heldout/CE loss)")
     p.add_argument("--fail-on-alarm", action="store_true", help="exit 1 when the memorisation alarm fires")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_compare)

@@ -90,7 +90,8 @@ def load_tokenizer(path: str | Path, cfg: Config, add_bos_token: bool | None = N
     if p.is_dir():
         return transformers.AutoTokenizer.from_pretrained(str(p), use_fast=True, **kw)
     if not p.is_file():
-        raise FileNotFoundError(f"tokenizer {p} does not exist (expected a tokenizer.json file or an HF tokenizer directory)")
+        raise FileNotFoundError(f"tokenizer {p} does not exist (expected a tokenizer.json file or an HF "
+                                "tokenizer directory)")
     tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(p), **kw)
     roles = {"eos_token": cfg.data.eos_token_id, "pad_token": cfg.data.pad_token_id, "bos_token": cfg.data.bos_token_id}
     for role, tid in roles.items():
@@ -201,7 +202,8 @@ class OlmaxLM(TemplateLM):
 
     def get_model_info(self) -> dict:
         n = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(self.params))
-        return {"model_num_parameters": n, "model_dtype": self.cfg.model.compute_dtype, "model_revision": self.checkpoint}
+        return {"model_num_parameters": n, "model_dtype": self.cfg.model.compute_dtype,
+                "model_revision": self.checkpoint}
 
     # ------------------------------------------------------------------ tokenisation (as HFLM)
 

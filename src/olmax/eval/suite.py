@@ -125,7 +125,8 @@ def format_table(summary: dict[str, Any]) -> str:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("lm-eval", help="lm-eval-harness tasks on an olmax checkpoint (default: the OLMo 3 8-task suite)",
+    p = sub.add_parser("lm-eval",
+                       help="lm-eval-harness tasks on an olmax checkpoint (default: the OLMo 3 8-task suite)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True,
                    help="olmax weights dir, run dir, RUN/checkpoints/N, or hf:DIR")
@@ -133,10 +134,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tokenizer.json or HF tokenizer dir (default: the hf: dir or the checkpoint dir's tokenizer)")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--suite", choices=sorted(SUITES), default=None, help="a named task suite (default: olmo3)")
-    which.add_argument("--tasks", default=None, help="comma-separated lm-eval task, group or tag names (exact, no globs)")
+    which.add_argument("--tasks", default=None,
+                       help="comma-separated lm-eval task, group or tag names (exact, no globs)")
     p.add_argument("--include-path", action="append", default=[], metavar="DIR",
-                   help=f"extra directory of task YAMLs (repeatable); the local test tasks are in {LOCAL_TASKS_DIR.name}/ "
-                        "beside this module")
+                   help=f"extra directory of task YAMLs (repeatable); the local test tasks are in "
+                        f"{LOCAL_TASKS_DIR.name}/ beside this module")
     p.add_argument("--limit", type=float, default=None,
                    help="documents per task (an integer), or a fraction of each task below 1")
     p.add_argument("--batch-size", type=positive_int, default=8)

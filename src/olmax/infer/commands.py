@@ -27,7 +27,8 @@ def _common(p: argparse.ArgumentParser, max_new_default: int) -> None:
                         "model's positions end sooner)")
     p.add_argument("--temperature", type=float, default=None, metavar="T",
                    help="sample at this temperature (default: greedy; 0 is greedy too)")
-    p.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling: keep the top P of the mass")
+    p.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help="nucleus sampling: keep the top P of the mass")
     p.add_argument("--top-k", type=positive_int, default=None, metavar="K", help="sample from the K most likely tokens")
     p.add_argument("--seed", type=int_in(0, SEED_MAX), default=0, help=f"sampling seed, 0..{SEED_MAX} (default 0)")
     p.add_argument("--stop", action="extend", nargs="+", default=None, metavar="STR",
@@ -59,7 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true",
                    help="wrap each prompt as a user turn in the chat template (the checkpoint's, else OLMo 3 "
                         "Instruct's ChatML); also stop at <|im_end|>")
-    p.add_argument("--batch-size", type=positive_int, default=8, metavar="B", help="prompts decoded together (default 8)")
+    p.add_argument("--batch-size", type=positive_int, default=8, metavar="B",
+                   help="prompts decoded together (default 8)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per prompt: token_ids, text, logprobs, finish_reason")
     _common(p, 256)

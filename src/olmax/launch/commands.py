@@ -43,7 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     common(q)
     q.add_argument("--nodes", type=positive_int, required=True)
     q.add_argument("--gpus-per-node", type=nonneg_int, required=True, help="0 for CPU nodes")
-    q.add_argument("--tasks-per-node", type=positive_int, default=1, help="JAX processes per node (default 1: all GPUs)")
+    q.add_argument("--tasks-per-node", type=positive_int, default=1,
+                   help="JAX processes per node (default 1: all GPUs)")
     q.add_argument("--partition", default=None)
     q.add_argument("--time", default=None, help="time limit, e.g. 24:00:00 (the job requeues itself before it)")
     q.add_argument("--backoff", type=nonneg_int, default=60, help="seconds before a requeued job starts (doubles)")

@@ -56,7 +56,8 @@ progress() {{ {status} || echo -1; }}
 FAILS=0; DELAY={backoff}
 [ -f "$RUN_STATE" ] && . "$RUN_STATE"
 BEFORE=$(progress)
-echo "olmax launch slurm: job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}) on $SLURM_JOB_NODELIST, checkpoint $BEFORE"
+echo "olmax launch slurm: job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}) on $SLURM_JOB_NODELIST, \
+checkpoint $BEFORE"
 
 requeue() {{  # $1: seconds to wait before the job may start again
   echo "olmax launch slurm: requeueing job $SLURM_JOB_ID (start in $1 s)"

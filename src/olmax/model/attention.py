@@ -172,7 +172,8 @@ def _blocked_grads(window: int | None, block: int, res: tuple, dout: jax.Array) 
     for (q0, q1, k0), lse in zip(spans, lses):
         scores, mask = _block_scores(qh, kh, (q0, q1, k0), window, seg)
         p = jnp.where(mask, jnp.exp(scores - lse), 0.0)  # exactly zero outside the mask
-        dp = jnp.einsum("bkgte,bkse->bkgts", dout[:, :, :, q0:q1], vh[:, :, 0, k0:q1], preferred_element_type=jnp.float32)
+        dp = jnp.einsum("bkgte,bkse->bkgts", dout[:, :, :, q0:q1], vh[:, :, 0, k0:q1],
+                        preferred_element_type=jnp.float32)
         ds.append((p * (dp - rowsum[..., q0:q1, None]) * e ** -0.5).astype(qh.dtype))
         probs.append(p.astype(dout.dtype))
         dq.append(jnp.einsum("bkgts,bkse->bkgte", ds[-1], kh[:, :, 0, k0:q1], preferred_element_type=jnp.float32))
@@ -294,7 +295,8 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | Non
         if not seg:
             return jax.vmap(kernel)(qh, kh, vh)
         from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
-        return jax.vmap(lambda q_, k_, v_, s_: kernel(q_, k_, v_, segment_ids=SegmentIds(q=s_, kv=s_)))(qh, kh, vh, seg[0])
+        return jax.vmap(lambda q_, k_, v_, s_: kernel(q_, k_, v_, segment_ids=SegmentIds(q=s_, kv=s_)))(
+            qh, kh, vh, seg[0])
 
     seg = () if segment_ids is None else (segment_ids.astype(jnp.int32),)
     mesh = current_mesh()

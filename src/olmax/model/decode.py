@@ -190,13 +190,15 @@ def prefill(prepared: dict, tokens: jax.Array, lengths: jax.Array, cfg: ModelCon
             stack, index = cache
             o = attention_as_decoded(q, k, v, window, cfg) if kernel else attend(q, k, v, window, cfg, segment_ids)
             where = jnp.clip(pos[kind], 0, t - 1)[:, :, None, None]
-            entry = {name: _to_cache(jnp.take_along_axis(a, where, axis=1), stack[name]) for name, a in (("k", k), ("v", v))}
+            entry = {name: _to_cache(jnp.take_along_axis(a, where, axis=1), stack[name])
+                     for name, a in (("k", k), ("v", v))}
             if head_major_cache():
                 entry = {name: a.transpose(0, 2, 1, 3) for name, a in entry.items()}
             return o, _update(stack, index, entry)
         return fill
 
-    ops = {full: op(full, None if full else cfg.sliding_window) for full in {cfg.is_full_attention(i) for i in range(cfg.n_layers)}}
+    ops = {full: op(full, None if full else cfg.sliding_window)
+           for full in {cfg.is_full_attention(i) for i in range(cfg.n_layers)}}
     with reproduce_decode_bits(kernel):
         x, kv = run_layers(cfg, prepared["layers"], embed(prepared, tokens, cfg), rope_tables(cfg, t),
                            segment_ids=segment_ids, caches=empty_cache(cfg, prepared, b, max_length), cache_ops=ops)

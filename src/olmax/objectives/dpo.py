@@ -95,8 +95,9 @@ class PairSet:
             # An id past the embedding reads as NaN: every step would be skipped as non-finite.
             at = int(np.argmax(np.asarray(self.tokens) >= vocab_size))
             pair = int(np.searchsorted(idx[:, 0], at, side="right")) - 1  # pairs lie back to back (read_pairs)
-            raise PreferenceDataError(f"{self.folder / 'pairs_token_ids.npy'}: token id {int(self.tokens[at])} (pair {pair}) "
-                                      f"is outside the model's vocabulary of {vocab_size} (model.vocab_size); "
+            raise PreferenceDataError(f"{self.folder / 'pairs_token_ids.npy'}: token id {int(self.tokens[at])} "
+                                      f"(pair {pair}) is outside the model's vocabulary of {vocab_size} "
+                                      "(model.vocab_size); "
                                       "pairs from another tokenizer?")
         self.n = int(idx.shape[0])
         self.truncated = int((idx[:, 1] > seq_len).sum() + (idx[:, 3] > seq_len).sum())

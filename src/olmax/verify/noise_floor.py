@@ -385,7 +385,8 @@ def plots(out: Path, compare_out: Path | None = None) -> dict[str, Any]:
     """``olmax compare`` of a noise-floor folder: OLMo-core (the baseline), olmax, and OLMo-core with
     the micro-batch split (the reference's own noise) into ``out/compare``; its summary."""
     from olmax.eval.compare import compare
-    micro = sorted(out.glob("olmo_core_micro*/metrics.jsonl"), key=lambda p: -int(p.parent.name[len("olmo_core_micro"):]))
+    micro = sorted(out.glob("olmo_core_micro*/metrics.jsonl"),
+                   key=lambda p: -int(p.parent.name[len("olmo_core_micro"):]))
     paths = [str(out / "olmo_core" / "metrics.jsonl"), str(out / "olmax_run" / "metrics.jsonl"),
              *[str(p) for p in micro[:1]]]
     labels = ["OLMo-core", "olmax", *[f"OLMo-core, micro-batch {p.parent.name[len('olmo_core_micro'):]}"
@@ -468,7 +469,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"  max |dCE|             olmax vs OLMo-core {_g(r['max_gap'])}, OLMo-core vs itself "
         f"{_g(r['max_reference_self_gap'])}, olmax vs itself {_g(r['max_olmax_self_gap'])}",
         f"  olmax self-gap ratio  {_g(r['olmax_self_gap_ratio'])}",
-        f"  strict parity         {'OK' if r['parity']['ok'] else 'first difference ' + str(r['parity']['first_difference'])}",
+        f"  strict parity         "
+        f"{'OK' if r['parity']['ok'] else 'first difference ' + str(r['parity']['first_difference'])}",
     ]
     ms = [m for m in r.get("milestones", []) if m["delta_olmax"] is not None and m["reference_spread"] is not None]
     if ms:
@@ -481,7 +483,8 @@ def format_report(r: dict[str, Any]) -> str:
                      f"{r['divergence_threshold']:g} at step {fp['reference_divergence_step']}, max "
                      f"{_g(fp['max_reference_self_gap'])})")
     if r.get("plots"):
-        lines.append(f"  plots                 {r['plots']['loss_png']}, {r['plots']['gap_png']}, {r['plots']['report_md']}")
+        lines.append(f"  plots                 {r['plots']['loss_png']}, {r['plots']['gap_png']}, "
+                     f"{r['plots']['report_md']}")
     if r.get("seconds"):
         lines.append("  seconds               " + ", ".join(f"{k} {v}" for k, v in r["seconds"].items()))
     return "\n".join(lines)

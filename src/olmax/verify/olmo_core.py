@@ -659,7 +659,8 @@ def run_olmo_core_here(cfg: Config, paths: list[str], work: str | os.PathLike,
 
 
 def olmax_config(cfg: Config, out: Path, paths: list[str], hf_dir: str | os.PathLike,
-                 olmax_overrides: list[str] | tuple[str, ...] = (), label_mask_paths: list[str] | None = None) -> Config:
+                 olmax_overrides: list[str] | tuple[str, ...] = (),
+                 label_mask_paths: list[str] | None = None) -> Config:
     """The olmax side of ``cfg``: OLMo-core's initial weights, the token (and label-mask) files, then
     ``olmax_overrides``."""
     from olmax.config import validate
@@ -726,7 +727,8 @@ def register(subparsers: argparse._SubParsersAction, func: Any = None) -> None:
                    help="OLMo-core's SFT recipe: chat-like documents with label masks, packed by OLMo-core's "
                         "NumpyPackedFSLDataset (best-fit decreasing) and by olmax, intra-document attention, "
                         "AdamW (0.9, 0.95) without weight decay or z-loss, linear schedule to 0, lr 1e-4")
-    p.add_argument("--seed", type=seed_flag, default=None, help="data seed and OLMo-core init seed (default: the recipe's)")
+    p.add_argument("--seed", type=seed_flag, default=None,
+                   help="data seed and OLMo-core init seed (default: the recipe's)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override the recipe on both sides, e.g. --set optim.lr=1e-3 (repeatable)")
     p.add_argument("--olmax-set", dest="olmax_overrides", action="append", default=[], metavar="KEY=VALUE",

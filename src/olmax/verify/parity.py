@@ -248,7 +248,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"parity: olmax ({r['dtype']} compute, {r['attention_impl']} attention) vs {r['reference']}",
         f"  tokens: {r['batch']} x {r['seq_len']} = {r['tokens']}   vocab {r['vocab_size']} "
         f"(olmax rows {r['padded_vocab_size']}, padded rows sliced off)",
-        f"  packed documents: {r['documents']} (masked to each document, positions restart)" if r.get("document_masking") else "",
+        (f"  packed documents: {r['documents']} (masked to each document, positions restart)"
+         if r.get("document_masking") else ""),
         f"  max |logit diff|:    {r['max_abs_logit_diff']:.3e}",
         f"  KL(HF || olmax):     mean {r['kl_mean']:.3e}   max {r['kl_max']:.3e}",
         f"  top-1 agreement:     {100 * r['top1_agreement']:.2f}%",
@@ -290,7 +291,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", dest="batch_size", type=positive_int, default=argparse.SUPPRESS,
                    help=argparse.SUPPRESS)  # the old spelling, kept until the next release
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="olmax compute dtype")
-    p.add_argument("--attention", default=None, choices=["auto", "reference", "blocked", "cpu", "splash", "cudnn", "xla"],
+    p.add_argument("--attention", default=None,
+                   choices=["auto", "reference", "blocked", "cpu", "splash", "cudnn", "xla"],
                    help="attention kernel (default: reference in fp32, the config's choice in bf16; splash "
                         "runs in Pallas interpret mode off TPU)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="model.KEY=VALUE",

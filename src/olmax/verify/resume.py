@@ -32,7 +32,8 @@ def _train(recipe: str, run_dir: Path, overrides: list[str], devices: int | None
         cmd += ["--max-steps-this-run", str(max_steps)]
     env = dict(os.environ)
     if devices is not None:
-        flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+        flags = [f for f in env.get("XLA_FLAGS", "").split()
+                 if not f.startswith("--xla_force_host_platform_device_count")]
         env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
         env["JAX_PLATFORMS"] = "cpu"
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -102,8 +103,10 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int_in(2, 2**31), default=20)
     p.add_argument("--interrupt-at", type=positive_int, default=None, help="default: steps // 2")
     p.add_argument("--devices-before", type=positive_int, default=None, help="fake CPU devices before the interruption")
-    p.add_argument("--devices-after", type=positive_int, default=None, help="fake CPU devices after it (elastic resume)")
-    p.add_argument("--tol", type=nonneg_float, default=None, help="default: 0 (bitwise); 1e-5 when the device count changes")
+    p.add_argument("--devices-after", type=positive_int, default=None,
+                   help="fake CPU devices after it (elastic resume)")
+    p.add_argument("--tol", type=nonneg_float, default=None,
+                   help="default: 0 (bitwise); 1e-5 when the device count changes")
     p.add_argument("--out", default=None, help="keep both run directories here")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_resume)

@@ -3,8 +3,9 @@
 One resolved olmax config drives both sides:
 
 1. Two different tiny OLMo 3 models (olmax's initialisation from seeds S and S + 1) are written as
-   HF directories by olmax's converter: the policy's initial weights and the reference model. The reference differs from the policy, so the reference log-probs are not the
-   policy's own at step 0 and a wrong reference (or one taken from the policy) shows at once.
+   HF directories by olmax's converter: the policy's initial weights and the reference model. The reference
+   differs from the policy, so the reference log-probs are not the policy's own at step 0 and a wrong
+   reference (or one taken from the policy) shows at once.
 2. Generated preference pairs (a shared prompt, then a chosen or a rejected response ending in
    EOS; label mask True on the response) are written as an ``olmax-pairs/1`` folder.
 3. olmax trains with its real loop (``olmax.train.loop.train``, ``train.objective=dpo``,

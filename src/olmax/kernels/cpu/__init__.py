@@ -219,13 +219,15 @@ def skinny_matmul(x: jax.Array, p: jax.Array, out: int) -> jax.Array:
 
 def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, seen: jax.Array) -> jax.Array:
     """The decode step's attention in the kernel: q [b, kv_heads, g, e] over the head-major cache
-    k, v [b, kv_heads, S, e] (or a layer's stack of one, [1, b, kv_heads, S, e]), ``seen`` [b, S] (bool: the slots each row's query sees) -> [b,
-    kv_heads, g, e], fp32: ``olmax.model.attention.cache_attention`` for one query per row."""
+    k, v [b, kv_heads, S, e] (or a layer's stack of one, [1, b, kv_heads, S, e]), ``seen`` [b, S] (bool: the
+    slots each row's query sees) -> [b, kv_heads, g, e], fp32: ``olmax.model.attention.cache_attention`` for one
+    query per row."""
     _require(q, k, v)
     scale = np.float32(q.shape[-1] ** -0.5)
     stacked = int(k.ndim == 5)  # a layer's stack of one: the batch is its second axis
-    return _per_batch_shard(lambda q, k, v, seen: jax.ffi.ffi_call(ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q, k, v, seen, scale=scale), (q, k, v, seen.astype(jnp.int32)), dims=(0, stacked, stacked, 0))
+    return _per_batch_shard(
+        lambda q, k, v, seen: jax.ffi.ffi_call(ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+            q, k, v, seen, scale=scale), (q, k, v, seen.astype(jnp.int32)), dims=(0, stacked, stacked, 0))
 
 
 def sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None) -> jax.Array:
@@ -278,7 +280,8 @@ def row_sums(x: jax.Array) -> jax.Array:
     batch and any program (``olmax.model.dispatch.log_softmax``)."""
     _require(x)
     rows = x.reshape(-1, x.shape[-1])
-    sums = _per_batch_shard(lambda r: jax.ffi.ffi_call(SUMS, jax.ShapeDtypeStruct(r.shape[:1], jnp.float32))(r), (rows,))
+    sums = _per_batch_shard(lambda r: jax.ffi.ffi_call(SUMS, jax.ShapeDtypeStruct(r.shape[:1], jnp.float32))(r),
+                            (rows,))
     return sums.reshape(*x.shape[:-1], 1)
 
 
@@ -351,8 +354,8 @@ def swiglu_supported(gu: jax.Array) -> bool:
 
 def _swiglu_call(name: str, out_cols: int, *arrays: jax.Array) -> jax.Array:
     rows = tuple(a.reshape(-1, a.shape[-1]) for a in arrays)
-    y = _per_batch_shard(lambda *r: jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((r[0].shape[0], out_cols), jnp.float32))(
-        *r), rows)
+    y = _per_batch_shard(
+        lambda *r: jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((r[0].shape[0], out_cols), jnp.float32))(*r), rows)
     return y.reshape(*arrays[0].shape[:-1], out_cols)
 
 
@@ -442,7 +445,8 @@ def _qkv_bwd(heads, kv_heads, eps, res, grads):
     def call(rows, r, dq, dk, dv, *rest):
         cos, sin, wq, wk = rest  # the tables come first either way
         n = rows.shape[0]
-        out = (jax.ShapeDtypeStruct(rows.shape, jnp.float32), jax.ShapeDtypeStruct((n // chunk, wq.shape[0]), jnp.float32),
+        out = (jax.ShapeDtypeStruct(rows.shape, jnp.float32),
+               jax.ShapeDtypeStruct((n // chunk, wq.shape[0]), jnp.float32),
                jax.ShapeDtypeStruct((n // chunk, wk.shape[0]), jnp.float32))
         return tuple(jax.ffi.ffi_call(QKV_BWD, out)(rows, wq, wk, cos, sin, r, dq, dk, dv, heads=np.int64(heads),
                                                      kv_heads=np.int64(kv_heads), chunk=np.int64(chunk),
