@@ -27,8 +27,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+import olmax.model.dispatch as dispatch
 from olmax.config import ModelConfig
-from olmax.model import dispatch
 from olmax.model.attention import cache_attention, opaque_one
 from olmax.model.dispatch import LAYOUTS, attend, attention_as_decoded, head_major_cache, reproduce_decode_bits
 from olmax.model.layers import kernel_input, position_mask

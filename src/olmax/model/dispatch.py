@@ -33,9 +33,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+import olmax.model.attention as attention
+import olmax.model.layers as layers
 from olmax.config import ModelConfig
 from olmax.kernels import cpu
-from olmax.model import attention, layers
 from olmax.model.layers import kernel_input, kernel_output
 from olmax.sharding import current_mesh
 

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+import olmax.model.dispatch as dispatch
 from olmax.config import ConfigError, ModelConfig
-from olmax.model import dispatch
 from olmax.model.layers import rope_at, rope_cos_sin, rope_inv_freq
 from olmax.sharding import constrain
 
