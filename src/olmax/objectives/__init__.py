@@ -1,9 +1,10 @@
 """Training objectives: what a step optimises and what the loop, ``olmax compile`` and the CLI need
 to know about it, behind one protocol (``olmax.objectives.base.Objective``).
 
-A new objective is one module with an ``Objective`` subclass and one line here. Entries are
-``"module:Class"`` strings, imported when a run asks for them: ``olmax.config`` takes the valid
-``train.objective`` names from this table without importing JAX.
+A new objective is one module with an ``Objective`` subclass, one line here and its name in
+``train.objective``'s list in ``olmax.config`` (which cannot import this package: config is the
+lowest layer; ``tests/test_objectives.py`` keeps the two lists equal). Entries are
+``"module:Class"`` strings, imported when a run asks for them, so this table costs no JAX import.
 """
 
 from __future__ import annotations
