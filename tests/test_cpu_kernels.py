@@ -146,6 +146,7 @@ def test_decoding_uses_the_kernel_and_keeps_the_tokens(monkeypatch) -> None:
     assert decode_layout(8, replace(TINY, compute_dtype="bfloat16")) == "packed"
 
 
+@pytest.mark.integration  # builds every source twice (AVX2, AVX-512): about 20 s
 def test_the_kernels_build_without_a_warning(tmp_path) -> None:
     """Every C++ source and header beside the builder is compiled (and hashed into the library's
     cache key), with warnings on (-Wall -Wextra, never -w), and for both instruction sets the

@@ -168,12 +168,18 @@ def test_a_cpu_mesh_runs_the_kernel_per_batch_shard_with_one_devices_bits() -> N
 
 @needs_kernel
 def test_the_training_step_of_the_tiny_recipe_runs_the_kernel() -> None:
-    """Not a silent fallback: the compiled forward and backward of the default CPU training step
-    call the kernel's two entry points."""
+    """Not a silent fallback: with ``model.cpu_training_kernels`` the compiled forward and backward
+    of the tiny recipe's CPU training step call the kernel's two entry points; by default (XLA's
+    arithmetic, the more faithful to OLMo-core) neither."""
     from olmax.model.olmo3 import forward
     from olmax.model.params import init_params
-    m = get_recipe("tiny").model
-    params = init_params(m, jax.random.key(0))
-    ids = jnp.zeros((2, 64), jnp.int32)
-    hlo = jax.jit(jax.grad(lambda p: jnp.sum(forward(p, ids, m)))).lower(params).as_text()
-    assert cpu_kernels.FLASH_FWD in hlo and cpu_kernels.FLASH_BWD in hlo
+
+    def hlo(overrides):
+        m = get_recipe("tiny", overrides).model
+        params = init_params(m, jax.random.key(0))
+        ids = jnp.zeros((2, 64), jnp.int32)
+        return jax.jit(jax.grad(lambda p: jnp.sum(forward(p, ids, m)))).lower(params).as_text()
+
+    text = hlo(["model.cpu_training_kernels=true"])
+    assert cpu_kernels.FLASH_FWD in text and cpu_kernels.FLASH_BWD in text
+    assert cpu_kernels.FLASH_FWD not in hlo([])

@@ -314,6 +314,7 @@ def test_missing_datasets_are_named(hf_dir: Path, empty_hf_cache: None) -> None:
         suite.cmd_lm_eval(parse([*base, "--tasks", "no_such_task"]))
 
 
+@pytest.mark.integration
 def test_suite_command_on_local_tasks(hf_dir: Path, results: dict[str, dict], tmp_path: Path,
                                       capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "lm_eval.json"

@@ -170,7 +170,7 @@ def _batch(cfg, b=4, seed=0):
     return ids, mask
 
 
-@pytest.mark.parametrize("n_layers", [8, 6])
+@pytest.mark.parametrize("n_layers", [pytest.param(8, marks=INTEGRATION), 6])
 def test_scanned_layers_equal_unrolled(n_layers):
     """8 layers: two scanned groups of (3 sliding + 1 full). 6 layers: one group, then layers 4-5
     unrolled (the last forced to full attention)."""
@@ -184,7 +184,7 @@ def test_scanned_layers_equal_unrolled(n_layers):
     _assert_same(scanned, unrolled, "scan")
 
 
-@pytest.mark.parametrize("chunk", [32, 48])
+@pytest.mark.parametrize("chunk", [32, pytest.param(48, marks=INTEGRATION)])
 def test_chunked_loss_equals_whole_logits(chunk):
     """48 does not divide the 128 positions: the padded tail carries no label."""
     cfg = _cfg(logits_chunk=chunk)
@@ -194,7 +194,8 @@ def test_chunked_loss_equals_whole_logits(chunk):
                  _grads(replace(cfg, model=replace(cfg.model, logits_chunk=None)), params, ids, mask), "chunk")
 
 
-@pytest.mark.parametrize("chunk,z_loss", [pytest.param(None, 1e-4, marks=INTEGRATION), (48, 1e-4), (32, None)])
+@pytest.mark.parametrize("chunk,z_loss", [pytest.param(None, 1e-4, marks=INTEGRATION),
+                                          pytest.param(48, 1e-4, marks=INTEGRATION), (32, None)])
 def test_head_loss_gradient_equals_autodiff_of_the_loss(chunk, z_loss):
     """The LM-head loss computes its gradient in the forward pass; it must equal autodiff of the
     plain loss (CE + z-loss over the valid labels), and report the same sums."""
@@ -251,6 +252,7 @@ def test_document_masking_reaches_the_forward_in_train_and_eval():
     assert abs(float(ce_docs) / float(n) - ce_train) <= RTOL * ce_train
 
 
+@pytest.mark.integration  # the unit tier has test_train's gradient-accumulation check
 def test_micro_batched_step_equals_single_batch():
     cfg = _cfg()
     params = init_params(cfg.model, jax.random.key(2))
