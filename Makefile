@@ -27,7 +27,7 @@ test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
 
 test-integration: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -m integration $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -m 'integration and not slow' $(PYTEST_ARGS)
 
 test-slow: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m slow $(PYTEST_ARGS)
