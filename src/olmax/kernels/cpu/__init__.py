@@ -72,6 +72,23 @@ PANEL = 16
 _STATE: dict[str, object] = {}
 
 
+
+# Each FFI target's handler in the built library (``XLA_FFI_DEFINE_HANDLER_SYMBOL`` in the .cc files).
+_SYMBOLS = {
+    TARGET: "OlmaxSkinnyMatmul",
+    ATTENTION: "OlmaxCacheAttention",
+    PACK: "OlmaxPack",
+    SEQUENCE: "OlmaxSequenceAttention",
+    NORM: "OlmaxRmsNorm",
+    SUMS: "OlmaxRowSums",
+    FLASH_FWD: "OlmaxFlashForward",
+    FLASH_BWD: "OlmaxFlashBackward",
+    SWIGLU_FWD: "OlmaxSwigluForward",
+    SWIGLU_BWD: "OlmaxSwigluBackward",
+    QKV_FWD: "OlmaxQkvForward",
+    QKV_BWD: "OlmaxQkvBackward",
+}
+
 def _cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -126,18 +143,8 @@ def _load() -> str | None:
         return why
     try:
         lib = ctypes.cdll.LoadLibrary(str(_build()))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.OlmaxSkinnyMatmul), platform="cpu")
-        jax.ffi.register_ffi_target(ATTENTION, jax.ffi.pycapsule(lib.OlmaxCacheAttention), platform="cpu")
-        jax.ffi.register_ffi_target(PACK, jax.ffi.pycapsule(lib.OlmaxPack), platform="cpu")
-        jax.ffi.register_ffi_target(SEQUENCE, jax.ffi.pycapsule(lib.OlmaxSequenceAttention), platform="cpu")
-        jax.ffi.register_ffi_target(NORM, jax.ffi.pycapsule(lib.OlmaxRmsNorm), platform="cpu")
-        jax.ffi.register_ffi_target(SUMS, jax.ffi.pycapsule(lib.OlmaxRowSums), platform="cpu")
-        jax.ffi.register_ffi_target(FLASH_FWD, jax.ffi.pycapsule(lib.OlmaxFlashForward), platform="cpu")
-        jax.ffi.register_ffi_target(FLASH_BWD, jax.ffi.pycapsule(lib.OlmaxFlashBackward), platform="cpu")
-        jax.ffi.register_ffi_target(SWIGLU_FWD, jax.ffi.pycapsule(lib.OlmaxSwigluForward), platform="cpu")
-        jax.ffi.register_ffi_target(SWIGLU_BWD, jax.ffi.pycapsule(lib.OlmaxSwigluBackward), platform="cpu")
-        jax.ffi.register_ffi_target(QKV_FWD, jax.ffi.pycapsule(lib.OlmaxQkvForward), platform="cpu")
-        jax.ffi.register_ffi_target(QKV_BWD, jax.ffi.pycapsule(lib.OlmaxQkvBackward), platform="cpu")
+        for target, symbol in _SYMBOLS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     except (RuntimeError, OSError, AttributeError, ValueError) as e:
         return str(e)
     return None
