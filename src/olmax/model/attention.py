@@ -18,8 +18,8 @@ mask rule is ``layers.position_mask`` in both cases.
 - ``cpu``: the same blocks in olmax's C++ kernel (``olmax.kernels.cpu.flash_attention``, through
   the dispatch), forward and backward: each block's scores, softmax and products in one piece of
   work in cache, the exponentials vectorised, q, k and v read in place. What "auto" picks on a CPU
-  in fp32 where the kernel is built; elsewhere (bf16, heads not a multiple of 16 wide, no kernel)
-  ``blocked``.
+  in fp32 with ``model.cpu_training_kernels`` where the kernel is built; otherwise (the default,
+  bf16, heads not a multiple of 16 wide, no kernel) ``blocked``.
 - ``splash``: TPU Pallas flash attention (``jax.experimental.pallas.ops.tpu.splash_attention``);
   the mask is lazy (causal, or local with ``window_size=(W-1, 0)``), so blocks outside the window
   are never computed. Runs per device under ``shard_map`` (batch over the data-parallel axes,

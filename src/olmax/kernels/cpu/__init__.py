@@ -12,11 +12,13 @@ The sources beside this file, one per purpose (``build.py`` compiles them into o
   row's and kv head's cached keys and values once, only the slots its query sees. The README
   (Benchmarks, decode speed) has what they gain end to end.
 - ``attention.cc``: ``flash_attention``, the training attention on the CPU (forward and backward;
-  the ``cpu`` attention implementation, what "auto" picks in fp32), and ``sequence_attention``,
-  the decode step's attention over whole sequences.
-- ``projections.cc``: ``swiglu`` (every use of the model on the CPU in fp32) and ``qkv`` (the
-  attention's q, k and v from its projection: the split, q/k RMSNorm and RoPE, for training and
-  evaluation), the elementwise work around the products in one pass each way; ``rms_norm`` and
+  the ``cpu`` attention implementation, what "auto" picks in fp32 with
+  ``model.cpu_training_kernels``), and ``sequence_attention``, the decode step's attention over
+  whole sequences.
+- ``projections.cc``: ``swiglu`` (on the CPU in fp32: the decode steps and RL's forward, and
+  training with ``model.cpu_training_kernels``) and ``qkv`` (the attention's q, k and v from its
+  projection: the split, q/k RMSNorm and RoPE, for training and evaluation with that switch), the
+  elementwise work around the products in one pass each way; ``rms_norm`` and
   ``row_sums`` in one fixed order.
 - ``common.h``: what they share (work sharing, the fixed-order dot product and lane sums, one
   query's attention, the vectorised exponential).
