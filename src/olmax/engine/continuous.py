@@ -109,7 +109,7 @@ class Engine:
         self._insert = jax.jit(on_mesh(self._admit, mesh), static_argnames=("max_length", "greedy", "top_n"),
                                donate_argnums=(1,))
         self._chunk = jax.jit(on_mesh(self._decode_chunk, mesh),
-                              static_argnames=("steps", "max_length", "greedy", "top_n"), donate_argnums=(1,))
+                              static_argnames=("chunk", "max_length", "greedy", "top_n"), donate_argnums=(1,))
         self.stats = EngineStats()
         self.reset(slots=slots, max_length=max_length, chunk=chunk, prompt_len=prompt_len, refill=refill)
 
@@ -214,22 +214,22 @@ class Engine:
                  "keys": put(state["keys"], keys), "step": put(state["step"], jnp.ones_like(tok)),
                  "left": put(state["left"], left), "live": put(state["live"], live), "eos": put(state["eos"], eos),
                  "knobs": {k: put(state["knobs"][k], knobs[k]) for k in KNOBS}}
-        out = (tok, lp, live) + (jax.lax.top_k(logp, top_n) if top_n else ())
+        out = (tok, lp, live) + (tuple(jax.lax.top_k(logp, top_n)) if top_n else ())
         return state, self.weights.host_readable(*out)
 
-    def _decode_chunk(self, prepared, state, kill, need, *, steps, max_length, greedy, top_n):
-        """Up to ``steps`` decode steps of every live row (``kill``: rows the host finished);
-        returns early when no row is live or ``need`` rows are not. Out: the state, the tokens,
-        log-probs and which were made ([steps, slots] each), the steps run, and with ``top_n`` the
-        top log-probabilities [steps, slots, top_n] (ids, values)."""
+    def _decode_chunk(self, prepared, state, kill, need, steps, *, chunk, max_length, greedy, top_n):
+        """Up to ``steps`` (at most ``chunk``) decode steps of every live row (``kill``: rows the
+        host finished); returns early when no row is live or ``need`` rows are not. Out: the
+        state, the tokens, log-probs and which were made ([chunk, slots] each), the steps run,
+        the rows still live, and with ``top_n`` the top log-probabilities [chunk, slots, top_n]."""
         b = state["tok"].shape[0]
         kernel = layout_of(prepared) == "packed"
         state = {**state, "live": state["live"] & ~kill}
-        outs = {"tok": jnp.zeros((steps, b), jnp.int32), "lp": jnp.zeros((steps, b), jnp.float32),
-                "made": jnp.zeros((steps, b), bool)}
+        outs = {"tok": jnp.zeros((chunk, b), jnp.int32), "lp": jnp.zeros((chunk, b), jnp.float32),
+                "made": jnp.zeros((chunk, b), bool)}
         if top_n:
-            outs["top_lp"] = jnp.zeros((steps, b, top_n), jnp.float32)
-            outs["top_id"] = jnp.zeros((steps, b, top_n), jnp.int32)
+            outs["top_lp"] = jnp.zeros((chunk, b, top_n), jnp.float32)
+            outs["top_id"] = jnp.zeros((chunk, b, top_n), jnp.int32)
 
         def go(carry):
             i, st, _ = carry
@@ -378,11 +378,15 @@ class Engine:
             with self._lock:
                 waiting = len(self._waiting)
             need = min(self.refill, waiting) if waiting else self.slots + 1
+            # A stop string is seen only here, on the host: while requests wait, rows that have one
+            # come back sooner, so a stopped row's slot idles (or decodes past its stop) for fewer steps.
+            host_stops = any(r is not None and r.request.stop is not None for r in self._rows)
+            steps = max(1, self.chunk // 4) if waiting and host_stops else self.chunk
             top_n = MAX_TOP_LOGPROBS if any(r is not None and r.request.top_logprobs for r in self._rows) else 0
             greedy = all(r is None or r.request.sampling.greedy for r in self._rows)
             self._state, chunk = self._chunk(prepared, self._state, self.weights.put(kill), jnp.int32(need),
-                                             steps=self.chunk, max_length=self.max_length, greedy=greedy,
-                                             top_n=top_n)
+                                             jnp.int32(steps), chunk=self.chunk, max_length=self.max_length,
+                                             greedy=greedy, top_n=top_n)
         # Read: the first tokens of the admitted rows, then the chunk's steps.
         for group, out in pending:
             host = [np.asarray(a) for a in out]
