@@ -57,9 +57,12 @@ bench-generate: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_generate.py
 
 # An RL step's time split (sampling vs updates) and olmax's sampling tokens/s inside RL against
-# transformers' sampled generate on the same model and rows.
+# transformers' sampled generate on the same model and rows; then rollouts on OLMo 3 Think's
+# length profile: the static engine against the continuous one (slot utilisation, wall time, the
+# same completions) and against transformers' continuous batching (generate_batch).
 bench-rl: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_rl.py
+	cd benchmarks && ../$(VENV)/bin/python bench_engine.py
 
 # The GPU check (benchmarks/gpu_check.sh) rehearsed on the CPU in a venv built like the lent
 # H200's image (benchmarks/gpu_image_requirements.txt; olmax from src/, not installed): the venv

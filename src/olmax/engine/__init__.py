@@ -26,7 +26,7 @@ from olmax.engine.static import Generator
 BATCHING = ("continuous", "static")
 DEFAULT_CHUNK = 8  # decode steps per host round trip (benchmarks/bench_rl.py measures the choice)
 
-__all__ = ["BATCHING", "Completion", "Engine", "EngineStats", "Generator", "MAX_TEMPERATURE", "MAX_TOP_LOGPROBS",
+__all__ = ["BATCHING", "DEFAULT_CHUNK", "Completion", "Engine", "EngineStats", "Generator", "MAX_TEMPERATURE", "MAX_TOP_LOGPROBS",
            "Request", "Sampling", "decoder", "generate"]
 
 

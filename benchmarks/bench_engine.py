@@ -1,0 +1,155 @@
+"""Rollouts on OLMo 3 Think's length profile, scaled to the CPU: olmax's static engine against its
+continuous-batching engine on the same model, prompts, seeds and lengths, in one run, and
+transformers' own continuous batching (``generate_batch``, paged cache) on the same model.
+
+Lengths: the Think RL recipe samples up to 32,768 tokens with a mean of 14,628 (0.45 of the cap;
+Olmo 3 report). Here the cap is ``--cap`` tokens and each completion's length is drawn from a gamma
+distribution (shape 2) scaled so that the mean of min(length, cap) is 0.45 x cap; the share that
+reaches the cap (the truncated completions) follows from that and is printed (the report gives
+the mean, not the truncated share: this profile's is about 8%). The lengths are forced by a stop
+rule (a row stops when it holds its drawn length), so a random model's randomness does not matter.
+Rows: ``--prompts`` prompts x ``--group`` completions each (GRPO's groups, prefilled once),
+sampled at temperature 1.0, ``--slots`` rows decoded together.
+
+Reported for each engine (the best of ``--repeats`` timed runs after one that compiles): rollout
+wall time, decode steps, time per decode step (refills and prefills included), slot utilisation
+(kept tokens / (decode steps x slots)); that both gave the same completions (token ids and
+log-probs, to the bit); the ratios. transformers: ``generate_batch`` (transformers 5.x) on the
+HF export of the same weights, ``do_sample``, temperature 1.0, the same prompts with ``--cap`` new
+tokens (its rows cannot be stopped at drawn lengths, so the comparison is tokens per second).
+
+    .venv/bin/python benchmarks/bench_engine.py [--slots 16] [--cap 128] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from bench_generate import HF
+
+import olmax  # noqa: F401  (first: keeps JAX off a TPU runtime that has no TPU here)
+
+MEAN_SHARE = 14628 / 32768   # OLMo 3 Think RL: mean response / cap
+
+
+def think_lengths(n: int, cap: int, seed: int = 0) -> tuple[np.ndarray, float]:
+    """``n`` completion lengths in 1..cap whose capped mean is 0.45 x cap, and the share at the cap."""
+    rng = np.random.default_rng(seed)
+    draws = rng.gamma(2.0, 1.0, size=200_000)
+    lo, hi = 0.01, 10.0
+    for _ in range(60):  # the scale whose capped mean is the profile's (bisection)
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if np.minimum(draws * mid * cap, cap).mean() < MEAN_SHARE * cap else (lo, mid)
+    scale = (lo + hi) / 2
+    lengths = np.clip(np.ceil(rng.gamma(2.0, scale * cap, size=n)), 1, cap).astype(int)
+    return lengths, float((np.minimum(draws * scale * cap, cap) >= cap).mean())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--cap", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--chunk", type=int, default=None, help="decode steps per round trip (default: the engine's)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--transformers-prompts", type=int, default=16,
+                    help="prompts given to transformers' generate_batch (0: skip it)")
+    ap.add_argument("--json", metavar="FILE", help="also write the results here")
+    args = ap.parse_args()
+    olmax.keep_freed_memory()
+
+    import jax
+
+    from olmax.checkpoint.load import load_params
+    from olmax.compat.hf import random_hf_model
+    from olmax.engine import DEFAULT_CHUNK, Sampling, decoder, generate
+
+    chunk = args.chunk or DEFAULT_CHUNK
+    tmp = Path(tempfile.mkdtemp(prefix="bench_engine_"))
+    random_hf_model(tmp / "hf", seed=0, **HF)
+    params, cfg = load_params(f"hf:{tmp / 'hf'}")
+    m = cfg.model
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(2, HF["vocab_size"], size=args.prompt_len)] for _ in range(args.prompts)]
+    rows = [p for p in prompts for _ in range(args.group)]
+    lengths, truncated = think_lengths(len(rows), args.cap)
+    sampling = Sampling(temperature=1.0, seed=3)
+
+    def stop(i: int, ids: list[int]) -> bool:
+        return len(ids) >= lengths[i]
+
+    results: dict = {"workload": {"rows": len(rows), "prompts": args.prompts, "group": args.group,
+                                  "slots": args.slots, "cap": args.cap, "chunk": chunk,
+                                  "mean_length": float(lengths.mean()), "mean_share": float(lengths.mean() / args.cap),
+                                  "profile_truncated_share": truncated,
+                                  "truncated_share": float((lengths >= args.cap).mean())},
+                     "machine": {"platform": platform.platform(), "cpus": jax.device_count(),
+                                 "jax": jax.__version__}}
+    completions = {}
+    for batching in ("static", "continuous"):
+        engine = decoder(params, m, batching, rows=args.slots)
+        best = None
+        for rep in range(args.repeats + 1):
+            before = dict(vars(engine.stats))
+            t0 = time.perf_counter()
+            out = generate(params, m, rows, max_new_tokens=args.cap, sampling=sampling, batch_size=args.slots,
+                           stop=stop, generator=engine, chunk=chunk)
+            dt = time.perf_counter() - t0
+            d = {k: v - before[k] for k, v in vars(engine.stats).items()}
+            run = {"seconds": dt, "decode_steps": d["decode_steps"], "round_trips": d["round_trips"],
+                   "slot_utilisation": d["decoded"] / d["slot_steps"],
+                   "ms_per_decode_step": 1e3 * dt / d["decode_steps"],
+                   "tokens": sum(len(c.token_ids) for c in out)}
+            print(f"{batching:10s} run {rep}{' (compiles)' if rep == 0 else ''}: {dt:6.2f} s, "
+                  f"{run['decode_steps']} decode steps, {run['ms_per_decode_step']:.2f} ms/step, slot utilisation "
+                  f"{run['slot_utilisation']:.3f}", file=sys.stderr, flush=True)
+            if rep and (best is None or dt < best["seconds"]):
+                best = run
+        completions[batching] = out
+        results[batching] = best
+    s, c = results["static"], results["continuous"]
+    results["identical"] = ([x.token_ids for x in completions["static"]] == [x.token_ids for x in completions["continuous"]]
+                            and [x.logprobs for x in completions["static"]]
+                            == [x.logprobs for x in completions["continuous"]])
+    results["ratios"] = {"rollout_speedup": s["seconds"] / c["seconds"],
+                         "step_time_continuous_over_static": c["ms_per_decode_step"] / s["ms_per_decode_step"]}
+    if args.transformers_prompts:
+        results["transformers"] = _transformers(tmp / "hf", prompts[:args.transformers_prompts], args.cap)
+        results["ratios"]["tokens_per_s_over_transformers"] = (
+            c["tokens"] / c["seconds"]) / results["transformers"]["tokens_per_s"]
+    print(json.dumps(results, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+def _transformers(hf: Path, prompts: list[list[int]], cap: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()
+    cfg = GenerationConfig(max_new_tokens=cap, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                           eos_token_id=-1, pad_token_id=HF["pad_token_id"])
+    with torch.no_grad():
+        model.generate_batch(inputs=prompts[:2], generation_config=cfg, max_new_tokens=4)  # warm-up
+        t0 = time.perf_counter()
+        out = model.generate_batch(inputs=prompts, generation_config=cfg)
+        dt = time.perf_counter() - t0
+    tokens = sum(len(o.generated_tokens) for o in out.values())
+    print(f"transformers generate_batch: {tokens} tokens for {len(prompts)} prompts in {dt:.2f} s", file=sys.stderr)
+    return {"prompts": len(prompts), "tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt,
+            "torch_threads": torch.get_num_threads()}
+
+
+if __name__ == "__main__":
+    main()
