@@ -240,3 +240,27 @@ def test_builtin_template_when_checkpoint_has_none(checkpoint: tuple[Path, Path]
         s["arguments"] for s in with_jinja["samples"]["olmax_chat_if"]]
     assert [s["resps"] for s in ox["samples"]["olmax_chat_if"]] == [
         s["resps"] for s in with_jinja["samples"]["olmax_chat_if"]]
+
+
+def test_unsafe_tasks_are_found_in_groups() -> None:
+    from types import SimpleNamespace as NS
+    safe, unsafe = NS(task_name="gsm", UNSAFE_CODE=False), NS(task_name="humaneval_plus", UNSAFE_CODE=True)
+    group = NS(get_all_tasks=lambda: [safe, unsafe])
+    assert suite.unsafe_tasks([("g", None, [group]), ("gsm", 0, [safe])]) == ["humaneval_plus"]
+    assert suite.unsafe_tasks([("gsm", 0, [safe])]) == []
+
+
+def test_filtered_metrics_keep_their_filter() -> None:
+    r = {"t": {"exact_match,strict-match": 0.5, "exact_match,flexible-extract": 0.75, "exact_match_stderr,strict-match":
+               0.1, "acc,none": 0.25, "alias": "t"}}
+    assert suite.summarize(r, ["t"])["tasks"]["t"] == {"exact_match,strict-match": 0.5,
+                                                       "exact_match,flexible-extract": 0.75, "acc": 0.25}
+
+
+@pytest.mark.integration
+def test_adapt_suite_tasks_are_lm_evals() -> None:
+    """Every task of the post-training suite is in lm-eval's registry (the index the suite command builds)."""
+    known = set(suite.task_manager((str(suite.LOCAL_TASKS_DIR),)).all_tasks)
+    missing = [n for n, _ in suite.SUITES["olmo3-adapt"].tasks if n not in known]
+    assert not missing, missing
+    assert suite.SUITES["olmo3-adapt"].chat and not suite.SUITES["olmo3"].chat
