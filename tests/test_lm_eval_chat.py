@@ -138,8 +138,8 @@ def test_instruction_checks() -> None:
 # --------------------------------------------------------------------------- olmax == lm-eval hf (slow)
 
 
-def olmax_run(ckpt: Path, tmp: Path, tasks: list[str], extra: list[str]) -> dict:
-    out = tmp / f"olmax_{tasks[0]}.json"
+def olmax_run(ckpt: Path, tmp: Path, tasks: list[str], extra: list[str], name: str = "olmax") -> dict:
+    out = tmp / f"{name}_{tasks[0]}.json"
     args = parse(["--checkpoint", str(ckpt), "--include-path", str(suite.LOCAL_TASKS_DIR), "--tasks", ",".join(tasks),
                   "--max-length", str(MAX_LENGTH), "--batch-size", str(BATCH), "--out", str(out), "--log-samples",
                   "--json", *extra])
@@ -147,11 +147,12 @@ def olmax_run(ckpt: Path, tmp: Path, tasks: list[str], extra: list[str]) -> dict
     return json.loads(out.read_text())
 
 
-def hf_run(export: Path, tasks: list[str], **chat: object) -> dict:
+def hf_run(export: Path, tasks: list[str], model_args: dict | None = None, **chat: object) -> dict:
     import lm_eval
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
-    hf = HFLM(pretrained=str(export), dtype="float32", max_length=MAX_LENGTH, batch_size=BATCH, device="cpu")
+    hf = HFLM(pretrained=str(export), dtype="float32", max_length=MAX_LENGTH, batch_size=BATCH, device="cpu",
+              **(model_args or {}))
     tm = TaskManager(include_path=str(suite.LOCAL_TASKS_DIR), include_defaults=False)
     return lm_eval.simple_evaluate(model=hf, tasks=tasks, task_manager=tm, bootstrap_iters=0, apply_chat_template=True,
                                    **chat)
@@ -235,7 +236,7 @@ def test_builtin_template_when_checkpoint_has_none(checkpoint: tuple[Path, Path]
     ox = olmax_run(bare, tmp_path, ["olmax_chat_if"], ["--apply-chat-template", "--limit", "2"])
     assert "has no chat template" in capsys.readouterr().err
     assert ox["chat_template"] == "olmo3"
-    with_jinja = olmax_run(ckpt, tmp_path, ["olmax_chat_if"], ["--apply-chat-template", "--limit", "2"])
+    with_jinja = olmax_run(ckpt, tmp_path, ["olmax_chat_if"], ["--apply-chat-template", "--limit", "2"], name="jinja")
     assert [s["arguments"] for s in ox["samples"]["olmax_chat_if"]] == [
         s["arguments"] for s in with_jinja["samples"]["olmax_chat_if"]]
     assert [s["resps"] for s in ox["samples"]["olmax_chat_if"]] == [
@@ -264,3 +265,51 @@ def test_adapt_suite_tasks_are_lm_evals() -> None:
     missing = [n for n, _ in suite.SUITES["olmo3-adapt"].tasks if n not in known]
     assert not missing, missing
     assert suite.SUITES["olmo3-adapt"].chat and not suite.SUITES["olmo3"].chat
+
+
+@pytest.mark.integration
+def test_think_end_token_and_max_gen_toks_match_lm_eval_hf(checkpoint: tuple[Path, Path], tmp_path: Path) -> None:
+    """--think-end-token and --max-gen-toks as lm-eval's hf model arg and --gen_kwargs: a reasoning
+    model's answer is what follows the marker (here "e", which random text is full of)."""
+    ckpt, export = checkpoint
+    tasks = ["olmax_chat_if", "olmax_chat_gsm"]
+    ox = olmax_run(ckpt, tmp_path, tasks, ["--apply-chat-template", "--think-end-token", "e", "--max-gen-toks", "12"])
+    hf = hf_run(export, tasks, model_args={"think_end_token": "e"}, fewshot_as_multiturn=True,
+                gen_kwargs={"max_gen_toks": 12})
+    plain = olmax_run(ckpt, tmp_path, tasks, ["--apply-chat-template", "--max-gen-toks", "12"], name="plain")
+    cut = 0
+    for task in tasks:
+        for (a, b), (_, c) in zip(pairs(hf, ox, task), pairs(hf, plain, task)):
+            assert a["arguments"][0][1]["max_gen_toks"] == 12 == b["arguments"][0][1]["max_gen_toks"]
+            assert a["resps"] == b["resps"] and a["filtered_resps"] == b["filtered_resps"]
+            full, answer = c["resps"][0][0], b["resps"][0][0]
+            if "e" in full:
+                cut += 1
+                assert answer == full.split("e")[-1].lstrip()
+    assert cut > 0
+
+
+@pytest.mark.integration
+def test_template_refusing_system_role_retries_without_it(checkpoint: tuple[Path, Path], tmp_path: Path) -> None:
+    """As lm-eval's hf model: a jinja template that raises on a system message is rendered again
+    without the system messages."""
+    from lm_eval.models.huggingface import HFLM
+
+    from olmax.eval.lm_eval_adapter import OlmaxLM
+    ckpt, export = checkpoint
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (ckpt / f).is_file():
+            (tok / f).write_bytes((ckpt / f).read_bytes())
+    (tok / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    ox = OlmaxLM(str(ckpt), tokenizer=str(tok), batch_size=BATCH, max_length=MAX_LENGTH)
+    hf = HFLM(pretrained=str(export), tokenizer=str(tok), batch_size=BATCH, max_length=MAX_LENGTH, device="cpu")
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What do bees make?"}]
+    assert ox.apply_chat_template(msgs) == hf.apply_chat_template(msgs) == (
+        "<|im_start|>user\nWhat do bees make?<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ConfigError, match="System role"):
+        ox.chat.render(msgs, True)

@@ -36,20 +36,24 @@ from olmax.extras import require
 class Suite:
     """A named task list: (lm-eval task, num_fewshot) pairs, None keeping the task's own default;
     ``chat``: prompts go through the chat template; ``max_gen_toks``: the generation budget of tasks
-    that set none themselves (None: the adapter's default)."""
+    that set none themselves (None: the adapter's default); ``local``: some tasks are olmax's own
+    YAMLs (``LOCAL_TASKS_DIR``, indexed without ``--include-path``)."""
 
     tasks: tuple[tuple[str, int | None], ...]
     chat: bool = False
     max_gen_toks: int | None = None
+    local: bool = False
 
 
 SUITES: dict[str, Suite] = {
     "olmo3": Suite((("mmlu", 5), ("hellaswag", 0), ("arc_easy", 0), ("arc_challenge", 0), ("openbookqa", 0),
                     ("piqa", 0), ("boolq", 0), ("winogrande", 0))),
-    # OLMES olmo3:adapt as lm-eval 0.4.13 has it; docs/evaluation.md says where the settings differ.
-    "olmo3-adapt": Suite((("gsm8k_cot_llama", 0), ("minerva_math", None), ("ifeval", None), ("bbh_cot_fewshot", None),
-                          ("mmlu_flan_cot_zeroshot", None), ("humaneval_plus", None), ("aime24", None),
-                          ("aime25", None)), chat=True, max_gen_toks=4096),
+    # OLMES olmo3:adapt's tasks that lm-eval 0.4.13 has; docs/evaluation.md gives each one's settings
+    # and where they differ from OLMES's.
+    "olmo3-adapt": Suite((("mmlu_flan_cot_zeroshot", None), ("bbh_cot_fewshot", None), ("gpqa_main_cot_zeroshot", None),
+                          ("minerva_math", None), ("gsm8k_cot_llama", 0), ("aime24", None), ("aime25", None),
+                          ("olmax_humaneval_plus_instruct", None), ("mbpp_plus_instruct", None), ("ifeval", None)),
+                         chat=True, max_gen_toks=4096, local=True),
 }
 DEFAULT_SUITE = "olmo3"
 # The local test tasks (``--include-path`` this directory; tag ``olmax_local``).
@@ -87,12 +91,16 @@ def load_tasks(entries: list[tuple[str, int | None]], tm: Any) -> list[tuple[str
             # A task's scoring module needs a package (ifeval: langdetect, immutabledict).
             imports.append(f"{name} ({type(e).__name__}: {e})")
             continue
-        except AssertionError as e:
-            # minerva_math asserts its antlr4 version at import.
-            imports.append(f"{name} ({e})")
+        except (AssertionError, ValueError) as e:
+            # minerva_math asserts its antlr4 version at import; HF evaluate's code_eval (HumanEval,
+            # MBPP) refuses to load without HF_ALLOW_CODE_EVAL=1.
+            hint = ": pass --confirm-run-unsafe-code" if "HF_ALLOW_CODE_EVAL" in str(e) else ""
+            imports.append(f"{name} ({e}{hint})")
             continue
         except _dataset_errors() as e:
-            missing.append(f"{name} ({e})")
+            # HumanEval and MBPP score with HF evaluate's code_eval, itself fetched from the Hub.
+            what = "HF evaluate's code_eval metric is not cached: " if "code_eval" in str(e) else ""
+            missing.append(f"{name} ({what}{e})")
             continue
         # A group is passed on whole (lm-eval aggregates it); a task or a tag as its leaf tasks.
         objs = [loaded["groups"][name]] if name in loaded.get("groups", {}) else list(loaded["tasks"].values())
@@ -151,10 +159,12 @@ class ChatOptions:
 def run(lm: Any, entries: list[tuple[str, int | None]], include_paths: tuple[str, ...] = (),
         limit: int | float | None = None, bootstrap_iters: int = 100000,
         built: list[tuple[str, int | None, list[Any]]] | None = None, chat: ChatOptions = ChatOptions(),
-        log_samples: bool = False, confirm_run_unsafe_code: bool = False) -> dict[str, Any]:
+        log_samples: bool = False, confirm_run_unsafe_code: bool = False,
+        gen_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Evaluate ``lm`` (an lm-eval ``LM``, e.g. ``OlmaxLM``) on ``entries`` (or on tasks already
     built by ``load_tasks``); returns the summary plus lm-eval's raw ``results`` (and its per-sample
-    records under ``samples`` with ``log_samples``)."""
+    records under ``samples`` with ``log_samples``). ``gen_kwargs`` override every generation
+    task's own (lm-eval's ``--gen_kwargs``)."""
     import lm_eval
     tm = task_manager(tuple(include_paths))
     built = load_tasks(entries, tm) if built is None else built
@@ -167,7 +177,8 @@ def run(lm: Any, entries: list[tuple[str, int | None]], include_paths: tuple[str
         objs = [o for _, s, os_ in built if s == shots for o in os_]
         out = lm_eval.simple_evaluate(model=lm, tasks=objs, num_fewshot=shots, limit=limit, task_manager=tm,
                                       bootstrap_iters=bootstrap_iters, log_samples=log_samples,
-                                      confirm_run_unsafe_code=confirm_run_unsafe_code, **chat_kw)
+                                      confirm_run_unsafe_code=confirm_run_unsafe_code, gen_kwargs=gen_kwargs,
+                                      **chat_kw)
         results.update(out["results"])
         n_shot.update(out.get("n-shot", {}))
         samples.update(out.get("samples", {}))
@@ -220,7 +231,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-length", type=positive_int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--max-gen-toks", type=positive_int, default=None,
-                   help="generation budget of tasks that set none (default: the suite's, else 256)")
+                   help="generation budget of every generation task, overriding the task's own (default: the "
+                        "task's own, else the suite's, else 256)")
     chat = p.add_argument_group("chat format (as lm-eval's --apply_chat_template for --model hf)")
     chat.add_argument("--apply-chat-template", nargs="?", const=True, default=None, metavar="TEMPLATE",
                       help="render prompts through a chat template: the checkpoint's own, else OLMo 3 Instruct's; "
@@ -301,18 +313,20 @@ def cmd_lm_eval(args: argparse.Namespace) -> int:
     limit = check_args(args)
     if args.tokenizer is None and default_tokenizer_path(args.checkpoint) is None:
         raise ConfigError(f"--checkpoint {args.checkpoint} ships no tokenizer; pass --tokenizer")
+    s = chosen_suite(args)
     include = tuple(str(Path(d)) for d in args.include_path)
+    if s and s.local and str(LOCAL_TASKS_DIR) not in include:
+        include += (str(LOCAL_TASKS_DIR),)
     chat = chat_options(args)
+    if args.confirm_run_unsafe_code:
+        # HF evaluate's code_eval refuses to load without it; the flag is the user's consent.
+        os.environ.setdefault("HF_ALLOW_CODE_EVAL", "1")
     # Datasets first: a missing one must fail before minutes of weight loading.
     built = load_tasks(entries, task_manager(include))
     unsafe = unsafe_tasks(built)
     if unsafe and not args.confirm_run_unsafe_code:
         raise ConfigError(f"task(s) {', '.join(unsafe)} execute the code the model writes; pass "
                           "--confirm-run-unsafe-code to run them (ideally in a sandbox)")
-    if unsafe:
-        # HF evaluate's code_eval refuses to run without it; the flag above is the user's consent.
-        os.environ.setdefault("HF_ALLOW_CODE_EVAL", "1")
-    s = chosen_suite(args)
     max_gen = args.max_gen_toks or (s.max_gen_toks if s else None)
     template = args.apply_chat_template if isinstance(args.apply_chat_template, str) else None
     lm = OlmaxLM(checkpoint=args.checkpoint, tokenizer=args.tokenizer, batch_size=args.batch_size,
@@ -323,7 +337,8 @@ def cmd_lm_eval(args: argparse.Namespace) -> int:
               "chat_template in tokenizer_config.json): prompts use OLMo 3 Instruct's, built into olmax "
               "(olmax.chat); --apply-chat-template olmo3-think|FOLDER|FILE.jinja picks another", file=sys.stderr)
     summary = run(lm, entries, include, limit=limit, built=built, chat=chat, log_samples=args.log_samples,
-                  confirm_run_unsafe_code=bool(unsafe))
+                  confirm_run_unsafe_code=bool(unsafe),
+                  gen_kwargs={"max_gen_toks": args.max_gen_toks} if args.max_gen_toks else None)
     summary.update({"checkpoint": args.checkpoint, "suite": None if args.tasks else (args.suite or DEFAULT_SUITE),
                     "chat_template": lm.chat.name if chat.apply_chat_template else None})
     if args.out:
