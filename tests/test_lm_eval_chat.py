@@ -314,3 +314,35 @@ def test_template_refusing_system_role_retries_without_it(checkpoint: tuple[Path
         "<|im_start|>user\nWhat do bees make?<|im_end|>\n<|im_start|>assistant\n")
     with pytest.raises(ConfigError, match="System role"):
         ox.chat.render(msgs, True)
+
+
+def test_code_running_tasks_need_consent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite indexes olmax's own task YAMLs, and stops before loading weights when a task would
+    run model-written code without --confirm-run-unsafe-code (which also lets HF evaluate's
+    code_eval load)."""
+    from types import SimpleNamespace as NS
+    (tmp_path / "tokenizer.json").write_text("{}")
+    seen: dict = {}
+
+    def fake_load(entries: list, tm: object) -> list:
+        seen["include"], seen["env"] = tm, os.environ.get("HF_ALLOW_CODE_EVAL")
+        return [(n, s, [NS(task_name=n, UNSAFE_CODE=n == "olmax_humaneval_plus_instruct")]) for n, s in entries]
+
+    # setenv first records the variable's original state, so the command's own setting is undone too.
+    monkeypatch.setenv("HF_ALLOW_CODE_EVAL", "0")
+    monkeypatch.delenv("HF_ALLOW_CODE_EVAL")
+    monkeypatch.setattr(suite, "task_manager", lambda include: include)
+    monkeypatch.setattr(suite, "load_tasks", fake_load)
+    with pytest.raises(ConfigError, match="olmax_humaneval_plus_instruct execute.*--confirm-run-unsafe-code"):
+        suite.cmd_lm_eval(parse(["--checkpoint", str(tmp_path), "--suite", "olmo3-adapt"]))
+    assert str(suite.LOCAL_TASKS_DIR) in seen["include"] and seen["env"] is None
+
+    def no_model(**kw: object) -> None:
+        raise RuntimeError("model loads")
+
+    import olmax.eval.lm_eval_adapter as adapter
+    monkeypatch.setattr(adapter, "OlmaxLM", no_model)
+    with pytest.raises(RuntimeError, match="model loads"):  # past the consent check
+        suite.cmd_lm_eval(parse(["--checkpoint", str(tmp_path), "--suite", "olmo3-adapt",
+                                 "--confirm-run-unsafe-code"]))
+    assert seen["env"] == "1"
