@@ -305,7 +305,7 @@ def test_missing_datasets_are_named(hf_dir: Path, empty_hf_cache: None) -> None:
     base = ["--checkpoint", f"hf:{hf_dir}", "--include-path", str(suite.LOCAL_TASKS_DIR)]
     with pytest.raises(ConfigError, match="local HF cache") as e:
         suite.cmd_lm_eval(parse(base))
-    for name, _ in suite.SUITES["olmo3"]:
+    for name, _ in suite.SUITES["olmo3"].tasks:
         assert name in str(e.value), name
     with pytest.raises(ConfigError, match=r"dataset of task\(s\): hellaswag \(") as e:
         suite.cmd_lm_eval(parse([*base, "--tasks", "hellaswag,olmax_mc"]))

@@ -6,8 +6,11 @@ Importing this module registers the model with lm-eval (lm-eval's own CLI with i
 ``tokenizer`` (a ``tokenizer.json`` file or an HF tokenizer directory; default: the ``hf:`` dir or
 the checkpoint dir when it holds a tokenizer), ``batch_size``, ``max_length`` (default: the model's
 ``max_position_embeddings``, as lm-eval's HF model resolves it), ``dtype`` (float32 | bfloat16, for
-parameters and compute), ``max_gen_toks``, ``add_bos_token``, ``prefix_token_id`` and ``seed`` (of
-sampled generations whose gen_kwargs give none; default 0).
+parameters and compute), ``max_gen_toks``, ``add_bos_token``, ``prefix_token_id``, ``seed`` (of
+sampled generations whose gen_kwargs give none; default 0), ``chat_template`` (the template
+``--apply_chat_template`` renders with: ``olmo3``, ``olmo3-think``, a folder or a ``.jinja`` file;
+default below) and ``think_end_token`` (a reasoning model's end-of-thinking text, e.g. ``</think>``:
+generations keep only what follows its last occurrence, as lm-eval's HF model with the same arg).
 
 Scores are comparable with ``lm_eval --model hf`` on the same weights and tokenizer: tokenisation,
 left truncation, rolling windows, request ordering and stop-sequence handling mirror
@@ -20,10 +23,11 @@ per function. ``generate_until`` decodes through the KV cache (``olmax.engine``:
 prefill, then one token per step), all requests with the same gen_kwargs in one call (its
 batches share one prompt bucket), one compiled decoder for every sampling setting.
 
-Chat (``--apply_chat_template``): prompts are rendered with the tokenizer folder's own chat template
-(``chat_template.jinja`` or ``tokenizer_config.json``), else the built-in OLMo 3 Instruct template,
-through ``olmax.chat.template``: the text ``olmax tokenize --chat`` trains on and ``olmax generate``
-prompts with. A jinja template renders as ``lm_eval --model hf`` renders it.
+Chat (``--apply_chat_template``): prompts are rendered with the ``chat_template`` model arg, else the
+tokenizer folder's own chat template (``chat_template.jinja`` or ``tokenizer_config.json``), else the
+built-in OLMo 3 Instruct template, through ``olmax.chat.template``: the text ``olmax tokenize --chat``
+trains on and ``olmax generate`` prompts with. A jinja template renders as ``lm_eval --model hf``
+renders it, including its retry without system messages when the template refuses them.
 
 Generation kwargs: ``until``, ``max_gen_toks`` (and lm-eval's aliases), ``do_sample``,
 ``temperature``, ``top_p``, ``top_k`` and ``seed``. After lm-eval's ``normalize_gen_kwargs``,
@@ -37,6 +41,7 @@ generation kwargs are ignored, as before.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -55,12 +60,13 @@ from lm_eval.models.utils import (
 )
 from tqdm import tqdm
 
-from olmax.chat.template import tokenizer_template
+from olmax.chat.template import ChatTemplate, load_template, tokenizer_template
 from olmax.checkpoint.load import load_params
 from olmax.config import Config, ConfigError
 from olmax.engine import Engine, Generator, Sampling, decoder, generate
 from olmax.model.olmo3 import forward
 
+log = logging.getLogger(__name__)
 DTYPES = ("float32", "bfloat16")
 # Smallest sequence bucket: below this, padding is cheaper than another compile.
 MIN_LEN_BUCKET = 16
@@ -108,11 +114,15 @@ class OlmaxLM(TemplateLM):
     def __init__(self, checkpoint: str, tokenizer: str | None = None, batch_size: int | str = 8,
                  max_length: int | None = None, dtype: str = "float32", max_gen_toks: int = 256,
                  add_bos_token: bool | None = None, prefix_token_id: int | None = None,
-                 seed: int = 0, device: str | None = None, **kwargs: Any) -> None:
+                 seed: int = 0, chat_template: str | None = None, think_end_token: str | None = None,
+                 device: str | None = None, **kwargs: Any) -> None:
         super().__init__()
         if kwargs:
             raise ValueError(f"olmax model: unknown model args {sorted(kwargs)}; known: checkpoint, tokenizer, "
-                             "batch_size, max_length, dtype, max_gen_toks, add_bos_token, prefix_token_id, seed")
+                             "batch_size, max_length, dtype, max_gen_toks, add_bos_token, prefix_token_id, seed, "
+                             "chat_template, think_end_token")
+        if think_end_token is not None and not str(think_end_token):
+            raise ValueError("olmax model: think_end_token is empty")
         if dtype not in DTYPES:
             raise ValueError(f"olmax model: dtype={dtype!r}; choose one of {', '.join(DTYPES)}")
         # lm-eval's "auto" batch sizing probes for OOM by trial; with bucketed jit that would compile
@@ -134,7 +144,9 @@ class OlmaxLM(TemplateLM):
                               f"has vocab_size {cfg.model.vocab_size}: they do not belong together")
         if self.tokenizer.eos_token_id is None:
             raise ConfigError(f"tokenizer {tokenizer} defines no eos token")
-        self.chat = tokenizer_template(tokenizer, self.tokenizer.eos_token)
+        self.chat: ChatTemplate = (tokenizer_template(tokenizer, self.tokenizer.eos_token) if chat_template is None
+                                   else load_template(str(chat_template), tokenizer, self.tokenizer.eos_token))
+        self.think_end_token = None if think_end_token is None else str(think_end_token)
         self.checkpoint = checkpoint
         self.add_bos_token = add_bos_token
         self.custom_prefix_token_id = prefix_token_id
@@ -192,10 +204,27 @@ class OlmaxLM(TemplateLM):
         or the built-in template's name."""
         return self.chat.source or self.chat.name
 
+    @property
+    def builtin_chat_template(self) -> bool:
+        """True when chat prompts use a template rendered in Python (``olmo3``, ``olmo3-think``),
+        not a jinja template of the checkpoint's tokenizer or given by path."""
+        return self.chat.source is None
+
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Few-shot turns as one prompt, rendered as olmax renders chat for training and generation.
         Without a generation prompt the final message is a prefilled reply left open, as HFLM
         renders it (transformers' ``continue_final_message``)."""
+        try:
+            return self._render(chat_history, add_generation_prompt)
+        except ConfigError:
+            # As HFLM: a jinja template that raises (typically "system role not supported") is
+            # retried without the system messages.
+            if self.chat.source is None or not any(m.get("role") == "system" for m in chat_history):
+                raise
+            log.warning("chat template %s failed; retrying without the system messages", self.chat.name)
+            return self._render([m for m in chat_history if m.get("role") != "system"], add_generation_prompt)
+
+    def _render(self, chat_history: list[dict[str, str]], add_generation_prompt: bool) -> str:
         if add_generation_prompt:
             return self.chat.render(chat_history, True)
         return self.chat.continue_final(chat_history)
@@ -323,7 +352,7 @@ class OlmaxLM(TemplateLM):
             ctx_enc = [self._encode_context(c)[-max_ctx:] for c in contexts]
             gens = self._generate(ctx_enc, max_gen, until, stop_ids, sampling)
             for ctx, gen_kwargs, toks in zip(contexts, all_kwargs, gens):
-                s = postprocess_generated_text(self.tok_decode(toks), until, None)
+                s = postprocess_generated_text(self.tok_decode(toks), until, self.think_end_token)
                 res.append(s)
                 self.cache_hook.add_partial("generate_until", (ctx, gen_kwargs), s)
                 pbar.update(1)
