@@ -117,9 +117,9 @@ def main() -> None:
         completions[batching] = out
         results[batching] = best
     s, c = results["static"], results["continuous"]
-    results["identical"] = ([x.token_ids for x in completions["static"]] == [x.token_ids for x in completions["continuous"]]
-                            and [x.logprobs for x in completions["static"]]
-                            == [x.logprobs for x in completions["continuous"]])
+    st, co = completions["static"], completions["continuous"]
+    results["identical"] = ([x.token_ids for x in st] == [x.token_ids for x in co]
+                            and [x.logprobs for x in st] == [x.logprobs for x in co])
     results["ratios"] = {"rollout_speedup": s["seconds"] / c["seconds"],
                          "step_time_continuous_over_static": c["ms_per_decode_step"] / s["ms_per_decode_step"]}
     if args.transformers_prompts:

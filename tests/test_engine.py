@@ -8,10 +8,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from test_decode import TINY
 
 from olmax.engine import Engine, Request, Sampling, decoder, generate
 from olmax.model.params import init_params
-from test_decode import TINY
 
 SETTINGS = [Sampling(), Sampling(temperature=1.0, seed=5), Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=1)]
 

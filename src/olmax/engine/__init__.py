@@ -24,10 +24,10 @@ from olmax.engine.shapes import cache_length, call_rows, prompt_bucket
 from olmax.engine.static import Generator
 
 BATCHING = ("continuous", "static")
-DEFAULT_CHUNK = 8  # decode steps per host round trip (benchmarks/bench_rl.py measures the choice)
+DEFAULT_CHUNK = 8  # decode steps per host round trip (benchmarks/bench_engine.py measures the choice)
 
-__all__ = ["BATCHING", "DEFAULT_CHUNK", "Completion", "Engine", "EngineStats", "Generator", "MAX_TEMPERATURE", "MAX_TOP_LOGPROBS",
-           "Request", "Sampling", "decoder", "generate"]
+__all__ = ["BATCHING", "DEFAULT_CHUNK", "Completion", "Engine", "EngineStats", "Generator", "MAX_TEMPERATURE",
+           "MAX_TOP_LOGPROBS", "Request", "Sampling", "decoder", "generate"]
 
 
 def decoder(params: Any, cfg: ModelConfig, batching: str = "continuous", *, rows: int, mesh: Mesh | None = None,
