@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--transformers-prompts", type=int, default=16,
                     help="prompts given to transformers' generate_batch (0: skip it)")
+    ap.add_argument("--rl-steps", type=int, default=4,
+                    help="RL steps of each configuration (static + padded, continuous + packed; 0: skip)")
     ap.add_argument("--json", metavar="FILE", help="also write the results here")
     args = ap.parse_args()
     olmax.keep_freed_memory()
@@ -122,6 +124,8 @@ def main() -> None:
                             and [x.logprobs for x in st] == [x.logprobs for x in co])
     results["ratios"] = {"rollout_speedup": s["seconds"] / c["seconds"],
                          "step_time_continuous_over_static": c["ms_per_decode_step"] / s["ms_per_decode_step"]}
+    if args.rl_steps:
+        results["rl"] = _rl(tmp, args, lengths)
     if args.transformers_prompts:
         results["transformers"] = _transformers(tmp / "hf", prompts[:args.transformers_prompts], args.cap)
         results["ratios"]["tokens_per_s_over_transformers"] = (
@@ -129,6 +133,76 @@ def main() -> None:
     print(json.dumps(results, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+RL_PROMPT = 32
+
+
+def _rl(tmp: Path, args: argparse.Namespace, lengths: np.ndarray) -> dict:
+    """GRPO steps on the same model and length profile: today's configuration (static rollouts,
+    one completion per padded training row) against continuous rollouts with packed rows
+    (``rl.pack_length`` = the longest prompt + completion, as AI2's 35,840 is for 2,048 + 32,768
+    plus slack). Lengths are forced by the same stop rule, row by row."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    import olmax.engine as engine_pkg
+    from olmax.recipes import get_recipe
+    from olmax.train.loop import train
+
+    rnd = random.Random(0)
+    words = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "fast", "blue", "sky", "is", "and", "we", "see"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([" ".join(rnd.choices(words, k=rnd.randint(4, 12))) for _ in range(300)],
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|pad|>"],
+                                                show_progress=False,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp / "tokenizer.json"))
+    lines = [{"prompt": " ".join(rnd.choices(words, k=8)), "ground_truth": "e"} for _ in range(64)]
+    (tmp / "prompts.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    rows = args.prompts * args.group
+    real = engine_pkg.generate
+
+    def forced(*a, stop=None, **kw):  # every row stops at its drawn length (the randomness of a random model aside)
+        return real(*a, stop=lambda i, ids: len(ids) >= lengths[i % len(lengths)], **kw)
+    engine_pkg.generate = forced
+    base = [f"train.init_from=hf:{tmp / 'hf'}", f"rl.tokenizer={tmp}", f"rl.prompts_path={tmp / 'prompts.jsonl'}",
+            "rl.reward=operator:contains", f"rl.prompts_per_step={args.prompts}", f"rl.group_size={args.group}",
+            f"train.global_batch_size={rows}", f"rl.max_response_length={args.cap}",
+            f"rl.max_prompt_length={RL_PROMPT}", f"data.sequence_length={RL_PROMPT + args.cap}",
+            "rl.num_mini_batches=1", f"train.steps={args.rl_steps}", "checkpoint.interval=1000",
+            f"rl.generation_batch={args.slots}", "model.d_model=512", "model.n_layers=8", "model.n_heads=8",
+            "model.n_kv_heads=8", "model.head_dim=64", "model.mlp_hidden=1536", "model.vocab_size=16384",
+            "model.padded_vocab_size=16384", "model.sliding_window=128", "model.max_position_embeddings=1024",
+            "model.norm_eps=1e-6", "model.param_dtype=float32", "model.compute_dtype=float32",
+            "data.eos_token_id=0", "data.pad_token_id=1"]
+    configs = {"static_padded": ["rl.batching=static"],
+               "continuous_packed": ["rl.batching=continuous", f"rl.pack_length={RL_PROMPT + args.cap}"]}
+    out = {}
+    try:
+        for name, extra in configs.items():
+            run = tmp / f"rl_{name}"
+            train(get_recipe("tiny_rl", [*base, *extra]), run, progress=False)
+            got = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][1:]  # the first compiles
+            step = [r["rl/time_generation_s"] + r["rl/time_training_s"] for r in got]
+            out[name] = {"step_seconds_best": min(step), "step_seconds_mean": float(np.mean(step)),
+                         "generation_seconds_mean": float(np.mean([r["rl/time_generation_s"] for r in got])),
+                         "training_seconds_mean": float(np.mean([r["rl/time_training_s"] for r in got])),
+                         "slot_utilisation": float(np.mean([r["rl/slot_utilisation"] for r in got])),
+                         "padding_share": float(np.mean([r["rl/padding_share"] for r in got])),
+                         "max_logprob_gap": max(r["rl/max_logprob_gap"] for r in got),
+                         "loss": [r["rl/loss"] for r in got]}
+            print(f"rl {name}: step {out[name]['step_seconds_mean']:.2f} s (generation "
+                  f"{out[name]['generation_seconds_mean']:.2f}, training {out[name]['training_seconds_mean']:.2f}), "
+                  f"padding share {out[name]['padding_share']:.3f}, slot utilisation "
+                  f"{out[name]['slot_utilisation']:.3f}, gap {out[name]['max_logprob_gap']:.1e}", file=sys.stderr)
+    finally:
+        engine_pkg.generate = real
+    out["step_speedup"] = out["static_padded"]["step_seconds_mean"] / out["continuous_packed"]["step_seconds_mean"]
+    return out
 
 
 def _transformers(hf: Path, prompts: list[list[int]], cap: int) -> dict:

@@ -173,10 +173,10 @@ def test_jit_programs_are_bucketed(results: dict[str, dict], models: tuple[objec
     # temperature, top-k and seed) share one more program beside the greedy one.
     ctx = [ox.tok_encode("Q: What color is grass?\nA:")]
     ox._greedy(ctx, 8, [], set())
-    dec, n = ox._decoder, ox._decoder._decode._cache_size()
+    dec, n = ox._decoder, ox._decoder._chunk._cache_size()
     ox._generate(ctx, 8, [], set(), Sampling(temperature=0.7, seed=1))
     ox._generate(ctx, 8, [], set(), Sampling(temperature=0.9, top_k=5, seed=2))
-    assert ox._decoder is dec and dec._decode._cache_size() == n + 1
+    assert ox._decoder is dec and dec._chunk._cache_size() == n + 1
 
 
 @pytest.mark.integration
