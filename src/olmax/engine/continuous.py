@@ -25,6 +25,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import jax
@@ -87,6 +88,78 @@ class EngineStats:
         return self.decoded / self.slot_steps if self.slot_steps else 0.0
 
 
+def blank_state(prepared: dict, cfg: ModelConfig, slots: int, max_length: int) -> dict:
+    """The device state of ``slots`` empty slots."""
+    z = jnp.zeros((slots,), jnp.int32)
+    return {"tok": z, "cache": blank_cache(cfg, prepared, slots, max_length),
+            "keys": row_keys(z.astype(jnp.uint32), z), "step": z, "left": z,
+            "live": jnp.zeros((slots,), bool), "eos": jnp.full((slots, MAX_EOS), -1, jnp.int32),
+            "knobs": {k: v for k, v in zip(KNOBS, (jnp.ones((slots,), jnp.float32), z,
+                                                    jnp.ones((slots,), jnp.float32), jnp.ones((slots,), bool)))}}
+
+def admit(prepared, state, tokens, lengths, source, dest, seeds, indices, knobs, left, eos, *, cfg, max_length, greedy,
+          top_n, readable=lambda *a: a):
+    """Prefill ``tokens`` (the admitted rows' distinct prompts), write row ``source[i]`` of it
+    into slot ``dest[i]`` and sample that row's first token. ``readable``: makes the outputs
+    the host reads readable on every process (``DecodeWeights.host_readable``)."""
+    logits, rows = prefill(prepared, tokens, lengths, cfg, max_length)
+    keys = row_keys(seeds, indices)
+    with reproduce_decode_bits(layout_of(prepared) == "packed"):
+        tok, lp, logp = sample(jnp.take(logits, source, axis=0), keys, jnp.int32(0), knobs, greedy,
+                               cfg.vocab_size)
+    live = ~jnp.any(tok[:, None] == eos, axis=-1) & (left > 0)
+
+    def put(a, v):
+        return a.at[dest].set(v, mode="drop")
+    state = {"tok": put(state["tok"], tok), "cache": write_rows(state["cache"], rows, source, dest),
+             "keys": put(state["keys"], keys), "step": put(state["step"], jnp.ones_like(tok)),
+             "left": put(state["left"], left), "live": put(state["live"], live), "eos": put(state["eos"], eos),
+             "knobs": {k: put(state["knobs"][k], knobs[k]) for k in KNOBS}}
+    out = (tok, lp, live) + (tuple(jax.lax.top_k(logp, top_n)) if top_n else ())
+    return state, readable(*out)
+
+def decode_chunk(prepared, state, kill, need, steps, *, cfg, chunk, max_length, greedy, top_n,
+                 readable=lambda *a: a):
+    """Up to ``steps`` (at most ``chunk``) decode steps of every live row (``kill``: rows the
+    host finished); returns early when no row is live or ``need`` rows are not. Out: the
+    state, the tokens, log-probs and which were made ([chunk, slots] each), the steps run,
+    the rows still live, and with ``top_n`` the top log-probabilities [chunk, slots, top_n]."""
+    b = state["tok"].shape[0]
+    kernel = layout_of(prepared) == "packed"
+    state = {**state, "live": state["live"] & ~kill}
+    outs = {"tok": jnp.zeros((chunk, b), jnp.int32), "lp": jnp.zeros((chunk, b), jnp.float32),
+            "made": jnp.zeros((chunk, b), bool)}
+    if top_n:
+        outs["top_lp"] = jnp.zeros((chunk, b, top_n), jnp.float32)
+        outs["top_id"] = jnp.zeros((chunk, b, top_n), jnp.int32)
+
+    def go(carry):
+        i, st, _ = carry
+        return (i < steps) & jnp.any(st["live"]) & (jnp.sum(~st["live"]) < need)
+
+    def one(carry):
+        i, st, out = carry
+        live = st["live"]
+        logits, cache = decode_step(prepared, st["tok"], st["cache"], cfg, max_length)
+        cache["length"] = jnp.where(live, cache["length"], st["cache"]["length"])  # a finished row stays put
+        with reproduce_decode_bits(kernel):
+            tok, lp, logp = sample(logits, st["keys"], st["step"], st["knobs"], greedy, cfg.vocab_size)
+        made = live
+        left = st["left"] - made
+        now = live & ~jnp.any(tok[:, None] == st["eos"], axis=-1) & (left > 0)
+        st = {**st, "tok": jnp.where(made, tok, st["tok"]), "cache": cache, "step": st["step"] + made,
+              "left": left, "live": now}
+        new = {"tok": tok, "lp": lp, "made": made}
+        if top_n:
+            new["top_lp"], new["top_id"] = jax.lax.top_k(logp, top_n)
+        out = {k: jax.lax.dynamic_update_index_in_dim(out[k], new[k], i, 0) for k in out}
+        return i + 1, st, out
+
+    n, state, outs = jax.lax.while_loop(go, one, (jnp.int32(0), state, outs))
+    read = readable(n, state["live"], *outs.values())
+    return state, dict(zip(("steps", "live", *outs), read))
+
+
 class Engine:
     """``slots`` rows decoded together over a cache of ``max_length`` positions per row; ``chunk``
     decode steps per host round trip at most. ``prompt_len``: the padded length every prompt is
@@ -105,10 +178,11 @@ class Engine:
         self._waiting: deque[tuple[int, Request]] = deque()
         self._cancelled: set[int] = set()
         self._next_id = 0
-        self._init = jax.jit(on_mesh(self._blank, mesh), static_argnames=("slots", "max_length"))
-        self._insert = jax.jit(on_mesh(self._admit, mesh), static_argnames=("max_length", "greedy", "top_n"),
-                               donate_argnums=(1,))
-        self._chunk = jax.jit(on_mesh(self._decode_chunk, mesh),
+        readable = self.weights.host_readable
+        self._init = jax.jit(on_mesh(partial(blank_state, cfg=cfg), mesh), static_argnames=("slots", "max_length"))
+        self._insert = jax.jit(on_mesh(partial(admit, cfg=cfg, readable=readable), mesh),
+                               static_argnames=("max_length", "greedy", "top_n"), donate_argnums=(1,))
+        self._chunk = jax.jit(on_mesh(partial(decode_chunk, cfg=cfg, readable=readable), mesh),
                               static_argnames=("chunk", "max_length", "greedy", "top_n"), donate_argnums=(1,))
         self.stats = EngineStats()
         self.reset(slots=slots, max_length=max_length, chunk=chunk, prompt_len=prompt_len, refill=refill)
@@ -186,76 +260,6 @@ class Engine:
         while len(done) < len(ids):
             done.update(self.step())
         return [done[i] for i in ids]
-
-    # -- the device programs --------------------------------------------------------------------
-
-    def _blank(self, prepared: dict, slots: int, max_length: int) -> dict:
-        z = jnp.zeros((slots,), jnp.int32)
-        return {"tok": z, "cache": blank_cache(self.cfg, prepared, slots, max_length),
-                "keys": row_keys(z.astype(jnp.uint32), z), "step": z, "left": z,
-                "live": jnp.zeros((slots,), bool), "eos": jnp.full((slots, MAX_EOS), -1, jnp.int32),
-                "knobs": {k: v for k, v in zip(KNOBS, (jnp.ones((slots,), jnp.float32), z,
-                                                        jnp.ones((slots,), jnp.float32), jnp.ones((slots,), bool)))}}
-
-    def _admit(self, prepared, state, tokens, lengths, source, dest, seeds, indices, knobs, left, eos, *,
-               max_length, greedy, top_n):
-        """Prefill ``tokens`` (the admitted rows' distinct prompts), write row ``source[i]`` of it
-        into slot ``dest[i]`` and sample that row's first token."""
-        logits, rows = prefill(prepared, tokens, lengths, self.cfg, max_length)
-        keys = row_keys(seeds, indices)
-        with reproduce_decode_bits(layout_of(prepared) == "packed"):
-            tok, lp, logp = sample(jnp.take(logits, source, axis=0), keys, jnp.int32(0), knobs, greedy,
-                                   self.cfg.vocab_size)
-        live = ~jnp.any(tok[:, None] == eos, axis=-1) & (left > 0)
-
-        def put(a, v):
-            return a.at[dest].set(v, mode="drop")
-        state = {"tok": put(state["tok"], tok), "cache": write_rows(state["cache"], rows, source, dest),
-                 "keys": put(state["keys"], keys), "step": put(state["step"], jnp.ones_like(tok)),
-                 "left": put(state["left"], left), "live": put(state["live"], live), "eos": put(state["eos"], eos),
-                 "knobs": {k: put(state["knobs"][k], knobs[k]) for k in KNOBS}}
-        out = (tok, lp, live) + (tuple(jax.lax.top_k(logp, top_n)) if top_n else ())
-        return state, self.weights.host_readable(*out)
-
-    def _decode_chunk(self, prepared, state, kill, need, steps, *, chunk, max_length, greedy, top_n):
-        """Up to ``steps`` (at most ``chunk``) decode steps of every live row (``kill``: rows the
-        host finished); returns early when no row is live or ``need`` rows are not. Out: the
-        state, the tokens, log-probs and which were made ([chunk, slots] each), the steps run,
-        the rows still live, and with ``top_n`` the top log-probabilities [chunk, slots, top_n]."""
-        b = state["tok"].shape[0]
-        kernel = layout_of(prepared) == "packed"
-        state = {**state, "live": state["live"] & ~kill}
-        outs = {"tok": jnp.zeros((chunk, b), jnp.int32), "lp": jnp.zeros((chunk, b), jnp.float32),
-                "made": jnp.zeros((chunk, b), bool)}
-        if top_n:
-            outs["top_lp"] = jnp.zeros((chunk, b, top_n), jnp.float32)
-            outs["top_id"] = jnp.zeros((chunk, b, top_n), jnp.int32)
-
-        def go(carry):
-            i, st, _ = carry
-            return (i < steps) & jnp.any(st["live"]) & (jnp.sum(~st["live"]) < need)
-
-        def one(carry):
-            i, st, out = carry
-            live = st["live"]
-            logits, cache = decode_step(prepared, st["tok"], st["cache"], self.cfg, max_length)
-            cache["length"] = jnp.where(live, cache["length"], st["cache"]["length"])  # a finished row stays put
-            with reproduce_decode_bits(kernel):
-                tok, lp, logp = sample(logits, st["keys"], st["step"], st["knobs"], greedy, self.cfg.vocab_size)
-            made = live
-            left = st["left"] - made
-            now = live & ~jnp.any(tok[:, None] == st["eos"], axis=-1) & (left > 0)
-            st = {**st, "tok": jnp.where(made, tok, st["tok"]), "cache": cache, "step": st["step"] + made,
-                  "left": left, "live": now}
-            new = {"tok": tok, "lp": lp, "made": made}
-            if top_n:
-                new["top_lp"], new["top_id"] = jax.lax.top_k(logp, top_n)
-            out = {k: jax.lax.dynamic_update_index_in_dim(out[k], new[k], i, 0) for k in out}
-            return i + 1, st, out
-
-        n, state, outs = jax.lax.while_loop(go, one, (jnp.int32(0), state, outs))
-        read = self.weights.host_readable(n, state["live"], *outs.values())
-        return state, dict(zip(("steps", "live", *outs), read))
 
     # -- one round trip -------------------------------------------------------------------------
 
