@@ -22,7 +22,7 @@ same cache length and prompt bucket: it does not depend on which other requests 
 from __future__ import annotations
 
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -97,12 +97,16 @@ def blank_state(prepared: dict, cfg: ModelConfig, slots: int, max_length: int) -
             "knobs": {k: v for k, v in zip(KNOBS, (jnp.ones((slots,), jnp.float32), z,
                                                     jnp.ones((slots,), jnp.float32), jnp.ones((slots,), bool)))}}
 
-def admit(prepared, state, tokens, lengths, source, dest, seeds, indices, knobs, left, eos, *, cfg, max_length, greedy,
-          top_n, readable=lambda *a: a):
-    """Prefill ``tokens`` (the admitted rows' distinct prompts), write row ``source[i]`` of it
-    into slot ``dest[i]`` and sample that row's first token. ``readable``: makes the outputs
-    the host reads readable on every process (``DecodeWeights.host_readable``)."""
-    logits, rows = prefill(prepared, tokens, lengths, cfg, max_length)
+def prefill_block(prepared, tokens, lengths, *, cfg, max_length):
+    """The last-token logits and cache rows of a block of distinct prompts (``decode.prefill``)."""
+    return prefill(prepared, tokens, lengths, cfg, max_length)
+
+
+def admit(prepared, state, logits, rows, source, dest, seeds, indices, knobs, left, eos, *, cfg, greedy, top_n,
+          readable=lambda *a: a):
+    """Write row ``source[i]`` of a prefilled block (``prefill_block``'s ``logits`` and cache
+    ``rows``) into slot ``dest[i]`` and sample that row's first token. ``readable``: makes the
+    outputs the host reads readable on every process (``DecodeWeights.host_readable``)."""
     keys = row_keys(seeds, indices)
     with reproduce_decode_bits(layout_of(prepared) == "packed"):
         tok, lp, logp = sample(jnp.take(logits, source, axis=0), keys, jnp.int32(0), knobs, greedy,
@@ -117,6 +121,7 @@ def admit(prepared, state, tokens, lengths, source, dest, seeds, indices, knobs,
              "knobs": {k: put(state["knobs"][k], knobs[k]) for k in KNOBS}}
     out = (tok, lp, live) + (tuple(jax.lax.top_k(logp, top_n)) if top_n else ())
     return state, readable(*out)
+
 
 def decode_chunk(prepared, state, kill, need, steps, *, cfg, chunk, max_length, greedy, top_n,
                  readable=lambda *a: a):
@@ -176,12 +181,14 @@ class Engine:
         self.weights = weights if weights is not None else DecodeWeights(params, cfg, mesh, rows=slots)
         self._lock = threading.Lock()
         self._waiting: deque[tuple[int, Request]] = deque()
+        self._waiting_prompts: Counter = Counter()  # prompt key -> requests waiting with it
         self._cancelled: set[int] = set()
         self._next_id = 0
         readable = self.weights.host_readable
         self._init = jax.jit(on_mesh(partial(blank_state, cfg=cfg), mesh), static_argnames=("slots", "max_length"))
+        self._prefill = jax.jit(on_mesh(partial(prefill_block, cfg=cfg), mesh), static_argnames=("max_length",))
         self._insert = jax.jit(on_mesh(partial(admit, cfg=cfg, readable=readable), mesh),
-                               static_argnames=("max_length", "greedy", "top_n"), donate_argnums=(1,))
+                               static_argnames=("greedy", "top_n"), donate_argnums=(1,))
         self._chunk = jax.jit(on_mesh(partial(decode_chunk, cfg=cfg, readable=readable), mesh),
                               static_argnames=("chunk", "max_length", "greedy", "top_n"), donate_argnums=(1,))
         self.stats = EngineStats()
@@ -206,10 +213,19 @@ class Engine:
         self._rows: list[_Row | None] = [None] * slots
         self._device_live = np.zeros(slots, bool)   # the device's view: still decoding
         self._state = None                          # made at the first step (after any load)
+        self._forget_prefills()
+
+    def _forget_prefills(self) -> None:
+        # Prefilled blocks kept while rows of their prompts wait (a GRPO group admitted over
+        # several round trips is prefilled once): prompt key -> (block, row), block -> arrays.
+        self._prefilled: dict[tuple, tuple[int, int]] = {}
+        self._blocks: dict[int, tuple[Any, Any]] = {}
+        self._next_block = 0
 
     def load(self, params: Any) -> None:
         """Decode with these weights from now on (between steps)."""
         self.weights.load(params)
+        self._forget_prefills()
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -243,6 +259,7 @@ class Engine:
             rid = self._next_id
             self._next_id += 1
             self._waiting.append((rid, request))
+            self._waiting_prompts[self._key(request.prompt)] += 1
         return rid
 
     def cancel(self, rid: int) -> None:
@@ -270,6 +287,7 @@ class Engine:
         with self._lock:
             while free and self._waiting:
                 rid, req = self._waiting.popleft()
+                self._waiting_prompts[self._key(req.prompt)] -= 1
                 if rid in self._cancelled:
                     self._cancelled.discard(rid)
                     self._finish_unstarted(rid, req)
@@ -288,47 +306,66 @@ class Engine:
             return self.prompt_len
         return min(prompt_bucket(len(prompt), self.cfg, self.mesh), self.max_length)
 
+    def _key(self, prompt: list[int]) -> tuple:
+        return (self._bucket_of(prompt), *(int(t) for t in prompt))
+
     def _dispatch_admit(self, prepared: dict, admitted: list[tuple[int, int, Request]]) -> list[tuple[list, Any]]:
-        """Prefill and write the admitted requests, one program per prompt bucket; the
-        (admitted, device outputs) of each."""
+        """Prefill the admitted requests' prompts that no kept block holds (one block per prompt
+        bucket), write every admitted row from its block and sample its first token; forget the
+        blocks no waiting request needs. The (admitted rows, device outputs) of each write."""
         dp = mesh_data_parallel(self.mesh)
-        groups: dict[int, list[tuple[int, int, Request]]] = {}
-        for a in admitted:
-            groups.setdefault(self._bucket_of(a[2].prompt), []).append(a)
-        pending = []
-        for T, group in sorted(groups.items()):
-            distinct: dict[tuple, int] = {}
-            for _, _, req in group:
-                distinct.setdefault(tuple(int(t) for t in req.prompt), len(distinct))
-            P = -(-bucket(len(distinct), lo=1) // dp) * dp
-            m = self.slots  # one program per prefill size: the padding rows write nothing
+        fresh: dict[int, list[tuple]] = {}
+        for _, _, req in admitted:
+            key = self._key(req.prompt)
+            if key not in self._prefilled and key not in fresh.get(key[0], []):
+                fresh.setdefault(key[0], []).append(key)
+        for T, keys in sorted(fresh.items()):
+            P = -(-bucket(len(keys), lo=1) // dp) * dp
             tokens = np.zeros((P, T), np.int32)
             lengths = np.ones(P, np.int32)
-            for p, r in distinct.items():
-                tokens[r, :len(p)], lengths[r] = p, len(p)
-            for r in range(len(distinct), P):  # padding rows: copies of the first
-                tokens[r], lengths[r] = tokens[0], lengths[0]
-            pad = m - len(group)
+            for r, key in enumerate(keys):
+                tokens[r, :len(key) - 1], lengths[r] = key[1:], len(key) - 1
+            tokens[len(keys):], lengths[len(keys):] = tokens[0], lengths[0]  # padding rows: copies of the first
+            block = self._next_block
+            self._next_block += 1
+            self._blocks[block] = self._prefill(prepared, self.weights.put(tokens), self.weights.put(lengths),
+                                                max_length=self.max_length)
+            self.stats.prefills += len(keys)
+            for r, key in enumerate(keys):
+                self._prefilled[key] = (block, r)
+        by_block: dict[int, list[tuple[int, int, Request]]] = {}
+        for a in admitted:
+            by_block.setdefault(self._prefilled[self._key(a[2].prompt)][0], []).append(a)
+        pending = []
+        put = self.weights.put
+        for block, group in by_block.items():
+            pad = self.slots - len(group)  # one program per block size: the padding rows write nothing
             reqs = [g[2] for g in group] + [group[0][2]] * pad
-            source = np.asarray([distinct[tuple(int(t) for t in q.prompt)] for q in reqs], np.int32)
+            source = np.asarray([self._prefilled[self._key(q.prompt)][1] for q in reqs], np.int32)
             dest = np.asarray([g[0] for g in group] + [self.slots] * pad, np.int32)  # past the end: dropped
-            seeds = np.asarray([q.sampling.seed for q in reqs], np.uint32)
-            indices = np.asarray([q.index for q in reqs], np.int32)
-            left = np.asarray([q.max_new_tokens - 1 for q in reqs], np.int32)
-            eos = np.full((m, MAX_EOS), -1, np.int32)
+            eos = np.full((self.slots, MAX_EOS), -1, np.int32)
             for i, q in enumerate(reqs):
                 eos[i, :len(q.eos_ids)] = sorted(q.eos_ids)
             kn = sampling_knobs([q.sampling for q in reqs])
-            put = self.weights.put
-            top_n = MAX_TOP_LOGPROBS if any(q.top_logprobs for q in reqs) else 0
+            logits, rows = self._blocks[block]
             self._state, out = self._insert(
-                prepared, self._state, put(tokens), put(lengths), put(source), put(dest), put(seeds), put(indices),
-                {k: put(v) for k, v in kn.items()}, put(left), put(eos), max_length=self.max_length,
-                greedy=all(q.sampling.greedy for q in reqs), top_n=top_n)
-            self.stats.prefills += len(distinct)
+                prepared, self._state, logits, rows, put(source), put(dest),
+                put(np.asarray([q.sampling.seed for q in reqs], np.uint32)),
+                put(np.asarray([q.index for q in reqs], np.int32)), {k: put(v) for k, v in kn.items()},
+                put(np.asarray([q.max_new_tokens - 1 for q in reqs], np.int32)), put(eos),
+                greedy=all(q.sampling.greedy for q in reqs),
+                top_n=MAX_TOP_LOGPROBS if any(q.top_logprobs for q in reqs) else 0)
             pending.append((group, out))
             for slot, rid, req in group:
                 self._rows[slot] = _Row(rid, req, Completion(top_logprobs=[] if req.top_logprobs else None))
+        with self._lock:
+            needed = {k for k, n in self._waiting_prompts.items() if n > 0}
+            self._waiting_prompts = Counter({k: n for k, n in self._waiting_prompts.items() if n > 0})
+        for key in [k for k in self._prefilled if k not in needed]:
+            del self._prefilled[key]
+        live_blocks = {b for b, _ in self._prefilled.values()}
+        for block in [b for b in self._blocks if b not in live_blocks]:
+            del self._blocks[block]
         return pending
 
     def _keep(self, slot: int, tok: int, lp: float, top: tuple | None) -> bool:
