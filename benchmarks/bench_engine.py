@@ -54,7 +54,7 @@ def think_lengths(n: int, cap: int, seed: int = 0) -> tuple[np.ndarray, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--cap", type=int, default=128)
