@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--transformers-prompts", type=int, default=16,
                     help="prompts given to transformers' generate_batch (0: skip it)")
+    ap.add_argument("--rl-prompts", type=int, default=16, help="prompts per RL step (x --group rows)")
     ap.add_argument("--rl-steps", type=int, default=4,
                     help="RL steps of each configuration (static + padded, continuous + packed; 0: skip)")
     ap.add_argument("--json", metavar="FILE", help="also write the results here")
@@ -163,14 +164,14 @@ def _rl(tmp: Path, args: argparse.Namespace, lengths: np.ndarray) -> dict:
     tok.save(str(tmp / "tokenizer.json"))
     lines = [{"prompt": " ".join(rnd.choices(words, k=8)), "ground_truth": "e"} for _ in range(64)]
     (tmp / "prompts.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    rows = args.prompts * args.group
+    rows = args.rl_prompts * args.group
     real = engine_pkg.generate
 
     def forced(*a, stop=None, **kw):  # every row stops at its drawn length (the randomness of a random model aside)
         return real(*a, stop=lambda i, ids: len(ids) >= lengths[i % len(lengths)], **kw)
     engine_pkg.generate = forced
     base = [f"train.init_from=hf:{tmp / 'hf'}", f"rl.tokenizer={tmp}", f"rl.prompts_path={tmp / 'prompts.jsonl'}",
-            "rl.reward=operator:contains", f"rl.prompts_per_step={args.prompts}", f"rl.group_size={args.group}",
+            "rl.reward=operator:contains", f"rl.prompts_per_step={args.rl_prompts}", f"rl.group_size={args.group}",
             f"train.global_batch_size={rows}", f"rl.max_response_length={args.cap}",
             f"rl.max_prompt_length={RL_PROMPT}", f"data.sequence_length={RL_PROMPT + args.cap}",
             "rl.num_mini_batches=1", f"train.steps={args.rl_steps}", "checkpoint.interval=1000",
