@@ -88,14 +88,20 @@ def test_first_fit_decreasing_is_deterministic_and_fills_rows():
     assert packing.first_fit_decreasing([], 8) == []
     with pytest.raises(ValueError, match="does not fit"):
         packing.first_fit_decreasing([3, 13], 12)
-    assert [packing.bucket_rows(r, 4) for r in (0, 1, 4, 5, 8)] == [4, 4, 4, 8, 8]
+    # micro-batches within the unpacked per-device bound; rows per device in eighths of it
+    assert packing.row_plan(43, 1, 128) == (1, 48)
+    assert packing.row_plan(0, 1, 128) == (1, 1)
+    assert packing.row_plan(128, 1, 128) == (1, 128)
+    assert packing.row_plan(300, 2, 128) == (2, 80)
+    assert packing.row_plan(5, 4, 1) == (2, 1)        # AI2's layout: one row per device per micro-batch
+    assert packing.row_plan(9, 1, 10) == (1, 10)      # never past the bound
 
 
 def test_packed_rows_hold_every_trained_completion_once():
     padded = _padded()
-    packed = packing.pack_batch(padded, PACK, mini_batches=2, unit=2, pad_token_id=1)
+    packed, accum = packing.pack_batch(padded, PACK, mini_batches=2, data_parallel=2, micro_batch=1, pad_token_id=1)
     rows = packed["input_ids"].shape[0]
-    assert rows % 2 == 0 and rows < 12                      # fewer rows than completions
+    assert rows == 2 * accum * 2 and rows < 12              # fewer rows than completions
     per = rows // 2
     docs = _docs(padded, packed)
     valid = np.nonzero(padded["row_valid"])[0]
@@ -115,7 +121,7 @@ def test_packed_rows_hold_every_trained_completion_once():
     pad_share = packing.padding_share(padded["lengths"], 12, L)
     assert pad_share == pytest.approx(1 - padded["lengths"].sum() / (12 * L))
     # one mini-batch, no rounding of the rows: FFD leaves less padding than a row per completion
-    tight = packing.pack_batch(padded, PACK, mini_batches=1, unit=1)
+    tight = packing.pack_batch(padded, PACK, mini_batches=1)[0]
     assert packing.padding_share(tight["lengths"], tight["input_ids"].shape[0], PACK) < pad_share
 
 
@@ -145,7 +151,7 @@ def test_packed_log_probs_are_the_padded_rows(exact: bool):
     cfg = _cfg()
     params = _params(cfg)
     padded = _padded(seed=1)
-    packed = packing.pack_batch(padded, PACK, mini_batches=1, unit=1)
+    packed = packing.pack_batch(padded, PACK, mini_batches=1)[0]
     fn = jax.jit(lambda p, t, m, pos=None, seg=None: grpo.policy_logps(p, t, m, cfg, exact, pos, seg))
     a = np.asarray(fn(params, padded["input_ids"], padded["generated_mask"]))
     b = np.asarray(fn(params, packed["input_ids"], packed["generated_mask"], packed["positions"],
@@ -187,11 +193,12 @@ def test_packed_update_is_the_padded_update(aggregation: str):
     CPU); every gradient leaf within fp32 rounding."""
     cfg = _cfg()
     padded = _padded(seed=2)
-    packed = packing.pack_batch(padded, PACK, mini_batches=1, unit=2)
+    packed, accum = packing.pack_batch(padded, PACK, mini_batches=1, micro_batch=2)
+    assert accum > 1                                         # micro-batches of 2 packed rows
     for b in (padded, packed):  # old log-probs off the policy's, so the ratios clip on both sides
         b["old_logps"] = _old_logps(cfg, b, 0.3)
     a = _update(cfg, padded, 4, aggregation)
-    b = _update(cfg, packed, packed["input_ids"].shape[0] // 2, aggregation)
+    b = _update(cfg, packed, accum, aggregation)
     assert 0 < float(a["clip_fraction"]) < 1
     assert float(b["loss"]) == pytest.approx(float(a["loss"]), rel=1e-6)
     assert float(b["grad_norm"]) == pytest.approx(float(a["grad_norm"]), rel=1e-6)
@@ -207,7 +214,7 @@ def test_packed_microbatch_mean_is_open_instructs():
     micro-batches); float64 numpy reference from the same per-token log-probs."""
     cfg = _cfg()
     padded = _padded(seed=3)
-    packed = packing.pack_batch(padded, PACK, mini_batches=1, unit=1)
+    packed = packing.pack_batch(padded, PACK, mini_batches=1)[0]
     packed["old_logps"] = _old_logps(cfg, packed, 0.3)
     rows = packed["input_ids"].shape[0]
     # two empty rows at the end: a micro-batch of padding only that must not count
@@ -236,7 +243,7 @@ def test_exact_packed_update_has_the_padded_loss():
         pytest.skip(cpu_kernels.unavailable_reason())
     cfg = _cfg()
     padded = _padded(seed=4)
-    packed = packing.pack_batch(padded, PACK, mini_batches=1, unit=1)
+    packed = packing.pack_batch(padded, PACK, mini_batches=1)[0]
     for b in (padded, packed):
         b["old_logps"] = _old_logps(cfg, b, 0.2)
     a = _update(cfg, padded, 1, "token_mean", exact=True)

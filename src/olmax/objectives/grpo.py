@@ -8,6 +8,10 @@ and, against the log-probs the generator reported while sampling, the proof that
 from these very weights: ``rl/max_logprob_gap`` (0 on CPU devices in fp32 and bf16, where the training
 forward repeats the kernels' decode arithmetic; rounding elsewhere; vLLM-based trainers see 1e-2
 and more, hence their importance-weight truncation).
+
+With ``rl.pack_length`` the rollout batch (one completion a row) is packed into training rows of
+that length before anything is computed on it (``olmax.rl.packing``): the old and reference
+log-probs, the gap and every update see the packed rows.
 """
 
 from __future__ import annotations
@@ -166,6 +170,7 @@ class RlStep:
         # sampler's bit for bit (``rl/max_logprob_gap`` 0).
         self.exact = can_reproduce_decode_bits(cfg.model, mesh)
         self._updates: dict[int, Callable] = {}
+        self._accum = plan.accum_steps  # this step's micro-batches per update
         # one optimizer update, jitted (what ``olmax compile`` lowers: packed, the most rows, one
         # completion a row)
         self.update = self._update_for(plan.accum_steps)
@@ -191,25 +196,24 @@ class RlStep:
         """One update on a mini-batch: a row block sliced from the batch on the device, which
         comes out of the slice laid out as XLA chose, put back in the update's batch layout
         (a no-op where it already is; jit takes no other layout for an array on a mesh)."""
-        unit = self.plan.data_parallel * self.plan.micro_batch  # rows of one micro-batch
-        update = self._update_for(int(mb["input_ids"].shape[0]) // unit) if self.cfg.rl.pack_length else self.update
+        update = self._update_for(self._accum) if self.cfg.rl.pack_length else self.update
         return update(params, opt_state, {k: jax.device_put(v, self._bshard[k]) for k, v in mb.items()})
 
-    def training_rows(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The rollout batch (one completion a row) as the update trains it: packed into rows of
-        ``rl.pack_length`` (``olmax.rl.packing``), or as it is."""
+    def training_rows(self, batch: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
+        """The rollout batch (one completion a row) as the update trains it, and its micro-batches
+        per update: packed into rows of ``rl.pack_length`` (``olmax.rl.packing``), or as it is."""
         r = self.cfg.rl
         if not r.pack_length:
-            return batch
-        return packing.pack_batch(batch, r.pack_length, r.num_mini_batches,
-                                  self.plan.data_parallel * self.plan.micro_batch, self.cfg.data.pad_token_id or 0)
+            return batch, self.plan.accum_steps
+        return packing.pack_batch(batch, r.pack_length, r.num_mini_batches, self.plan.data_parallel,
+                                  self.plan.micro_batch, self.cfg.data.pad_token_id or 0)
 
     def __call__(self, params: Any, opt_state: Any, item: tuple[dict[str, np.ndarray], dict[str, float]]):
         batch, rollout_metrics = item
         r = self.cfg.rl
         t0 = time.perf_counter()
         trained_tokens = float(np.sum(batch["completion_mask"]))
-        batch = self.training_rows(batch)
+        batch, self._accum = self.training_rows(batch)
         put = (lambda v: jax.device_put(v, batch_sharding(self.mesh, np.ndim(v))))
         dev = {k: put(batch[k]) for k in ("input_ids", "generated_mask", *self.keys) if k in batch}
         docs = (dev["positions"], dev["segment_ids"]) if r.pack_length else ()

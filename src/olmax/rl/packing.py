@@ -7,10 +7,12 @@ a training row of ``pack_length`` tokens, instead of a row of its own padded to
   pure function of the lengths: the same rollouts give the same rows (resume stays bitwise).
 - Each mini-batch of the rollout batch (``rl.num_mini_batches`` contiguous blocks of whole groups)
   is packed on its own, so an update sees the completions it saw unpacked.
-- Rows per mini-batch vary from step to step; they are rounded up to a multiple of ``unit`` (the
-  rows of one micro-batch across the data-parallel devices: ``data_parallel x micro_batch``), so
-  the update compiles at most ``accum_steps`` programs (one per multiple) and each micro-batch
-  spreads evenly over the devices. The extra rows are empty (no token, no loss, no sequence).
+- Rows per mini-batch vary from step to step (``row_plan``): as few micro-batches as keep a
+  device's rows per micro-batch within the unpacked update's (``train.max_micro_batch_size``: the
+  same memory), each spread evenly over the data-parallel devices, and a device's rows rounded up
+  to a multiple of an eighth of that bound, so that the update compiles at most 8 programs per
+  micro-batch count (the AI2 recipes, one row per device: one per count). The extra rows are
+  empty (no token, no loss, no sequence).
 - Groups that ``rl.filter_zero_std`` dropped (``row_valid`` False) train nothing and are left out.
 
 A packed row carries ``positions`` (from 0 in each document) and ``segment_ids`` (1, 2, ... per
@@ -47,17 +49,26 @@ def first_fit_decreasing(lengths: list[int] | np.ndarray, capacity: int) -> list
     return [sorted(b) for b in bins]
 
 
-def bucket_rows(rows: int, unit: int) -> int:
-    """``rows`` rounded up to a multiple of ``unit`` (at least one ``unit``)."""
-    return max(1, -(-rows // unit)) * unit
+BUCKETS = 8  # row counts per micro-batch count: a device's rows a multiple of 1/BUCKETS of its bound
 
 
-def pack_batch(batch: dict[str, np.ndarray], pack_length: int, mini_batches: int, unit: int,
-               pad_token_id: int = 0) -> dict[str, np.ndarray]:
+def row_plan(rows: int, data_parallel: int, micro_batch: int) -> tuple[int, int]:
+    """``(accum_steps, rows per device per micro-batch)`` for ``rows`` packed rows of a mini-batch:
+    the fewest micro-batches with at most ``micro_batch`` rows per device, the rows per device
+    rounded up to a multiple of ``ceil(micro_batch / BUCKETS)``. The mini-batch then has
+    ``accum_steps x data_parallel x`` that many rows (>= ``rows``)."""
+    accum = max(1, -(-rows // (data_parallel * micro_batch)))
+    per = -(-rows // (accum * data_parallel))
+    grain = -(-micro_batch // BUCKETS)
+    return accum, max(1, min(micro_batch, -(-per // grain) * grain))
+
+
+def pack_batch(batch: dict[str, np.ndarray], pack_length: int, mini_batches: int, data_parallel: int = 1,
+               micro_batch: int = 1, pad_token_id: int = 0) -> tuple[dict[str, np.ndarray], int]:
     """The padded rollout batch (``olmax.rl.rollout``: one completion a row, ``lengths`` [n] its
-    prompt + completion tokens) as packed rows: ``mini_batches`` blocks of the same number of rows
-    (``bucket_rows`` of the largest block's bins), each block the documents of the same block of
-    the padded batch."""
+    prompt + completion tokens) as packed rows, and the micro-batches of each mini-batch:
+    ``mini_batches`` blocks of the same number of rows (``row_plan`` of the largest block's
+    bins), each block the documents of the same block of the padded batch."""
     n = int(np.shape(batch["input_ids"])[0])
     if n % mini_batches:
         raise ValueError(f"{n} rows do not split into {mini_batches} mini-batches")
@@ -68,7 +79,8 @@ def pack_batch(batch: dict[str, np.ndarray], pack_length: int, mini_batches: int
     for k in range(mini_batches):
         docs = [k * size + j for j in range(size) if valid[k * size + j] and lengths[k * size + j] > 0]
         blocks.append([[docs[i] for i in b] for b in first_fit_decreasing(lengths[docs], pack_length)])
-    per = bucket_rows(max(len(b) for b in blocks), unit)
+    accum, per_device = row_plan(max(len(b) for b in blocks), data_parallel, micro_batch)
+    per = accum * data_parallel * per_device
     rows = mini_batches * per
     out = {
         "input_ids": np.full((rows, pack_length), pad_token_id, np.int32),
@@ -95,7 +107,7 @@ def pack_batch(batch: dict[str, np.ndarray], pack_length: int, mini_batches: int
                 at += m
             out["row_sequences"][row] = len(docs)
             out["lengths"][row] = at
-    return out
+    return out, accum
 
 
 def padding_share(lengths: np.ndarray, rows: int, length: int) -> float:
