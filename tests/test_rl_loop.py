@@ -38,6 +38,15 @@ def straight(rl_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
+@pytest.fixture(scope="module")
+def padded(rl_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``straight`` with one completion a training row (``trainlib.rl_overrides`` packs them)."""
+    run = tmp_path_factory.mktemp("rl_padded") / "run"
+    train(rl_cfg(rl_data, "train.steps=4", "rl.num_mini_batches=2", "rl.num_epochs=2", "rl.pack_length=null"), run,
+          progress=False)
+    return run
+
+
 def test_rl_run_reports_its_metrics_and_samples_from_its_own_weights(straight: Path):
     got = rows(straight)
     assert [r["step"] for r in got] == [1, 2, 3, 4]
@@ -63,15 +72,40 @@ def test_rl_run_reports_its_metrics_and_samples_from_its_own_weights(straight: P
         [(r["rl/clip_fraction"], r["rl/ratio_mean"]) for r in got]
 
 
-def test_rl_resume_is_bitwise(rl_data: Path, straight: Path, tmp_path: Path):
+def test_packed_rows_train_what_padded_rows_train(straight: Path, padded: Path):
+    """Packed training rows against one completion a row: the first step (the same
+    weights, so the same rollouts) trains the same tokens with the same loss, on fewer rows with
+    less padding; the log-prob gap is 0 either way on the CPU kernels."""
+    exact = can_reproduce_decode_bits(get_recipe("tiny_rl", ["model.compute_dtype=float32"]).model)
+    p, q = rows(straight), rows(padded)
+    for k in ("rl/reward_mean", "rl/trained_tokens", "rl/tokens_generated"):
+        assert p[0][k] == q[0][k], k
+    # four updates (2 mini-batches x 2 epochs): the later ones start from weights that differ by
+    # the rounding of the first (a one-update comparison at 1e-6 is tests/test_rl_packing.py's)
+    assert p[0]["rl/loss"] == pytest.approx(q[0]["rl/loss"], rel=1e-5, abs=1e-7)
+    assert any(a["rl/groups_trained"] > 0 for a in p)
+    for a, b in zip(p, q):
+        assert a["rl/training_rows"] < b["rl/training_rows"] == 8
+        assert 0 < b["rl/padding_share"] < 1
+        if a["rl/groups_trained"] > 0:  # (a step whose groups were all dropped packs empty rows)
+            assert 0 <= a["rl/padding_share"] < b["rl/padding_share"]
+        if exact:
+            assert a["rl/max_logprob_gap"] == 0.0 and b["rl/max_logprob_gap"] == 0.0
+
+
+@pytest.mark.parametrize("pack", ["packed", "padded"])
+def test_rl_resume_is_bitwise(rl_data: Path, straight: Path, padded: Path, tmp_path: Path, pack: str):
     from olmax.checkpoint.load import load_params
     run = tmp_path / "run"
-    cfg = rl_cfg(rl_data, "train.steps=4", "rl.num_mini_batches=2", "rl.num_epochs=2")
+    cfg = rl_cfg(rl_data, "train.steps=4", "rl.num_mini_batches=2", "rl.num_epochs=2",
+                 *(["rl.pack_length=null"] if pack == "padded" else []))
     first = train(cfg, run, max_steps_this_run=2, progress=False)
     assert first.stopped_early and first.end_step == 2
     train(cfg, run, progress=False)
+    straight = straight if pack == "packed" else padded
     a, b = rows(straight), rows(run)
-    keys = [k for k in a[0] if k.startswith(("rl/reward", "rl/max_logprob", "optim/total", "rl/clip", "rl/response"))]
+    keys = [k for k in a[0] if k.startswith(("rl/reward", "rl/max_logprob", "optim/total", "rl/clip", "rl/response",
+                                             "rl/padding", "rl/training_rows", "rl/loss"))]
     assert [[r[k] for k in keys] for r in a] == [[r[k] for k in keys] for r in b]
     pa, pb = load_params(str(straight))[0], load_params(str(run))[0]
     assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)))
@@ -128,6 +162,7 @@ def test_rl_batch_rows_masks_and_advantages(rl_data: Path, tmp_path: Path):
     assert b["gen_logps"][0, n - 1:n + 2].tolist() == [-0.5, -0.25, -0.125] and b["gen_logps"][0, n + 2] == 0
     assert b["advantages"][:4].tolist() == [0.5, -0.5, 0.5, -0.5]
     assert not b["row_valid"][4:].any() and b["row_valid"][:4].all()
+    assert b["lengths"][:4].tolist() == [n + 3, n + 8, n + 2, n + 2]
     assert b["completion_mask"][4:].sum() == 0 and (b["advantages"][4:] == 0).all()
 
 

@@ -73,10 +73,11 @@ def write_rl_data(d: Path) -> Path:
 def rl_overrides(data: Path, *extra: str) -> list[str]:
     """``tiny_rl`` on ``write_rl_data``'s prompts: operator.contains(completion, "a") (8 random
     tokens of this BPE hold an "a" 39% of the time); the model's vocabulary is the BPE's, padded to
-    384 rows (the sampler and the loss leave the padding out)."""
+    384 rows (the sampler and the loss leave the padding out). Training rows are packed to the
+    unpacked row's 56 tokens (a mini-batch's 4 completions of these short prompts fit one)."""
     return ["model.vocab_size=300", "model.padded_vocab_size=384", f"rl.prompts_path={data / 'prompts.jsonl'}",
             f"rl.tokenizer={data}", "rl.reward=operator:contains", "rl.group_size=4", "rl.prompts_per_step=2",
-            "train.global_batch_size=8", "rl.max_response_length=8", "data.sequence_length=56",
+            "train.global_batch_size=8", "rl.max_response_length=8", "data.sequence_length=56", "rl.pack_length=56",
             "model.compute_dtype=float32", "model.param_dtype=float32", "checkpoint.interval=2", *extra]
 
 

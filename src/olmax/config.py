@@ -384,6 +384,10 @@ class RlConfig:
     # steps per host round trip; static: each batch decodes until its longest row stops. The same
     # completions either way (olmax.engine).
     batching: str = "continuous"
+    # Training rows of this many tokens, each packing several completions (with their prompts) as
+    # documents (open-instruct --pack_length; olmax.rl.packing); None = one completion a row, padded
+    # to data.sequence_length.
+    pack_length: int | None = None
 
 
 @dataclass(frozen=True)
@@ -528,6 +532,10 @@ def _validate_rl(cfg: Config) -> None:
         raise ConfigError(f"rl.batching must be 'continuous' or 'static', got {r.batching!r}")
     if r.generation_batch is not None and r.generation_batch < 1:
         raise ConfigError(f"rl.generation_batch must be >= 1 or null, got {r.generation_batch}")
+    if r.pack_length is not None and r.pack_length < r.max_prompt_length + r.max_response_length:
+        raise ConfigError(f"rl.pack_length ({r.pack_length}) must hold the longest prompt and completion: at least "
+                          f"rl.max_prompt_length + rl.max_response_length = "
+                          f"{r.max_prompt_length + r.max_response_length} tokens (or null: no packing)")
     if not r.temperature > 0:
         raise ConfigError(f"rl.temperature must be > 0 (RL samples), got {r.temperature!r}")
     if not 0 < r.top_p <= 1:

@@ -156,10 +156,11 @@ def reproduce_decode_bits(on: bool = True):
     order of operations, so the CPU decode steps (the ``packed`` layout of ``olmax.model.decode``,
     which run inside this block) and a training forward inside it give a token the same bits:
     RL's log-probs are the sampler's. The gradients are XLA's. Only where the kernels run
-    (``can_reproduce_decode_bits``: CPU, fp32 or bf16; on a mesh each device on its rows); one
-    sequence per row, no segments. In bf16 the kernels compute in fp32 on bf16 numbers, rounded
-    explicitly at their inputs and outputs (``layers.kernel_input``, ``layers.kernel_output``), and
-    RoPE's tables are rounded so that its products are exact (``layers.apply_rope``)."""
+    (``can_reproduce_decode_bits``: CPU, fp32 or bf16; on a mesh each device on its rows); packed
+    documents (segment ids) each as if alone in a row. In bf16 the kernels compute in fp32 on bf16
+    numbers, rounded explicitly at their inputs and outputs (``layers.kernel_input``,
+    ``layers.kernel_output``), and RoPE's tables are rounded so that its products are exact
+    (``layers.apply_rope``)."""
     token = _DECODE_BITS.set(on)
     try:
         yield
@@ -352,35 +353,59 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, cfg: Mo
 
 
 def attention_as_decoded(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None,
-                         cfg: ModelConfig) -> jax.Array:
+                         cfg: ModelConfig, segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal self-attention with the CPU decode step's arithmetic (``olmax.kernels.cpu.
     sequence_attention``, fp32): the prefill and, in RL, the training forward whose log-probs must
     be the sampler's bit for bit. The gradient is ``attend``'s (the same function; only the
-    rounding of the forward differs). No segments: every row is one sequence from position 0
-    (padding at its end is never seen by a query before it)."""
+    rounding of the forward differs). Without ``segment_ids`` every row is one sequence from
+    position 0 (padding at its end is never seen by a query before it); with them (contiguous
+    documents, RL's packed rows) each document is computed as if it were alone in its row."""
+    if segment_ids is None:
+        @jax.custom_vjp
+        def f(q, k, v):  # bf16 enters the fp32 kernel exactly; the output is rounded back to q's dtype
+            return kernel_output(cpu.sequence_attention(kernel_input(q), kernel_input(k), kernel_input(v), window),
+                                 q.dtype)
+
+        def fwd(q, k, v):
+            return f(q, k, v), (q, k, v)
+
+        def bwd(res, do):
+            return jax.vjp(lambda q, k, v: attend(q, k, v, window, cfg), *res)[1](do)
+
+        f.defvjp(fwd, bwd)
+        return f(q, k, v)
+
     @jax.custom_vjp
-    def f(q, k, v):  # bf16 enters the fp32 kernel exactly; the output is rounded back to q's dtype
-        return kernel_output(cpu.sequence_attention(kernel_input(q), kernel_input(k), kernel_input(v), window), q.dtype)
+    def g(q, k, v, seg):  # the segment ids are an argument: a traced value may not be closed over
+        return kernel_output(cpu.sequence_attention(kernel_input(q), kernel_input(k), kernel_input(v), window,
+                                                    segment_starts(seg)), q.dtype)
 
-    def fwd(q, k, v):
-        return f(q, k, v), (q, k, v)
+    def gfwd(q, k, v, seg):
+        return g(q, k, v, seg), (q, k, v, seg)
 
-    def bwd(res, do):
-        return jax.vjp(lambda q, k, v: attend(q, k, v, window, cfg), *res)[1](do)
+    def gbwd(res, do):
+        q, k, v, seg = res
+        return (*jax.vjp(lambda q, k, v: attend(q, k, v, window, cfg, seg), q, k, v)[1](do), None)  # int: none
 
-    f.defvjp(fwd, bwd)
-    return f(q, k, v)
+    g.defvjp(gfwd, gbwd)
+    return g(q, k, v, segment_ids)
+
+
+def segment_starts(segment_ids: jax.Array) -> jax.Array:
+    """int32 [b, t]: the position where each token's document begins in its row (documents are
+    runs of equal segment ids)."""
+    b, t = segment_ids.shape
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    new = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    return jax.lax.cummax(jnp.where(new, idx, 0), axis=1)
 
 
 def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None, cfg: ModelConfig,
                    segment_ids: jax.Array | None = None) -> jax.Array:
     """The model's self-attention of a sequence: ``attention_as_decoded`` while reproducing the
-    decode steps' bits (one sequence per row: segment ids are refused), else ``attend``."""
+    decode steps' bits (packed documents each as if alone), else ``attend``."""
     if reproducing_decode_bits():
-        if segment_ids is not None:
-            raise ValueError("reproducing the decode steps' bits (RL's log-probs) takes one sequence per row, "
-                             "no segment ids")
-        return attention_as_decoded(q, k, v, window, cfg)
+        return attention_as_decoded(q, k, v, window, cfg, segment_ids)
     return attend(q, k, v, window, cfg, segment_ids)
 
 

@@ -204,16 +204,19 @@ def _chunks(x: jax.Array, targets: jax.Array, valid: jax.Array, chunk: int | Non
 
 
 def token_logps(params: Any, tokens: jax.Array, label_mask: jax.Array, cfg: Any, *,
-                sampled_vocab: bool = False) -> jax.Array:
+                sampled_vocab: bool = False, positions: jax.Array | None = None,
+                segment_ids: jax.Array | None = None) -> jax.Array:
     """Log-prob of each counted target, fp32 [n, L] (0 where not counted): position i holds
     log p(tokens[i + 1] | tokens[:i + 1]) when ``label_mask[i + 1]``. Logits exist for
     ``model.logits_chunk`` positions at a time and are recomputed in the backward pass.
+    ``positions`` and ``segment_ids`` [n, L]: packed documents (``hidden_states``), each seen alone.
 
     The softmax runs over every embedding row, as the LM loss and OLMo-core / open-instruct's DPO
     do; ``sampled_vocab`` leaves out the padding rows past ``model.vocab_size``, as the sampler
     does (RL: the policy whose log-probs are trained is the one that sampled)."""
     m = cfg.model
-    x = hidden_states(params, tokens, m)
+    docs = {k: v for k, v in (("positions", positions), ("segment_ids", segment_ids)) if v is not None}
+    x = hidden_states(params, tokens, m, **docs)
     n = tokens.shape[0]
     targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((n, 1), tokens.dtype)], axis=1)
     valid = jnp.concatenate([label_mask[:, 1:], jnp.zeros((n, 1), label_mask.dtype)], axis=1).astype(jnp.float32)

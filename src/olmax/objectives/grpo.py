@@ -8,6 +8,10 @@ and, against the log-probs the generator reported while sampling, the proof that
 from these very weights: ``rl/max_logprob_gap`` (0 on CPU devices in fp32 and bf16, where the training
 forward repeats the kernels' decode arithmetic; rounding elsewhere; vLLM-based trainers see 1e-2
 and more, hence their importance-weight truncation).
+
+With ``rl.pack_length`` the rollout batch (one completion a row) is packed into training rows of
+that length before anything is computed on it (``olmax.rl.packing``): the old and reference
+log-probs, the gap and every update see the packed rows.
 """
 
 from __future__ import annotations
@@ -28,12 +32,14 @@ from olmax.model.dispatch import can_reproduce_decode_bits
 from olmax.objectives.accumulate import accumulate, jit_update, micro_sharding, optimizer_update
 from olmax.objectives.base import Objective
 from olmax.optim import apply_update
+from olmax.rl import packing
 from olmax.rl.grpo import GrpoLoss, aggregate, per_token_terms, policy_logps, token_mask, train_on_batch
 from olmax.rl.rollout import RlData, max_gap
-from olmax.sharding import BatchPlan, activation_mesh, batch_sharding
+from olmax.sharding import BatchPlan, activation_mesh, batch_sharding, split_micro
 
-KEYS_2D = ("input_ids", "completion_mask", "old_logps", "gen_logps", "ref_logps")
-DTYPES = {"input_ids": jnp.int32, "completion_mask": jnp.bool_, "row_valid": jnp.bool_}  # the rest: float32
+KEYS_2D = ("input_ids", "completion_mask", "old_logps", "gen_logps", "ref_logps", "positions", "segment_ids")
+DTYPES = {"input_ids": jnp.int32, "completion_mask": jnp.bool_, "row_valid": jnp.bool_, "positions": jnp.int32,
+          "segment_ids": jnp.int32}  # the rest: float32
 
 
 def loss_options(cfg: Config) -> GrpoLoss:
@@ -44,13 +50,26 @@ def loss_options(cfg: Config) -> GrpoLoss:
 
 def update_keys(cfg: Config) -> list[str]:
     """The arrays of one update's batch: ``gen_logps`` with truncated importance sampling,
-    ``ref_logps`` with a KL term."""
-    keys = {"input_ids", "completion_mask", "old_logps", "advantages", "row_valid"}
+    ``ref_logps`` with a KL term; packed rows (``rl.pack_length``) carry their documents
+    (``positions``, ``segment_ids``), per-token ``advantages`` and ``row_sequences`` in place of
+    ``row_valid``."""
+    keys = {"input_ids", "completion_mask", "old_logps", "advantages"}
+    keys |= {"positions", "segment_ids", "row_sequences"} if cfg.rl.pack_length else {"row_valid"}
     if cfg.rl.tis_cap is not None:
         keys.add("gen_logps")
     if cfg.rl.kl_beta > 0:
         keys.add("ref_logps")
     return sorted(keys)
+
+
+def is_2d(key: str, cfg: Config) -> bool:
+    """Whether ``key`` of an update's batch is [rows, L] (else [rows])."""
+    return key in KEYS_2D or (key == "advantages" and cfg.rl.pack_length is not None)
+
+
+def row_length(cfg: Config) -> int:
+    """Tokens of a training row: ``rl.pack_length`` when packing, else ``data.sequence_length``."""
+    return cfg.rl.pack_length or cfg.data.sequence_length
 
 
 def updates_per_step(cfg: Config) -> int:
@@ -71,7 +90,10 @@ def make_grpo_step(cfg: Any, loss: GrpoLoss, accum_steps: int, apply_update: Cal
     [n, L]; ``gen_logps`` [n, L] with ``loss.tis_cap``; ``ref_logps`` [n, L] with ``loss.beta``
     (or to report the KL); optional ``row_valid`` [n] bool: rows that count as sequences (the RL
     loop's filtered groups are rows with no trained token and ``row_valid`` False; without it all n
-    rows count). n must divide by ``accum_steps``. Metrics: ``loss``, ``clip_fraction``
+    rows count). Packed rows (``olmax.rl.packing``): ``positions`` and ``segment_ids`` [n, L],
+    ``advantages`` [n, L], ``row_sequences`` [n] (the documents of each row, the sequences counted);
+    ``microbatch_mean`` then divides by the micro-batches that hold a document (open-instruct: the
+    packed micro-batches of the mini-batch). n must divide by ``accum_steps``. Metrics: ``loss``, ``clip_fraction``
     (share of completion tokens whose clipped term is the one taken, TRL's ``clip_ratio/region_mean``),
     ``kl`` (token mean of k3 to the reference, 0 without one), ``ratio_mean``, ``tokens``, and the
     optimizer's (``grad_norm``: the pre-clip gradient norm, ``lr``, ...). ``exact``: the
@@ -86,15 +108,24 @@ def make_grpo_step(cfg: Any, loss: GrpoLoss, accum_steps: int, apply_update: Cal
         if n % accum_steps:
             raise ValueError(f"{n} rows do not split into {accum_steps} micro-batches")
         total_tokens = jnp.sum(token_mask(batch["completion_mask"]))
-        sequences = jnp.maximum(jnp.sum(batch["row_valid"].astype(jnp.float32)), 1.0) if "row_valid" in batch else n
+        micro_batches = accum_steps
+        if "row_sequences" in batch:  # packed rows
+            sequences = jnp.maximum(jnp.sum(batch["row_sequences"]), 1.0)
+            held = jnp.sum(split_micro(batch["row_sequences"], accum_steps), axis=1) > 0
+            micro_batches = jnp.maximum(jnp.sum(held.astype(jnp.float32)), 1.0)
+        elif "row_valid" in batch:
+            sequences = jnp.maximum(jnp.sum(batch["row_valid"].astype(jnp.float32)), 1.0)
+        else:
+            sequences = n
 
         def micro_loss(p, mb):  # this micro-batch's share of the batch loss, and its metric sums
             mask = token_mask(mb["completion_mask"])
-            logp = policy_logps(p, mb["input_ids"], mb["completion_mask"], cfg, exact)
+            logp = policy_logps(p, mb["input_ids"], mb["completion_mask"], cfg, exact, mb.get("positions"),
+                                mb.get("segment_ids"))
             t = per_token_terms(logp, mb["old_logps"], mb["advantages"], loss, mb.get("gen_logps"),
                                 mb.get("ref_logps"))
             share = aggregate(t["loss"], mask, loss.aggregation, total_tokens=total_tokens, total_sequences=sequences,
-                              accum_steps=accum_steps)
+                              accum_steps=micro_batches, segment_ids=mb.get("segment_ids"))
             sums = {"loss": share, "clipped": jnp.sum(t["clipped"] * mask), "kl": jnp.sum(t["kl"] * mask),
                     "ratio": jnp.sum(t["ratio"] * mask)}
             return share, jax.lax.stop_gradient(sums)
@@ -127,54 +158,82 @@ class RlStep:
 
     def __init__(self, cfg: Config, mesh: Any, plan: BatchPlan, pshard: Any, oshard: Any,
                  reference: Any = None):
-        self.cfg, self.mesh = cfg, mesh
+        self.cfg, self.mesh, self.plan = cfg, mesh, plan
         self.reference = reference
-        loss = loss_options(cfg)
-        update = optimizer_update(cfg, updates_per_step(cfg))
+        self._loss = loss_options(cfg)
+        self._optimizer = optimizer_update(cfg, updates_per_step(cfg))
+        self._pshard, self._oshard = pshard, oshard
         self.keys = update_keys(cfg)
-        bshard = {k: batch_sharding(mesh, 2 if k in KEYS_2D else 1) for k in self.keys}
+        self._bshard = {k: batch_sharding(mesh, 2 if is_2d(k, cfg) else 1) for k in self.keys}
         # Where the rollouts decode with olmax's CPU kernels, the training forward repeats their
         # arithmetic (the old log-probs' and every update's forward): the old log-probs are the
         # sampler's bit for bit (``rl/max_logprob_gap`` 0).
         self.exact = can_reproduce_decode_bits(cfg.model, mesh)
-        # one optimizer update, jitted (what ``olmax compile`` lowers)
-        step = make_grpo_step(cfg, loss, plan.accum_steps, update, micro_constraint=micro_sharding(mesh), mesh=mesh,
-                              exact=self.exact)
-        self.update = jit_update(step, pshard, oshard, bshard)
-        self._bshard = bshard
+        self._updates: dict[int, Callable] = {}
+        self._accum = plan.accum_steps  # this step's micro-batches per update
+        # one optimizer update, jitted (what ``olmax compile`` lowers: packed, the most rows, one
+        # completion a row)
+        self.update = self._update_for(plan.accum_steps)
         s2 = batch_sharding(mesh, 2)
 
-        def logps(p, t, m):
+        def logps(p, t, m, *docs):
             with activation_mesh(mesh):
-                return jax.lax.stop_gradient(policy_logps(p, t, m, cfg, self.exact))
+                return jax.lax.stop_gradient(policy_logps(p, t, m, cfg, self.exact, *docs))
 
         self._logps = jax.jit(logps, in_shardings=(pshard, s2, s2), out_shardings=s2)
+        self._packed_logps = jax.jit(logps, in_shardings=(pshard, s2, s2, s2, s2), out_shardings=s2)
+
+    def _update_for(self, accum_steps: int) -> Callable:
+        """The jitted update of a mini-batch of ``accum_steps`` micro-batches (packed rows: one
+        program per bucket of rows, ``olmax.rl.packing``)."""
+        if accum_steps not in self._updates:
+            step = make_grpo_step(self.cfg, self._loss, accum_steps, self._optimizer,
+                                  micro_constraint=micro_sharding(self.mesh), mesh=self.mesh, exact=self.exact)
+            self._updates[accum_steps] = jit_update(step, self._pshard, self._oshard, self._bshard)
+        return self._updates[accum_steps]
 
     def _update_resharded(self, params: Any, opt_state: Any, mb: dict[str, jax.Array]):
         """One update on a mini-batch: a row block sliced from the batch on the device, which
         comes out of the slice laid out as XLA chose, put back in the update's batch layout
         (a no-op where it already is; jit takes no other layout for an array on a mesh)."""
-        return self.update(params, opt_state, {k: jax.device_put(v, self._bshard[k]) for k, v in mb.items()})
+        update = self._update_for(self._accum) if self.cfg.rl.pack_length else self.update
+        return update(params, opt_state, {k: jax.device_put(v, self._bshard[k]) for k, v in mb.items()})
+
+    def training_rows(self, batch: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
+        """The rollout batch (one completion a row) as the update trains it, and its micro-batches
+        per update: packed into rows of ``rl.pack_length`` (``olmax.rl.packing``), or as it is."""
+        r = self.cfg.rl
+        if not r.pack_length:
+            return batch, self.plan.accum_steps
+        return packing.pack_batch(batch, r.pack_length, r.num_mini_batches, self.plan.data_parallel,
+                                  self.plan.micro_batch, self.cfg.data.pad_token_id or 0)
 
     def __call__(self, params: Any, opt_state: Any, item: tuple[dict[str, np.ndarray], dict[str, float]]):
         batch, rollout_metrics = item
         r = self.cfg.rl
         t0 = time.perf_counter()
+        trained_tokens = float(np.sum(batch["completion_mask"]))
+        batch, self._accum = self.training_rows(batch)
         put = (lambda v: jax.device_put(v, batch_sharding(self.mesh, np.ndim(v))))
         dev = {k: put(batch[k]) for k in ("input_ids", "generated_mask", *self.keys) if k in batch}
-        dev["old_logps"] = self._logps(params, dev["input_ids"], dev["generated_mask"])
+        docs = (dev["positions"], dev["segment_ids"]) if r.pack_length else ()
+        logps = self._packed_logps if r.pack_length else self._logps
+        dev["old_logps"] = logps(params, dev["input_ids"], dev["generated_mask"], *docs)
         gap = max_gap(_whole(dev["old_logps"]), batch["gen_logps"], batch["generated_mask"])
         if self.reference is not None:
-            dev["ref_logps"] = self._logps(self.reference, dev["input_ids"], dev["generated_mask"])
+            dev["ref_logps"] = logps(self.reference, dev["input_ids"], dev["generated_mask"], *docs)
         params, opt_state, rows = train_on_batch(params, opt_state, {k: dev[k] for k in self.keys},
                                                  self._update_resharded, num_mini_batches=r.num_mini_batches,
                                                  num_epochs=r.num_epochs)
         t_train = time.perf_counter() - t0
         last = rows[-1]
         mean = (lambda k: float(np.mean([x[k] for x in rows])))
+        shape = np.shape(batch["input_ids"])
         metrics = {**last, "loss": mean("loss"), "rl/loss": mean("loss"),
                    "rl/clip_fraction": mean("clip_fraction"), "rl/kl": mean("kl"), "rl/ratio_mean": mean("ratio_mean"),
-                   "rl/trained_tokens": float(np.sum(batch["completion_mask"])),
+                   "rl/trained_tokens": trained_tokens,
+                   "rl/padding_share": packing.padding_share(batch["lengths"], shape[0], shape[1]),
+                   "rl/training_rows": float(shape[0]),
                    "rl/max_logprob_gap": gap, "rl/time_training_s": t_train,
                    "rl/updates": float(len(rows)), **rollout_metrics}
         t_gen = rollout_metrics.get("rl/time_generation_s", 0.0)
@@ -223,9 +282,10 @@ class Grpo(Objective):
         return RlStep(self.cfg, mesh, plan, pshard, oshard).update
 
     def abstract_batch(self, mesh: Mesh, plan: BatchPlan) -> dict[str, jax.ShapeDtypeStruct]:
-        n, L = self.update_batch_size(), self.cfg.data.sequence_length
-        return {k: jax.ShapeDtypeStruct((n, L) if k in KEYS_2D else (n,), DTYPES.get(k, jnp.float32),
-                                        sharding=batch_sharding(mesh, 2 if k in KEYS_2D else 1))
+        # packed (rl.pack_length): the most rows a mini-batch packs into, one completion a row
+        n, L = self.update_batch_size(), row_length(self.cfg)
+        return {k: jax.ShapeDtypeStruct((n, L) if is_2d(k, self.cfg) else (n,), DTYPES.get(k, jnp.float32),
+                                        sharding=batch_sharding(mesh, 2 if is_2d(k, self.cfg) else 1))
                 for k in update_keys(self.cfg)}
 
     def loop_step(self, mesh: Mesh, plan: BatchPlan, pshard: Any, oshard: Any,

@@ -13,6 +13,8 @@ Sources (allenai/open-instruct; ``../shared/spec/olmo3_post_training.md`` §1 an
 - Loss aggregation at these commits: per micro-batch mean, then / accumulation steps
   (``rl.aggregation=microbatch_mean``; open-instruct's micro-batch is one packed sequence,
   olmax's is ``train.max_micro_batch_size`` rows: see the README).
+- Training rows packed to ``--pack_length`` tokens: 35,840 (Think), 11,264 (Instruct)
+  (``rl.pack_length``; ``olmax.rl.packing``).
 
 What differs on purpose: rollouts are on-policy (open-instruct ran ``async_steps 8`` with
 in-flight weight updates: rollouts up to 8 policy versions old); olmax samples from the weights
@@ -78,7 +80,8 @@ def olmo3_7b_think_rl() -> Config:
                   max_prompt_length=MAX_PROMPT, max_response_length=32768, reward="math", reward_multiplier=10.0,
                   advantage="centered", clip_low=0.2, clip_high=0.272, kl_beta=0.0, aggregation="microbatch_mean",
                   filter_zero_std=True, active_sampling=False, num_mini_batches=1, num_epochs=1, tis_cap=2.0,
-                  mask_truncated=False, generation_batch=None)   # all 512 at once: 50.9 GiB a v5p chip
+                  mask_truncated=False, generation_batch=None,   # all 512 at once: 50.9 GiB a v5p chip
+                  pack_length=35840)                             # --pack_length 35840
     return _olmo3_7b_rl("olmo3_7b_think_rl", 32768, rl, steps=1000)
 
 
@@ -88,17 +91,18 @@ def olmo3_7b_instruct_rl() -> Config:
                   reward_multiplier=10.0, advantage="centered", clip_low=0.2, clip_high=0.272, kl_beta=0.0,
                   aggregation="microbatch_mean", filter_zero_std=True, active_sampling=True, max_sampling_rounds=4,
                   retire_pass_rate=0.875, num_mini_batches=4, num_epochs=1, tis_cap=2.0, mask_truncated=False,
-                  generation_batch=512)
+                  generation_batch=512, pack_length=11264)        # --pack_length 11264
     return _olmo3_7b_rl("olmo3_7b_instruct_rl", 8192, rl, steps=1000)
 
 
 def tiny_rl() -> Config:
     """The tiny model with RL: CPU demos and tests (set rl.prompts_path and rl.tokenizer or
-    train.init_from)."""
+    train.init_from). Training rows of 256 tokens hold several completions (``rl.pack_length``;
+    ``rl.pack_length=null`` trains one a row)."""
     base = tiny()
     rl = RlConfig(group_size=4, prompts_per_step=4, temperature=1.0, max_prompt_length=48, max_response_length=16,
                   reward="exact_match", reward_multiplier=1.0, advantage="centered", aggregation="token_mean",
-                  filter_zero_std=True, tis_cap=2.0)
+                  filter_zero_std=True, tis_cap=2.0, pack_length=256)
     return replace(
         base, name="tiny_rl",
         data=replace(base.data, sequence_length=64, workers=0),

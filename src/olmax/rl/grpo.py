@@ -136,8 +136,9 @@ def token_mask(completion_mask: jax.Array) -> jax.Array:
 def per_token_terms(logp: jax.Array, old_logp: jax.Array, adv: jax.Array, loss: GrpoLoss,
                     gen_logp: jax.Array | None = None, ref_logp: jax.Array | None = None
                     ) -> dict[str, jax.Array]:
-    """Per-token loss L [n, L] and its diagnostics (unmasked). ``adv`` is [n]."""
-    a = adv[:, None].astype(jnp.float32)
+    """Per-token loss L [n, L] and its diagnostics (unmasked). ``adv`` is [n] (a row's), or
+    [n, L] in ``token_logps`` layout (packed rows: each token its document's)."""
+    a = (adv[:, None] if adv.ndim == 1 else adv).astype(jnp.float32)
     ratio = jnp.exp(logp - old_logp)
     clipped = jnp.clip(ratio, 1.0 - loss.eps_low, 1.0 + loss.eps_high)
     per_tok = jnp.maximum(-a * ratio, -a * clipped)
@@ -161,14 +162,23 @@ def per_token_terms(logp: jax.Array, old_logp: jax.Array, adv: jax.Array, loss: 
 
 
 def aggregate(per_tok: jax.Array, mask: jax.Array, aggregation: str, *, total_tokens: jax.Array | float,
-              total_sequences: jax.Array | int, accum_steps: int) -> jax.Array:
+              total_sequences: jax.Array | int, accum_steps: jax.Array | int,
+              segment_ids: jax.Array | None = None) -> jax.Array:
     """One micro-batch's share of the batch loss (the shares add up over micro-batches).
 
-    ``total_tokens`` and ``total_sequences`` count the whole optimizer batch."""
+    ``total_tokens`` and ``total_sequences`` count the whole optimizer batch; ``accum_steps`` the
+    micro-batches ``microbatch_mean`` divides by. ``segment_ids`` [n, L]: packed rows, whose
+    sequences are their documents (``sequence_mean`` takes each document's mean)."""
     s = per_tok * mask
     if aggregation == "token_mean":
         return jnp.sum(s) / jnp.maximum(total_tokens, 1.0)
     if aggregation == "sequence_mean":
+        if segment_ids is not None:  # one bucket per (row, document)
+            n, length = segment_ids.shape
+            ids = (jnp.arange(n, dtype=jnp.int32)[:, None] * length + segment_ids).reshape(-1)
+            sums = jax.ops.segment_sum(s.reshape(-1), ids, num_segments=n * length)
+            counts = jax.ops.segment_sum(mask.reshape(-1), ids, num_segments=n * length)
+            return jnp.sum(sums / jnp.maximum(counts, 1.0)) / total_sequences
         per_seq = jnp.sum(s, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
         return jnp.sum(per_seq) / total_sequences
     if aggregation == "microbatch_mean":
@@ -179,15 +189,17 @@ def aggregate(per_tok: jax.Array, mask: jax.Array, aggregation: str, *, total_to
 # --------------------------------------------------------------------------- log-probs, updates on one batch
 
 
-def policy_logps(params: Any, tokens: jax.Array, completion_mask: jax.Array, cfg: Any, exact: bool = False
-                 ) -> jax.Array:
+def policy_logps(params: Any, tokens: jax.Array, completion_mask: jax.Array, cfg: Any, exact: bool = False,
+                 positions: jax.Array | None = None, segment_ids: jax.Array | None = None) -> jax.Array:
     """The policy's log-probs of the completion tokens. ``exact``: with the CPU decode steps'
     arithmetic (``olmax.model.dispatch.reproduce_decode_bits``), the bits the sampler reported, where the
-    generator decodes with the kernels (``olmax.model.dispatch.can_reproduce_decode_bits``)."""
+    generator decodes with the kernels (``olmax.model.dispatch.can_reproduce_decode_bits``).
+    ``positions`` and ``segment_ids``: packed rows (``olmax.rl.packing``), each completion seen alone."""
     from olmax.model.dispatch import reproduce_decode_bits
     from olmax.model.loss import token_logps
     with reproduce_decode_bits(exact):
-        return token_logps(params, tokens, completion_mask, cfg, sampled_vocab=True)
+        return token_logps(params, tokens, completion_mask, cfg, sampled_vocab=True, positions=positions,
+                           segment_ids=segment_ids)
 
 
 def make_logps_fn(cfg: Any) -> Callable:

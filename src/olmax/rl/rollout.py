@@ -19,7 +19,9 @@ What a step does (``RlData.rollouts(step, params)``):
    right-padded to ``data.sequence_length``, ``completion_mask`` on the completion tokens (EOS
    included), group advantages, and the generation log-probs. Groups dropped by
    ``rl.filter_zero_std`` stay in the batch as rows with no trained token (``row_valid`` False)
-   so that the step compiles once; they add nothing to the loss or to any count.
+   so that the step compiles once; they add nothing to the loss or to any count. With
+   ``rl.pack_length`` the update packs these rows into rows of that length
+   (``olmax.rl.packing``).
 
 Several processes (a multi-host slice): every process runs the same loop on the whole batch. The
 generator's sampled tokens are gathered onto every device each step, so every process sees the same
@@ -327,6 +329,7 @@ class RlData:
         gmask = np.zeros((n, L), bool)     # every generated token (the log-prob gap is over these)
         gen_logps = np.zeros((n, L), np.float32)
         valid = np.zeros(n, bool)
+        lengths = np.zeros(n, np.int32)   # prompt + completion tokens (the rest of the row is padding)
         rewards = np.zeros(n, np.float32)
         for g, (i, comps, rew) in enumerate(groups):
             prompt = self.prompts[i].ids
@@ -335,6 +338,7 @@ class RlData:
                 p, t = len(prompt), len(c.token_ids)
                 toks[row, :p], toks[row, p:p + t] = prompt, c.token_ids
                 gmask[row, p:p + t] = True
+                lengths[row] = p + t
                 # token_logps layout: position i holds log p(token i + 1)
                 gen_logps[row, p - 1:p - 1 + t] = c.logprobs
                 valid[row] = g < n_valid
@@ -344,7 +348,7 @@ class RlData:
         adv = grpo.group_advantages(rewards, G, r.advantage)
         adv[~valid] = 0.0
         return {"input_ids": toks, "completion_mask": cmask, "generated_mask": gmask, "gen_logps": gen_logps,
-                "advantages": adv, "row_valid": valid}
+                "advantages": adv, "row_valid": valid, "lengths": lengths}
 
     # -- the loop's interface -------------------------------------------------------------------
 

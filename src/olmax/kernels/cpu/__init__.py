@@ -239,17 +239,21 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, seen: jax.Array) -
             q, k, v, seen, scale=scale), (q, k, v, seen.astype(jnp.int32)), dims=(0, stacked, stacked, 0))
 
 
-def sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None) -> jax.Array:
+def sequence_attention(q: jax.Array, k: jax.Array, v: jax.Array, window: int | None,
+                       starts: jax.Array | None = None) -> jax.Array:
     """Causal self-attention of whole sequences with the decode step's arithmetic: q [b, t, h, e],
     k, v [b, t, kv_heads, e] -> [b, t, h, e], fp32. Each query is computed as ``cache_attention``
     computes a decode step's, over the same keys in the order the decode cache holds them (by
     position on full layers, by position mod ``window`` on sliding ones), so a prefill and a
-    training forward give the bits the decode steps give (RL's log-probs). Forward only; see
+    training forward give the bits the decode steps give (RL's log-probs). ``starts`` [b, t]
+    (int): where each query's document begins in its row (packed documents; default 0, one
+    sequence per row); a query sees its document only, as if it were alone. Forward only; see
     ``olmax.model.dispatch.attention_as_decoded`` for the gradient."""
     _require(q, k, v)
     scale = np.float32(q.shape[-1] ** -0.5)
-    return _per_batch_shard(lambda q, k, v: jax.ffi.ffi_call(SEQUENCE, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q, k, v, scale=scale, window=np.int64(window or 0)), (q, k, v))
+    starts = jnp.zeros(q.shape[:2], jnp.int32) if starts is None else starts.astype(jnp.int32)
+    return _per_batch_shard(lambda q, k, v, s: jax.ffi.ffi_call(SEQUENCE, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q, k, v, s, scale=scale, window=np.int64(window or 0)), (q, k, v, starts))
 
 
 @jax.custom_vjp

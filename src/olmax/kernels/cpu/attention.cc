@@ -394,24 +394,31 @@ ffi::Error FlashBackward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
 // ``window``, 0: every p <= t), taken in the order the decode cache holds them: by position on a
 // full layer (slot = position), by position mod W on a sliding one (its ring of min(W, length)
 // slots; below W positions the two orders agree). Each query is then ``Query`` as in
-// ``CacheAttention``: the same products, exponentials and sums in the same order.
+// ``CacheAttention``: the same products, exponentials and sums in the same order. ``starts`` [B, T]
+// (int32): the row position where query t's document begins (0 for one sequence per row; packed
+// documents, RL's packed rows): the query sees only its document, whose positions count from its
+// start, so a document gives the bits it gives alone in a row of its own (and its decode steps).
 ffi::Error SequenceAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                             ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> out, float scale, int64_t window) {
+                             ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> starts, ffi::ResultBuffer<ffi::F32> out,
+                             float scale, int64_t window) {
   const std::vector<int64_t> qd(q.dimensions().begin(), q.dimensions().end());
   const std::vector<int64_t> kd(k.dimensions().begin(), k.dimensions().end());
   const std::vector<int64_t> vd(v.dimensions().begin(), v.dimensions().end());
   const std::vector<int64_t> od(out->dimensions().begin(), out->dimensions().end());
+  const std::vector<int64_t> sd(starts.dimensions().begin(), starts.dimensions().end());
   if (qd.size() != 4 || kd.size() != 4 || vd != kd || od != qd || kd[0] != qd[0] ||
-      kd[1] != qd[1] || kd[3] != qd[3] || kd[2] == 0 || qd[2] % kd[2] != 0 || window < 0) {
+      kd[1] != qd[1] || kd[3] != qd[3] || kd[2] == 0 || qd[2] % kd[2] != 0 || window < 0 || sd.size() != 2 ||
+      sd[0] != qd[0] || sd[1] != qd[1]) {
     return ffi::Error::InvalidArgument(
         "olmax_sequence_attention: expected q [B, T, H, E], k and v [B, T, KV, E] with H a multiple of KV, out like q, "
-        "window >= 0");
+        "starts [B, T], window >= 0");
   }
   const int64_t B = qd[0], T = qd[1], H = qd[2], E = qd[3], KV = kd[2], G = H / KV;
   if (B * T * H * E == 0) return ffi::Error::Success();
   const float* qp = q.typed_data();
   const float* kp = k.typed_data();
   const float* vp = v.typed_data();
+  const int32_t* sp = starts.typed_data();
   float* op = out->typed_data();
   const MixFn mix = MixFor(E);
   constexpr int64_t kQueries = 16;  // per piece of work, of one row and kv head
@@ -423,13 +430,15 @@ ffi::Error SequenceAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi:
     thread_local std::vector<int32_t> slots;
     thread_local std::vector<float> p;
     for (int64_t t = t0; t < std::min(T, t0 + kQueries); ++t) {
-      const int64_t lo = window ? std::max<int64_t>(0, t - window + 1) : 0;
-      // The decode ring's order: from the first position whose slot is 0 (a multiple of W) to t,
+      // Positions in the query's document: d = t - s0 (a start out of [0, t] counts as 0).
+      const int64_t s0 = std::clamp<int64_t>(sp[b * T + t], 0, t), d = t - s0;
+      const int64_t lo = window ? std::max<int64_t>(0, d - window + 1) : 0;
+      // The decode ring's order: from the first position whose slot is 0 (a multiple of W) to d,
       // then from lo to just before it.
-      const int64_t wrap = window ? std::min(t + 1, (lo + window - 1) / window * window) : lo;
+      const int64_t wrap = window ? std::min(d + 1, (lo + window - 1) / window * window) : lo;
       slots.clear();
-      for (int64_t s = wrap; s <= t; ++s) slots.push_back(static_cast<int32_t>(s));
-      for (int64_t s = lo; s < wrap; ++s) slots.push_back(static_cast<int32_t>(s));
+      for (int64_t s = wrap; s <= d; ++s) slots.push_back(static_cast<int32_t>(s0 + s));
+      for (int64_t s = lo; s < wrap; ++s) slots.push_back(static_cast<int32_t>(s0 + s));
       const int64_t n = static_cast<int64_t>(slots.size());
       p.resize(n);
       for (int64_t g = 0; g < G; ++g) {
@@ -481,6 +490,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OlmaxSequenceAttention, SequenceAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("window"));
