@@ -222,12 +222,29 @@ def test_gradients_under_the_decode_arithmetic_are_xlas() -> None:
         assert np.abs(a - b).max() <= 1e-4 * max(np.abs(b).max(), 1e-3)
 
 
-def test_segments_are_refused_under_the_decode_arithmetic() -> None:
-    """Packed documents are not what the decode steps compute: named, not silently attended across."""
+@needs_kernel
+def test_packed_documents_under_the_decode_arithmetic_are_alone() -> None:
+    """Packed documents (RL's packed rows) under the decode arithmetic: each document's logits
+    are those of the document alone in a row, bit for bit (the sequence attention kernel starts
+    each query's keys at its document's start, ring order included)."""
     params = init_params(TINY, jax.random.key(0))
-    toks = jnp.zeros((1, 8), jnp.int32)
-    with pytest.raises(ValueError, match="segment ids"), reproduce_decode_bits():
-        olmo3.forward(params, toks, TINY, segment_ids=jnp.ones((1, 8), jnp.int32))
+    rng = np.random.default_rng(7)
+    lengths = (5, 11, 9)
+    docs = [rng.integers(0, TINY.vocab_size, m).astype(np.int32) for m in lengths]
+    toks = np.concatenate([*docs, np.zeros(3, np.int32)])[None]
+    seg = np.concatenate([np.full(m, i + 1) for i, m in enumerate(lengths)] + [np.zeros(3)]).astype(np.int32)[None]
+    pos = np.concatenate([np.arange(m) for m in lengths] + [np.zeros(3)]).astype(np.int32)[None]
+
+    def run(t, **kw):
+        with reproduce_decode_bits():
+            return np.asarray(jax.jit(lambda p: olmo3.forward(p, t, TINY, **kw))(params))
+
+    packed = run(jnp.asarray(toks), positions=jnp.asarray(pos), segment_ids=jnp.asarray(seg))
+    at = 0
+    for d in docs:
+        alone = run(jnp.asarray(d[None]))
+        assert np.array_equal(packed[0, at:at + len(d)], alone[0])
+        at += len(d)
 
 
 def test_token_logps_outside_the_block_are_unchanged() -> None:

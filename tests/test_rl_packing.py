@@ -129,7 +129,7 @@ def test_pack_length_is_validated():
     with pytest.raises(ConfigError, match=r"rl.pack_length \(31\) must hold .* = 32 tokens"):
         validate(_cfg("rl.pack_length=31"))
     assert validate(_cfg("rl.pack_length=32")).rl.pack_length == 32
-    assert validate(_cfg()).rl.pack_length is None
+    assert validate(_cfg("rl.pack_length=null")).rl.pack_length is None
 
 
 # --------------------------------------------------------------------------- log-probs and the update
