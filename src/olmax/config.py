@@ -440,6 +440,10 @@ class Config:
 # Model fields that say how the model is computed, not what its parameters are: they may differ
 # between a checkpoint and the run that loads it (e.g. an elastic resume onto other accelerators
 # with another attention kernel or remat policy).
+# The highest sampling temperature olmax accepts (generate, chat, RL rollouts): far above any useful
+# one (past it the distribution is uniform to float precision), low enough to catch a typo (1e9).
+MAX_TEMPERATURE = 100.0
+
 RUNTIME_MODEL_FIELDS = frozenset({"compute_dtype", "attention_impl", "cpu_training_kernels", "attention_block_q",
                                   "attention_block_kv",
                                   "remat", "scan_layers", "logits_chunk", "init_std", "max_position_embeddings"})
@@ -522,8 +526,8 @@ def _validate_rl(cfg: Config) -> None:
             raise ConfigError(f"rl.{name} must be >= 1, got {getattr(r, name)}")
     if r.generation_batch is not None and r.generation_batch < 1:
         raise ConfigError(f"rl.generation_batch must be >= 1 or null, got {r.generation_batch}")
-    if not r.temperature > 0:
-        raise ConfigError(f"rl.temperature must be > 0 (RL samples), got {r.temperature!r}")
+    if not 0 < r.temperature <= MAX_TEMPERATURE:
+        raise ConfigError(f"rl.temperature must be > 0 (RL samples) and <= {MAX_TEMPERATURE:g}, got {r.temperature!r}")
     if not 0 < r.top_p <= 1:
         raise ConfigError(f"rl.top_p must be in (0, 1], got {r.top_p!r}")
     if not (0 <= r.clip_low < 1 and r.clip_high >= 0):

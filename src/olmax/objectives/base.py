@@ -22,6 +22,10 @@ from olmax.sharding import BatchPlan
 
 Step = Callable[[Any, Any, Any], tuple[Any, Any, dict[str, Any]]]
 
+# The step metric that counts the labels a step trained on (after truncation and masking): the loop
+# counts the steps whose batch held none (a loss of 0/0, or DPO's log 2 for nothing).
+TRAINED_TOKENS = "trained_tokens"
+
 
 class Data(Protocol):
     """The loop's data source of an objective (what ``Objective.data`` returns)."""
@@ -107,6 +111,10 @@ class Objective(abc.ABC):
         """The objective's own metrics row: short names ``olmax.metrics.sinks.named`` knows, or full
         ``group/name`` ones (the default: every metric named so)."""
         return {k: v for k, v in metrics.items() if "/" in k}
+
+    def trained_tokens(self, metrics: dict[str, float]) -> float | None:
+        """The labels the step trained on (None: the objective does not count them)."""
+        return metrics.get(TRAINED_TOKENS)
 
     def step_seconds(self, metrics: dict[str, float], wall: float) -> float:
         """The time the step took, for throughput (``wall``: between two steps' results)."""

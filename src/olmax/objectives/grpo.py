@@ -234,6 +234,9 @@ class Grpo(Objective):
         reference = initial_params() if self.cfg.rl.kl_beta > 0 else None
         return RlStep(self.cfg, mesh, plan, pshard, oshard, reference=reference)
 
+    def trained_tokens(self, metrics: dict[str, float]) -> float | None:
+        return metrics.get("rl/trained_tokens")
+
     def step_seconds(self, metrics: dict[str, float], wall: float) -> float:
         # the RL step is synchronous: its own clock (sampling + updates) times it
         return metrics.get("rl/time_generation_s", 0.0) + metrics.get("rl/time_training_s", 0.0)

@@ -130,9 +130,11 @@ def read_prompts(path: str, codec: Any, max_prompt_length: int) -> tuple[list[Pr
                 too_long += 1
                 continue
             out.append(Prompt(ids, str(gold), n))
+    if not out and not too_long:
+        raise PromptDataError(f"rl.prompts_path {p}: the file holds no prompt (it is empty or blank lines only)")
     if not out:
-        raise PromptDataError(f"rl.prompts_path {p}: no usable prompt ({too_long} longer than "
-                              f"rl.max_prompt_length={max_prompt_length})")
+        raise PromptDataError(f"rl.prompts_path {p}: no usable prompt: all {too_long} are longer than "
+                              f"rl.max_prompt_length={max_prompt_length} tokens")
     return out, too_long
 
 
