@@ -22,15 +22,19 @@ HELP = "/reset: start a new conversation; /exit (or end of input): quit; /help: 
 def _fit(gen: Model, messages: list[dict], max_new_tokens: int, err: TextIO) -> tuple[list[dict], list[int]]:
     """The conversation (oldest user/assistant turns dropped as needed) and its prompt tokens."""
     limit = gen.cfg.model.max_position_embeddings - max_new_tokens
-    # The new message alone (with the system messages) must fit, or no dropping of old turns helps.
-    alone = gen.codec.encode_chat([m for m in messages[:-1] if m["role"] == "system"] + messages[-1:])
-    if len(alone) > limit:
-        raise ValueError(f"the message is {len(alone)} tokens with its template; with --max-new-tokens "
-                         f"{max_new_tokens} the model's {gen.cfg.model.max_position_embeddings} positions "
-                         f"leave room for at most {limit}")
+    checked = False
     while True:
         ids = gen.codec.encode_chat(messages)
         turns = [i for i, m in enumerate(messages) if m["role"] != "system"]
+        if len(ids) > limit and not checked:
+            # The new message alone (with the system messages) must fit, or no dropping of old turns helps.
+            alone = ids if len(turns) <= 1 else \
+                gen.codec.encode_chat([m for m in messages[:-1] if m["role"] == "system"] + messages[-1:])
+            if len(alone) > limit:
+                raise ValueError(f"the message is {len(alone)} tokens with its template; with --max-new-tokens "
+                                 f"{max_new_tokens} the model's {gen.cfg.model.max_position_embeddings} positions "
+                                 f"leave room for at most {limit}")
+            checked = True
         if len(ids) <= limit or len(turns) <= 1:
             return messages, ids
         # Drop the oldest turn (and the assistant reply that follows it), keeping system messages.

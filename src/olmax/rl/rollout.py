@@ -69,6 +69,8 @@ def load_codec(cfg: Config) -> Any:
     ``train.init_from`` (or to the run's training data)."""
     from olmax.chat.codec import TextCodec, find_tokenizer
     path = cfg.rl.tokenizer
+    if path is not None and not Path(path).exists():
+        raise ConfigError(f"rl.tokenizer={path}: does not exist (give a tokenizer.json or a folder holding one)")
     if path is None and cfg.train.init_from:
         src = cfg.train.init_from.split(":", 1)[1] if cfg.train.init_from.split(":", 1)[0] in ("state", "olmax") \
             else cfg.train.init_from

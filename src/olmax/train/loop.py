@@ -129,7 +129,7 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
         # the progress bar ends its line even when a step raises: the error gets a line of its own
         log.close()
     r.ckpt.close()
-    log.report_empty(end - start)
+    log.report_empty(len(log.losses))  # the steps this run finished
     loader.close()
     if r.mirror is not None and r.is_main:
         r.mirror.push()
