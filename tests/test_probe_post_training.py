@@ -38,10 +38,9 @@ SYSTEM = " ".join(WORDS * 3)
 # --------------------------------------------------------------------------- the files the cases read
 
 
-def build_files(root: Path) -> dict[str, str]:
-    """The tokenizer, chat and preference data, RL prompt files and bad files of the probe, in ``root``."""
+def train_tokenizer(folder: Path):
+    """A byte-level BPE of 300 tokens with ChatML's special tokens, saved as ``folder/tokenizer.json``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    root.mkdir(parents=True, exist_ok=True)
     rnd = random.Random(0)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -49,9 +48,17 @@ def build_files(root: Path) -> dict[str, str]:
     tok.train_from_iterator([" ".join(rnd.choices(WORDS, k=10)) + "." for _ in range(300)],
                             trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS, show_progress=False,
                                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return tok
+
+
+def build_files(root: Path) -> dict[str, str]:
+    """The tokenizer, chat and preference data, RL prompt files and bad files of the probe, in ``root``."""
+    root.mkdir(parents=True, exist_ok=True)
+    rnd = random.Random(0)
     tok_dir = root / "tok"
-    tok_dir.mkdir()
-    tok.save(str(tok_dir / "tokenizer.json"))
+    tok = train_tokenizer(tok_dir)
     f = {"tok": str(tok_dir / "tokenizer.json"), "tokdir": str(tok_dir), "root": str(root)}
 
     def conv(i: int) -> list[dict]:
@@ -415,6 +422,20 @@ def test_pairs_that_teach_nothing_are_refused_before_training(tmp_path: Path) ->
     assert PairSet(tmp_path / "ok", 7, 1).cut == 3  # 7 tokens: the rejected side trains 1, the chosen none
     with pytest.raises(ConfigError, match=r"data.sequence_length=6: every pair .* keeps no trained"):
         PairSet(tmp_path / "ok", 6, 1)
+
+
+def test_tokenize_warns_about_conversations_no_sequence_holds(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    train_tokenizer(tmp_path)
+    src = tmp_path / "c.jsonl"
+    recs = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": c}]}
+            for c in ("the cat", "zq" * 20_000, "a dog")]  # "zq": no merge, 2 tokens
+    src.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    chat.tokenize_chat([src], tmp_path / "a", tokenizer=tmp_path / "tokenizer.json", progress=False)
+    err = capsys.readouterr().err
+    assert "WARNING 1 conversations are longer than any recipe's sequence" in err and f"{src}:2" in err, err
+    chat.tokenize_chat([src], tmp_path / "b", tokenizer=tmp_path / "tokenizer.json", max_length=200, progress=False)
+    err = capsys.readouterr().err
+    assert "WARNING 1 conversations were longer than --max-length 200" in err and f"{src}:2" in err, err
 
 
 def test_tokenizer_is_found_from_any_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

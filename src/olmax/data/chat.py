@@ -660,9 +660,11 @@ def tokenize_chat(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenize
         limit = max_length if max_length is not None else longest_recipe_sequence()[1]
         tasks = ((name, (lines, preference, max_length, limit), nbytes)
                  for name, lines, nbytes in _read_chunks(paths))
-        encode_in_order(_encode_chunk, tasks, tally.consume, processes, _init_worker, (tok.to_str(), eos, tpl, labels),
-                        bar)
-        bar.close()
+        try:
+            encode_in_order(_encode_chunk, tasks, tally.consume, processes, _init_worker,
+                            (tok.to_str(), eos, tpl, labels), bar)
+        finally:
+            bar.close()  # an error gets a line of its own, not the end of the bar's
         _warn_long(tally, max_length)
         tally.check_written(paths)
         shutil.copyfile(tokenizer, tmp / "tokenizer.json")
