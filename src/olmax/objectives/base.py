@@ -47,6 +47,9 @@ class Objective(abc.ABC):
     rows_per_example: ClassVar[int] = 1   # sequences of data.sequence_length per global-batch entry
     eval_by_default: ClassVar[bool] = False  # olmax compile compiles the held-out eval step without heldout paths
     samples: ClassVar[bool] = False       # samples from the policy between updates (compile reports generation)
+    # why a step's batch can hold no trained token (the loop's warnings and errors say it)
+    empty_batch: ClassVar[str] = ("every label masked, or cut away because data.sequence_length is shorter than the "
+                                  "prompts; a mean over no token is 0/0")
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

@@ -559,6 +559,8 @@ class Dpo(Objective):
 
     name = "dpo"
     loss_name = "DPO loss"
+    empty_batch = ("every pair cut to its prompt on both sides by data.sequence_length; its loss is log 2 whatever "
+                   "the weights")
     rows_per_example = 2
 
     def data(self, start: int, data_state: dict | None, allow_fingerprint_mismatch: bool, mesh: Mesh, run: Path,

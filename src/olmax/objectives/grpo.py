@@ -204,6 +204,8 @@ class Grpo(Objective):
 
     name = "grpo"
     loss_name = "policy loss"
+    empty_batch = ("no completion token left in the loss: every group's rewards equal (rl.filter_zero_std drops such "
+                   "groups) or every completion empty; a mean over no token is 0/0")
     samples = True
 
     def updates_per_step(self) -> int:

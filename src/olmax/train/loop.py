@@ -395,7 +395,7 @@ class _StepLog:
         if trained is not None and trained <= 0:
             self.empty.append(step)
             if self.r.is_main and len(self.empty) <= 3:
-                self.say(f"olmax: WARNING step {step}: its batch holds no trained token ({_EMPTY_CAUSES})"
+                self.say(f"olmax: WARNING step {step}: its batch holds no trained token ({self.objective.empty_batch})"
                          + ("; further such steps are counted, not printed" if len(self.empty) == 3 else ""))
         self._watch_nonfinite(step, bad, loss, m)
         if step % self.cfg.train.log_interval == 0 or step == self.cfg.train.steps or bad:
@@ -423,7 +423,9 @@ class _StepLog:
     def cause(self, step: int) -> str:
         """The likely cause of a non-finite step, in words."""
         if step in self.empty:
-            return f"its batch holds no trained token ({_EMPTY_CAUSES})"
+            after = (f"; after {len(self.losses) - 1} earlier steps of this run, optim.lr={self.cfg.optim.lr} may "
+                     "have made the model degenerate" if step in self.losses and len(self.losses) > 1 else "")
+            return f"its batch holds no trained token ({self.objective.empty_batch}){after}"
         return (f"the learning rate (optim.lr={self.cfg.optim.lr}) or the data (a bad batch); the step's "
                 "batch did hold trained tokens")
 
@@ -438,7 +440,7 @@ class _StepLog:
                             f"{_resume_advice(self.r.ckpt, self.r.run)}")
         elif self.failure is None and ran > 0 and len(self.empty) >= ran:
             self.failure = (f"no step of this run ({ran}) trained on a single token: every batch held no trained "
-                            f"token ({_EMPTY_CAUSES}); checkpoint {done} is not written")
+                            f"token ({self.objective.empty_batch}); checkpoint {done} is not written")
         return self.failure is not None
 
     def report_empty(self, ran: int) -> None:
@@ -446,7 +448,7 @@ class _StepLog:
         if self.empty and self.r.is_main:
             print(f"olmax: WARNING {len(self.empty)} of this run's {ran} steps held no trained token (steps "
                   f"{', '.join(map(str, self.empty[:10]))}{', ...' if len(self.empty) > 10 else ''}): "
-                  f"{_EMPTY_CAUSES}", file=sys.stderr, flush=True)
+                  f"{self.objective.empty_batch}", file=sys.stderr, flush=True)
 
     def heldout(self, done: int, ev: dict[str, float]) -> None:
         """The held-out eval after step ``done``."""
@@ -485,8 +487,6 @@ def _peak_flops() -> float:
 
 
 NONFINITE_METRIC = "optim/non-finite step"
-_EMPTY_CAUSES = ("every label masked, or cut away because data.sequence_length is shorter than the prompts; "
-                 "a mean over no token is 0/0, DPO's loss log 2")
 
 
 def _check_writable(directory: Path) -> None:
