@@ -356,6 +356,7 @@ class _StepLog:
         self.nonfinite_run: list[int] = []    # steps of the current run of consecutive non-finite updates
         self.empty: list[int] = []            # steps whose batch held no trained token (this process's run)
         self.last_loss = math.nan
+        self.counted = False                  # whether the objective counts its steps' trained tokens
         self.failure: str | None = None       # set when the run must stop with an error
         # Throughput: time from one step's result to the next, less the host's pauses in between
         # (checkpoint saves, their checksums, held-out evals, uploads), when the device sits idle.
@@ -392,6 +393,7 @@ class _StepLog:
         bad = m["nonfinite"] > 0
         self.last_loss = loss
         trained = self.objective.trained_tokens(m)
+        self.counted = trained is not None
         if trained is not None and trained <= 0:
             self.empty.append(step)
             if self.r.is_main and len(self.empty) <= 3:
@@ -426,8 +428,8 @@ class _StepLog:
             after = (f"; after {len(self.losses) - 1} earlier steps of this run, optim.lr={self.cfg.optim.lr} may "
                      "have made the model degenerate" if step in self.losses and len(self.losses) > 1 else "")
             return f"its batch holds no trained token ({self.objective.empty_batch}){after}"
-        return (f"the learning rate (optim.lr={self.cfg.optim.lr}) or the data (a bad batch); the step's "
-                "batch did hold trained tokens")
+        return (f"the learning rate (optim.lr={self.cfg.optim.lr}) or the data (a bad batch)"
+                + ("; the step's batch did hold trained tokens" if self.counted else ""))
 
     def last_words(self, done: int, ran: int) -> bool:
         """Whether the state after step ``done``, the last this run saves, must not be the run's
