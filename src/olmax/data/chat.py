@@ -681,12 +681,12 @@ def tokenize_chat(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenize
 
 
 def longest_recipe_sequence() -> tuple[str, int]:
-    """``(recipe, data.sequence_length)`` of the SFT or DPO recipe (the ones that train on chat
-    data: packed label-masked documents, or pairs) with the longest sequences."""
+    """``(recipe, data.sequence_length)`` of the SFT recipe (packed chat documents) with the
+    longest sequences; the DPO recipes' pairs are shorter (16,384 tokens against 32,768)."""
     from olmax.recipes import RECIPES
     cfgs = [(name, make()) for name, make in RECIPES.items()]
-    chat = [(n, c.data.sequence_length) for n, c in cfgs if c.train.objective == "dpo" or c.data.packing != "none"]
-    return max(chat or [(n, c.data.sequence_length) for n, c in cfgs], key=lambda x: x[1])
+    packed = [(n, c.data.sequence_length) for n, c in cfgs if c.data.packing != "none"]
+    return max(packed or [(n, c.data.sequence_length) for n, c in cfgs], key=lambda x: x[1])
 
 
 def _warn_long(tally: _Tally, max_length: int | None) -> None:
