@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "does not fit verdict")
     p.add_argument("--hbm-gib", type=positive_float, default=None,
                    help="memory per device for the verdict (e.g. 80 for an H100)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object (stable keys: docs/cli.md)")
     p.set_defaults(func=cmd_inspect)
 
 

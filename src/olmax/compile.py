@@ -365,7 +365,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=positive_int, default=32, help="--step generate: prompts per batch")
     p.add_argument("--max-length", type=positive_int, default=None,
                    help="--step generate: cache length = prompt length (default: data.sequence_length)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object (stable keys: docs/cli.md)")
     p.set_defaults(func=cmd_compile)
 
 

@@ -445,6 +445,10 @@ class Config:
 
 # --------------------------------------------------------------------------- model identity
 
+# The highest sampling temperature olmax accepts (generate, chat, serve, RL rollouts): far above any
+# useful one (past it the distribution is uniform to float precision), low enough to catch a typo (1e9).
+MAX_TEMPERATURE = 100.0
+
 # Model fields that say how the model is computed, not what its parameters are: they may differ
 # between a checkpoint and the run that loads it (e.g. an elastic resume onto other accelerators
 # with another attention kernel or remat policy).
@@ -536,8 +540,8 @@ def _validate_rl(cfg: Config) -> None:
         raise ConfigError(f"rl.pack_length ({r.pack_length}) must hold the longest prompt and completion: at least "
                           f"rl.max_prompt_length + rl.max_response_length = "
                           f"{r.max_prompt_length + r.max_response_length} tokens (or null: no packing)")
-    if not r.temperature > 0:
-        raise ConfigError(f"rl.temperature must be > 0 (RL samples), got {r.temperature!r}")
+    if not 0 < r.temperature <= MAX_TEMPERATURE:
+        raise ConfigError(f"rl.temperature must be > 0 (RL samples) and <= {MAX_TEMPERATURE:g}, got {r.temperature!r}")
     if not 0 < r.top_p <= 1:
         raise ConfigError(f"rl.top_p must be in (0, 1], got {r.top_p!r}")
     if not (0 <= r.clip_low < 1 and r.clip_high >= 0):

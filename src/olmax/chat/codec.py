@@ -41,14 +41,29 @@ def _checkpoint_dirs(checkpoint: str) -> list[Path]:
     return dirs
 
 
-def _training_tokenizer(cfg: Config) -> Path | None:
+def _data_folder(p: str, anchors: list[Path]) -> Path | None:
+    """The folder of training-data path ``p``; a relative one (as the run's config recorded it,
+    relative to where it trained) is looked up from the current directory, then from each folder
+    above the run directory (a run trained from a project's root sits below it): never from the
+    current directory alone."""
+    path = Path(p)
+    tries = [path] if path.is_absolute() else [path, *(a / path for a in anchors)]
+    for t in tries:
+        if t.exists():
+            return t if t.is_dir() else t.parent
+    return None
+
+
+def _training_tokenizer(cfg: Config, anchors: list[Path] = ()) -> Path | None:
     """The tokenizer an ``olmax tokenize`` folder recorded for the run's training data (the demo's
     run, for one): ``tokenizer.json`` beside the first token file, when the folder's manifest
     names it and its sha256 still matches."""
     for p in cfg.data.paths[:1]:
         if "://" in p:
             return None
-        folder = Path(p) if Path(p).is_dir() else Path(p).parent
+        folder = _data_folder(p, list(anchors))
+        if folder is None:
+            return None
         man, tok = folder / "manifest.json", folder / TOKENIZER_FILE
         if not (man.is_file() and tok.is_file()):
             return None
@@ -61,16 +76,33 @@ def _training_tokenizer(cfg: Config) -> Path | None:
     return None
 
 
+def _anchors(checkpoint: str) -> list[Path]:
+    """The folders above a checkpoint's run directory, nearest first."""
+    run = _checkpoint_dirs(checkpoint)[-1].resolve()
+    return list(run.parents)
+
+
 def find_tokenizer(checkpoint: str, cfg: Config | None = None) -> Path | None:
     """The ``tokenizer.json`` that belongs to a checkpoint, or None: in the checkpoint's folder (an
     ``hf:`` directory, a weights or run directory), else the one ``olmax tokenize`` wrote beside
-    the run's training data."""
+    the run's training data (found from the run directory, whatever the current directory)."""
     if "://" in checkpoint:
         return None
     for d in _checkpoint_dirs(checkpoint):
         if (d / TOKENIZER_FILE).is_file():
             return d / TOKENIZER_FILE
-    return _training_tokenizer(cfg) if cfg is not None else None
+    return _training_tokenizer(cfg, _anchors(checkpoint)) if cfg is not None else None
+
+
+def tokenizer_places(checkpoint: str, cfg: Config | None = None) -> str:
+    """Where ``find_tokenizer`` looked, in words (for the error when it found nothing)."""
+    if "://" in checkpoint:
+        return "nowhere (a remote checkpoint's tokenizer is not looked up)"
+    places = [str(d / TOKENIZER_FILE) for d in _checkpoint_dirs(checkpoint)]
+    if cfg is not None and cfg.data.paths:
+        places.append(f"beside its training data {cfg.data.paths[0]} (from the current directory and the folders "
+                      "above the run directory; with a manifest.json naming it)")
+    return ", ".join(places)
 
 
 def tokenizer_file(path: str | Path) -> Path:

@@ -67,16 +67,27 @@ def restore_train_state(path: str | Path, mesh: jax.sharding.Mesh | None = None,
 
 
 def load_params(path: str | Path, dtype: str | None = None) -> tuple[Any, Config]:
-    """(params, config) from an olmax weights dir, a run/checkpoint dir, or ``hf:DIR``."""
+    """(params, config) from an olmax weights dir, a run/checkpoint dir, or ``hf:DIR``; weights
+    holding a NaN or an infinity are refused (generate, chat, serve and eval never run on them)."""
     s = str(path)
     if s.startswith("hf:"):
-        return load_hf_params(s[3:], dtype=dtype)
-    if not io.is_remote(s):
-        if not Path(s).exists():
-            raise FileNotFoundError(f"checkpoint {Path(s)} does not exist")
-        if is_weights_dir(s):
-            return load_weights(s, dtype=dtype)
-    params, _, cfg, _ = restore_train_state(s, params_only=True)
-    if dtype is not None:
-        params = jax.tree.map(lambda a: a.astype(dtype), params)
+        params, cfg = load_hf_params(s[3:], dtype=dtype)
+    elif not io.is_remote(s) and not Path(s).exists():
+        raise FileNotFoundError(f"checkpoint {Path(s)} does not exist")
+    elif not io.is_remote(s) and is_weights_dir(s):
+        params, cfg = load_weights(s, dtype=dtype)
+    else:
+        params, _, cfg, _ = restore_train_state(s, params_only=True)
+        if dtype is not None:
+            params = jax.tree.map(lambda a: a.astype(dtype), params)
+    check_finite(params, f"checkpoint {s}")
     return params, cfg
+
+
+def check_finite(params: Any, what: str) -> None:
+    """A ``ConfigError`` naming the first parameter of ``params`` that holds a NaN or an infinity."""
+    import jax.numpy as jnp
+    for key, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if jnp.issubdtype(leaf.dtype, jnp.inexact) and not bool(jnp.all(jnp.isfinite(leaf))):
+            raise ConfigError(f"{what}: parameter {jax.tree_util.keystr(key)} holds non-finite values (NaN or "
+                              "inf): these weights are broken; use an earlier checkpoint (RUN/checkpoints/N)")

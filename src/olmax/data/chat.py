@@ -311,9 +311,22 @@ def preference_messages(rec: Any) -> tuple[list[dict], list[dict], Any]:
     if [_message_key(m) for m in pc] != [_message_key(m) for m in pr]:
         k = next((i for i, (a, b) in enumerate(zip(pc, pr)) if _message_key(a) != _message_key(b)),
                  min(len(pc), len(pr)))
+        if k < min(len(pc), len(pr)):
+            what = (f"message {k} differs: chosen has {_show(pc[k])}, rejected has {_show(pr[k])}")
+        else:
+            what = f"chosen has {len(pc)} prompt messages, rejected {len(pr)}"
         raise ChatError(f"chosen and rejected do not share the prompt (the messages before the final assistant "
-                        f"turn differ at message {k}: {len(pc)} vs {len(pr)} prompt messages)")
+                        f"turn): {what}")
+    if [_message_key(m) for m in chosen] == [_message_key(m) for m in rejected]:
+        raise ChatError("chosen and rejected are the same conversation: the pair teaches nothing (its DPO loss is "
+                        "log 2 whatever the weights)")
     return chosen, rejected, tools
+
+
+def _show(m: dict) -> str:
+    """A message in a few words, for an error."""
+    text = str(m.get("content") or "")
+    return f"{m.get('role')} {text[:40]!r}" + ("..." if len(text) > 40 else "")
 
 
 # --------------------------------------------------------------------------- workers
@@ -338,6 +351,8 @@ class _Chunk:
     lines: list[int] = field(default_factory=list)           # the input line of each record written
     truncated: int = 0
     dropped: int = 0          # no trained token left after truncation
+    over: int = 0             # records longer than the length limit passed in (before truncation)
+    longest: tuple[int, int] = (0, 0)  # (tokens, line) of the longest record, before truncation
     bad: list[tuple[int, str, str]] = field(default_factory=list)  # (line, reason, message)
 
 
@@ -345,14 +360,15 @@ def _reason(msg: str) -> str:
     for key, words in (("bad_json", "not valid JSON"), ("unknown_role", "has role"),
                        ("empty_assistant", "empty assistant"), ("not_a_list", "must be a list"),
                        ("no_assistant", "no assistant turn"), ("not_ending_with_assistant", "the last message"),
-                       ("prompt_mismatch", "do not share the prompt"), ("eos_in_text", "exactly one EOS")):
+                       ("prompt_mismatch", "do not share the prompt"), ("eos_in_text", "exactly one EOS"),
+                       ("identical_pair", "are the same conversation")):
         if words in msg:
             return key
     return "other"
 
 
-def _encode_chunk(task: tuple[list[tuple[int, str]], bool, int | None]) -> _Chunk:
-    lines, preference, max_length = task
+def _encode_chunk(task: tuple[list[tuple[int, str]], bool, int | None, int]) -> _Chunk:
+    lines, preference, max_length, limit = task
     assert _WORKER is not None
     tok, template, labels = _WORKER
     out = _Chunk()
@@ -376,6 +392,9 @@ def _encode_chunk(task: tuple[list[tuple[int, str]], bool, int | None]) -> _Chun
         except Exception as e:  # a template's own error, a malformed tool call
             out.bad.append((n, "other", f"{type(e).__name__}: {e}"))
             continue
+        n_tok = max(len(ids) for ids, _ in seqs)
+        out.over += n_tok > limit
+        out.longest = max(out.longest, (n_tok, -n))  # the first of equally long ones
         if max_length is not None and any(len(ids) > max_length for ids, _ in seqs):
             out.truncated += 1
             seqs = [(ids[:max_length], m[:max_length]) for ids, m in seqs]
@@ -527,6 +546,8 @@ class _Tally:
         self.counts = {"records": 0, "written": 0, "truncated": 0, "dropped_no_labels": 0, "tokens": 0,
                        "trained_tokens": 0, "max_token_id": -1}
         self.skipped: Counter = Counter()
+        self.over = 0
+        self.longest: tuple[int, str] = (0, "")   # (tokens, file:line) of the longest record
 
     def consume(self, name: str, res: _Chunk) -> None:
         counts = self.counts
@@ -538,6 +559,9 @@ class _Tally:
         for r, _ in bad.values():
             self.skipped[r] += 1
         counts["records"] += len(res.lines) + len(bad) + res.dropped
+        self.over += res.over
+        if res.longest[0] > self.longest[0]:
+            self.longest = (res.longest[0], f"{name}:{-res.longest[1]}")
         counts["truncated"] += res.truncated
         counts["dropped_no_labels"] += res.dropped
         per = 2 if self.preference else 1
@@ -633,10 +657,15 @@ def tokenize_chat(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenize
         tally = _Tally(writer, vocab, preference, skip_bad)
         bar = tqdm(total=sum(p.stat().st_size for p in paths), unit="B", unit_scale=True, desc="tokenize --chat",
                    disable=not progress, file=sys.stderr)
-        tasks = ((name, (lines, preference, max_length), nbytes) for name, lines, nbytes in _read_chunks(paths))
-        encode_in_order(_encode_chunk, tasks, tally.consume, processes, _init_worker, (tok.to_str(), eos, tpl, labels),
-                        bar)
-        bar.close()
+        limit = max_length if max_length is not None else longest_recipe_sequence()[1]
+        tasks = ((name, (lines, preference, max_length, limit), nbytes)
+                 for name, lines, nbytes in _read_chunks(paths))
+        try:
+            encode_in_order(_encode_chunk, tasks, tally.consume, processes, _init_worker,
+                            (tok.to_str(), eos, tpl, labels), bar)
+        finally:
+            bar.close()  # an error gets a line of its own, not the end of the bar's
+        _warn_long(tally, max_length)
         tally.check_written(paths)
         shutil.copyfile(tokenizer, tmp / "tokenizer.json")
         if tpl.source is not None:
@@ -649,6 +678,33 @@ def tokenize_chat(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenize
         manifest = tally.finish(meta, cap)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         return manifest
+
+
+def longest_recipe_sequence() -> tuple[str, int]:
+    """``(recipe, data.sequence_length)`` of the SFT recipe (packed chat documents) with the
+    longest sequences; the DPO recipes' pairs are shorter (16,384 tokens against 32,768)."""
+    from olmax.recipes import RECIPES
+    cfgs = [(name, make()) for name, make in RECIPES.items()]
+    packed = [(n, c.data.sequence_length) for n, c in cfgs if c.data.packing != "none"]
+    return max(packed or [(n, c.data.sequence_length) for n, c in cfgs], key=lambda x: x[1])
+
+
+def _warn_long(tally: _Tally, max_length: int | None) -> None:
+    """A record longer than any sequence a run can hold (or than ``--max-length``) is said, not
+    passed silently: training keeps only its first tokens."""
+    if not tally.over:
+        return
+    n, where = tally.longest
+    what = "pairs" if tally.preference else "conversations"
+    if max_length is not None:
+        msg = (f"{tally.over} {what} were longer than --max-length {max_length} and keep their first {max_length} "
+               f"tokens (the longest, {where}, has {n})")
+    else:
+        recipe, L = longest_recipe_sequence()
+        msg = (f"{tally.over} {what} are longer than any recipe's sequence (the longest, recipe {recipe}'s "
+               f"data.sequence_length, is {L} tokens); the longest, {where}, has {n} tokens: training keeps only "
+               "the first data.sequence_length tokens of each (--max-length truncates at tokenize time)")
+    print(f"olmax: WARNING {msg}", file=sys.stderr, flush=True)
 
 
 def summary(manifest: dict, where: str | Path) -> str:

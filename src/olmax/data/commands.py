@@ -53,7 +53,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="turns: assistant content + <|im_end|>\\n / final EOS (default); open-instruct-counts: "
                         "open-instruct's rule before its PR #1746, which tokenized OLMo 3's SFT data (masks the \\n "
                         "after a non-final <|im_end|>)")
-    p.add_argument("inputs", nargs="+", metavar="INPUT")
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="text, JSONL(.gz/.zst) files or folders to tokenize (with --chat: chat JSONL)")
     p.set_defaults(func=_tokenize)
 
     d = subparsers.add_parser("data", help="inspect and audit the data order")
@@ -61,8 +62,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     b = dsub.add_parser("batches", help="write the global instance ids a process reads for steps A..B-1")
     add_recipe_args(b)
     b.add_argument("--steps", required=True, metavar="A:B", help="global steps A..B-1 (0-based)")
-    b.add_argument("--process-index", type=nonneg_int, default=0, metavar="r")
-    b.add_argument("--process-count", type=positive_int, default=1, metavar="R")
+    b.add_argument("--process-index", type=nonneg_int, default=0, metavar="r",
+                   help="the process whose share is written, 0..R-1 (default 0)")
+    b.add_argument("--process-count", type=positive_int, default=1, metavar="R",
+                   help="data processes the global batch is split over (default 1)")
     b.add_argument("--out", required=True, metavar="FILE.npy", help="int64 [B-A, global_batch / R]")
     b.add_argument("--filter-out", metavar="FILE.npy", help="bool, same shape: True where the instance is dirty")
     b.add_argument("--dump-instances", metavar="FILE.npz",
@@ -74,10 +77,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     a = dsub.add_parser("audit", help="prove each instance of an epoch is read exactly once for R x W")
     add_recipe_args(a)
-    a.add_argument("--processes", type=positive_int, default=1, metavar="R")
+    a.add_argument("--processes", type=positive_int, default=1, metavar="R",
+                   help="data processes to check the assignment for (default 1)")
     a.add_argument("--workers", type=nonneg_int, default=None, metavar="W", help="default: data.workers")
-    a.add_argument("--epoch", type=int_in(1, 2**32 - 1), default=1)
-    a.add_argument("--json", action="store_true")
+    a.add_argument("--epoch", type=int_in(1, 2**32 - 1), default=1, help="the epoch to audit (default 1)")
+    a.add_argument("--json", action="store_true", help="print the result as one JSON object (stable keys: docs/cli.md)")
     a.set_defaults(func=_audit)
 
 

@@ -431,6 +431,8 @@ def tokenize(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: st
                    disable=not progress, file=sys.stderr)
         tasks = ((name, (name, texts, eos, heldout), nbytes)
                  for name, texts, nbytes in _chunks(paths, text_field, text_unit))
-        encode_in_order(_encode, tasks, writers.consume, processes, _init_worker, (tok_json,), bar)
-        bar.close()
+        try:
+            encode_in_order(_encode, tasks, writers.consume, processes, _init_worker, (tok_json,), bar)
+        finally:
+            bar.close()  # an error gets a line of its own, not the end of the bar's
         return writers.finish(meta, paths, heldout, tok_path)

@@ -325,7 +325,7 @@ def warm_start(demo_dir: str | Path, *, from_run: str | None = None, out: str | 
     t0 = time.perf_counter()
     demo = Path(demo_dir)
     out = Path(out) if out is not None else demo / "rl"
-    pre = pretrained_run(demo, from_run, list(pretrain_overrides), corpus_mb)
+    pre = pretrained_run(demo, from_run, list(pretrain_overrides), corpus_mb, _log)
     pre_cfg = get_recipe(str(pre / "config.yaml")) if (pre / "config.yaml").is_file() else None
     tok = find_tokenizer(str(pre), pre_cfg)
     if tok is None:

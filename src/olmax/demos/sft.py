@@ -202,9 +202,11 @@ def _newest_step(run: Path) -> int | None:
     return max(steps) if steps else None
 
 
-def pretrained_run(demo_dir: Path, from_run: str | None, overrides: list[str], corpus_mb: float) -> Path:
+def pretrained_run(demo_dir: Path, from_run: str | None, overrides: list[str], corpus_mb: float,
+                   log: Callable[[str], None] = _log) -> Path:
     """The pre-trained tiny run: ``--from`` (a run directory, or a demo folder holding ``run``), or
-    ``demo_dir/run``, trained (or finished) by ``olmax demo`` first when it has no final checkpoint."""
+    ``demo_dir/run``, trained (or finished) by ``olmax demo`` first when it has no final checkpoint.
+    ``log``: the calling demo's progress line (``demo rl`` says its own name)."""
     from olmax.config import ConfigError
     if from_run is not None:
         run = Path(from_run)
@@ -213,7 +215,7 @@ def pretrained_run(demo_dir: Path, from_run: str | None, overrides: list[str], c
         if _newest_step(run) is None:
             raise ConfigError(f"--from {from_run}: no checkpoint there (give a run directory of `olmax demo` or "
                               f"`olmax train tiny`)")
-        _log(f"starting from the pre-trained run {run} (checkpoint {_newest_step(run)})")
+        log(f"starting from the pre-trained run {run} (checkpoint {_newest_step(run)})")
         return run
     run = demo_dir / "run"
     step = _newest_step(run)
@@ -221,16 +223,16 @@ def pretrained_run(demo_dir: Path, from_run: str | None, overrides: list[str], c
     if step is not None and cfg_file.is_file():
         from olmax.recipes import get_recipe
         if step >= get_recipe(str(cfg_file)).train.steps:
-            _log(f"starting from the demo's pre-trained run {run} (checkpoint {step})")
+            log(f"starting from the demo's pre-trained run {run} (checkpoint {step})")
             return run
-    _log(f"no finished `olmax demo` run in {demo_dir}: running `olmax demo --run-dir {demo_dir}` first"
-         + (f" (it resumes from checkpoint {step})" if step is not None else ""))
+    log(f"no finished `olmax demo` run in {demo_dir}: running `olmax demo --run-dir {demo_dir}` first"
+        + (f" (it resumes from checkpoint {step})" if step is not None else ""))
     from olmax.demos.pretrain import run_demo
     rc = run_demo(str(demo_dir), overrides, corpus_mb=corpus_mb)
     if _newest_step(run) is None:
         raise ConfigError(f"`olmax demo` left no checkpoint in {run}")
     if rc != 0:
-        _log("the pre-trained model did not beat the unigram baseline; fine-tuning it anyway")
+        log("the pre-trained model did not beat the unigram baseline; fine-tuning it anyway")
     return run
 
 

@@ -18,11 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from olmax.config import MAX_TEMPERATURE
 from olmax.model.dispatch import log_softmax
 
-# Above this a temperature makes every token equally likely to the last bit; the server and the
-# command line refuse it (a typo such as 1e9 for 1.0 is caught instead of sampling noise).
-MAX_TEMPERATURE = 100.0
 # The most top log-probabilities a token reports (OpenAI's API allows 20).
 MAX_TOP_LOGPROBS = 20
 

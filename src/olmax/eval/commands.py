@@ -61,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="token ids saved with numpy.save, [T] or [B, T]")
     src.add_argument("--data", nargs="+", default=None, metavar="FILE",
                      help="raw token files: the first --batch-size windows")
-    p.add_argument("--seq-len", type=positive_int, default=128)
+    p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence compared (default 128)")
     p.add_argument("--batch-size", type=positive_int, default=2, help="windows (default 2)")
     p.add_argument("--batch", dest="batch_size", type=positive_int, default=argparse.SUPPRESS,
                    help=argparse.SUPPRESS)  # the old spelling, kept until the next release
@@ -69,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token-dtype", choices=TOKEN_DTYPES, default=None,
                    help="dtype of --data files (default: A's data.dtype)")
     _dtype_arg(p, "cast both models' weights (default: as stored)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object (stable keys: docs/cli.md)")
     p.set_defaults(func=cmd_kl)
 
     suite.register(esub)
@@ -79,7 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("inputs", nargs="+", metavar="RUN_OR_FILE",
                    help="run directories, metrics.jsonl, step/loss TSV or exported W&B CSV files")
     p.add_argument("--reference", default=None, metavar="FILE", help="reference curve (any input format)")
-    p.add_argument("--reference-label", default="reference")
+    p.add_argument("--reference-label", default="reference", help="the reference curve's name in the report")
     p.add_argument("--labels", nargs="+", default=None, help="one label per input")
     p.add_argument("--out", default="compare-report", metavar="DIR", help="output folder (default: compare-report)")
     p.add_argument("--bins", type=positive_int, default=50, help="step bins of the gap panel (default 50)")
@@ -93,14 +93,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--heldout-metric", default=None,
                    help="held-out metric for the alarm (default eval/heldout/CE loss)")
     p.add_argument("--fail-on-alarm", action="store_true", help="exit 1 when the memorisation alarm fires")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object (stable keys: docs/cli.md)")
     p.set_defaults(func=cmd_compare)
 
 
 def _checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, metavar="PATH", help="weights/run/checkpoint dir or hf:DIR")
     _dtype_arg(p, "cast the weights (default: as stored)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object (stable keys: docs/cli.md)")
 
 
 def _dtype_arg(p: argparse.ArgumentParser, help: str) -> None:

@@ -227,9 +227,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"{LOCAL_TASKS_DIR.name}/ beside this module")
     p.add_argument("--limit", type=float, default=None,
                    help="documents per task (an integer), or a fraction of each task below 1")
-    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--batch-size", type=positive_int, default=8, help="requests scored together (default 8)")
     p.add_argument("--max-length", type=positive_int, default=None, help="default: the model's max_position_embeddings")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="parameters and compute in this dtype (default float32)")
     p.add_argument("--max-gen-toks", type=positive_int, default=None,
                    help="generation budget of every generation task, overriding the task's own (default: the "
                         "task's own, else the suite's, else 256)")

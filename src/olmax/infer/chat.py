@@ -22,19 +22,43 @@ HELP = "/reset: start a new conversation; /exit (or end of input): quit; /help: 
 def _fit(gen: Model, messages: list[dict], max_new_tokens: int, err: TextIO) -> tuple[list[dict], list[int]]:
     """The conversation (oldest user/assistant turns dropped as needed) and its prompt tokens."""
     limit = gen.cfg.model.max_position_embeddings - max_new_tokens
+    checked = False
     while True:
         ids = gen.codec.encode_chat(messages)
         turns = [i for i, m in enumerate(messages) if m["role"] != "system"]
-        if len(ids) <= limit or len(turns) <= 1:
-            if len(ids) > limit:
-                raise ValueError(f"the message is {len(ids)} tokens with its template; with --max-new-tokens "
+        if len(ids) > limit and not checked:
+            # The new message alone (with the system messages) must fit, or no dropping of old turns helps.
+            alone = ids if len(turns) <= 1 else \
+                gen.codec.encode_chat([m for m in messages[:-1] if m["role"] == "system"] + messages[-1:])
+            if len(alone) > limit:
+                raise ValueError(f"the message is {len(alone)} tokens with its template; with --max-new-tokens "
                                  f"{max_new_tokens} the model's {gen.cfg.model.max_position_embeddings} positions "
-                                 "leave room for at most " + str(limit))
+                                 f"leave room for at most {limit}")
+            checked = True
+        if len(ids) <= limit or len(turns) <= 1:
             return messages, ids
         # Drop the oldest turn (and the assistant reply that follows it), keeping system messages.
         drop = {turns[0]} | ({turns[1]} if messages[turns[1]]["role"] == "assistant" else set())
         messages = [m for i, m in enumerate(messages) if i not in drop]
         err.write("(the conversation is longer than the model's context: dropped its oldest turn)\n")
+
+
+def _read_line(stdin: TextIO) -> str | None:
+    """The next line of ``stdin`` ("" at the end), or None when it is not valid UTF-8: read as bytes
+    where the stream has them, so that one bad line is refused and the next one still read."""
+    raw = getattr(stdin, "buffer", None)
+    if raw is not None:
+        data = raw.readline()
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    try:
+        line = stdin.readline()
+        line.encode("utf-8")  # a stream decoded with surrogateescape carries bad bytes as lone surrogates
+    except UnicodeError:
+        return None
+    return line
 
 
 def run_chat(gen: Model, *, system: str | None = None, max_new_tokens: int = 512,
@@ -51,7 +75,10 @@ def run_chat(gen: Model, *, system: str | None = None, max_new_tokens: int = 512
         if interactive:
             stderr.write("> ")
             stderr.flush()
-        line = stdin.readline()
+        line = _read_line(stdin)
+        if line is None:
+            stderr.write("(that line is not valid UTF-8 text: refused; type it again)\n")
+            continue
         if not line:
             break
         text = line.rstrip("\r\n")
@@ -67,7 +94,11 @@ def run_chat(gen: Model, *, system: str | None = None, max_new_tokens: int = 512
         if cmd == "/help" or (cmd.startswith("/") and " " not in cmd):
             stderr.write(("" if cmd == "/help" else f"unknown command {cmd}; ") + HELP + "\n")
             continue
-        messages, ids = _fit(gen, messages + [{"role": "user", "content": text}], max_new_tokens, stderr)
+        try:
+            messages, ids = _fit(gen, messages + [{"role": "user", "content": text}], max_new_tokens, stderr)
+        except ValueError as e:  # one message too long for the context: refuse the turn, keep the session
+            stderr.write(f"({e}: refused; the conversation goes on without it)\n")
+            continue
         turn += 1
         (reply,) = gen.generate([ids], max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, seed=seed + turn, batch_size=1, stops=list(stops), chat=True,
@@ -81,7 +112,7 @@ def run_chat(gen: Model, *, system: str | None = None, max_new_tokens: int = 512
 
 
 def cmd_chat(args: Any) -> int:
-    validate_sampling(args.temperature, args.top_p, args.top_k)
+    validate_sampling(args.temperature, args.top_p, args.top_k, args.stop)
     gen = Model(args.checkpoint, args.tokenizer, args.dtype, need_tokenizer="chats")
     max_new = args.max_new_tokens
     if max_new is None:  # a reply may use up to half the model's positions by default

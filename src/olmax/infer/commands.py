@@ -26,13 +26,13 @@ def _common(p: argparse.ArgumentParser, max_new_default: int) -> None:
                    help=f"tokens to generate at most per prompt (default {max_new_default}, or fewer when the "
                         "model's positions end sooner)")
     p.add_argument("--temperature", type=float, default=None, metavar="T",
-                   help="sample at this temperature (default: greedy; 0 is greedy too)")
+                   help="sample at this temperature, 0..100 (default: greedy; 0 is greedy too)")
     p.add_argument("--top-p", type=float, default=None, metavar="P",
                    help="nucleus sampling: keep the top P of the mass")
     p.add_argument("--top-k", type=positive_int, default=None, metavar="K", help="sample from the K most likely tokens")
     p.add_argument("--seed", type=int_in(0, SEED_MAX), default=0, help=f"sampling seed, 0..{SEED_MAX} (default 0)")
     p.add_argument("--stop", action="extend", nargs="+", default=None, metavar="STR",
-                   help="stop when the text contains STR (repeatable); the text is cut before it")
+                   help="stop when the text contains STR, a non-empty string (repeatable); the text is cut before it")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="parameters and compute in this dtype (default: as stored and configured)")
 

@@ -11,7 +11,6 @@ each token's log-probability under the model before temperature, top-p and top-k
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -20,9 +19,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from olmax import jsonout
-from olmax.chat.codec import TextCodec, find_tokenizer, prompt_record
+from olmax.chat.codec import TextCodec, find_tokenizer, prompt_record, tokenizer_places
 from olmax.chat.template import IM_END
-from olmax.config import ConfigError
+from olmax.config import MAX_TEMPERATURE, ConfigError
 
 DTYPES = ("float32", "bfloat16")
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -46,9 +45,13 @@ def unsafe_tail(text: str, stops: list[str]) -> int:
     return n
 
 
-def validate_sampling(temperature: float | None, top_p: float | None, top_k: int | None) -> None:
-    if temperature is not None and not 0 <= temperature < math.inf:
-        raise ValueError(f"--temperature must be a finite number >= 0 (0 or none: greedy), got {temperature}")
+def validate_sampling(temperature: float | None, top_p: float | None, top_k: int | None,
+                      stops: list[str] | None = None) -> None:
+    if temperature is not None and not 0 <= temperature <= MAX_TEMPERATURE:
+        raise ValueError(f"--temperature must be a number in 0..{MAX_TEMPERATURE:g} (0 or none: greedy), "
+                         f"got {temperature}")
+    if stops is not None and any(not s for s in stops):
+        raise ValueError("--stop \"\": an empty stop string would match everywhere; give a non-empty one")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"--top-p must be in (0, 1], got {top_p}")
     if (top_p is not None or top_k is not None) and not temperature:
@@ -111,8 +114,9 @@ class Model:
         self.params = params
         tok_path = tokenizer or find_tokenizer(checkpoint, cfg)
         if tok_path is None and need_tokenizer:
-            raise ConfigError(f"checkpoint {checkpoint} ships no tokenizer and {need_tokenizer} need one: pass "
-                              "--tokenizer (a tokenizer.json file or a folder holding one)")
+            raise ConfigError(f"checkpoint {checkpoint} ships no tokenizer and {need_tokenizer} need one (looked in "
+                              f"{tokenizer_places(checkpoint, cfg)}): pass --tokenizer (a tokenizer.json file or a "
+                              "folder holding one)")
         self.codec = TextCodec.load(tok_path, cfg) if tok_path is not None else None
         self._decoders: dict[str, Any] = {}  # one engine of each kind for every call (sampling is a runtime value)
         self.last_stats: Any = None  # the engine's counters for the last ``generate`` call
@@ -245,7 +249,7 @@ def read_prompts(path: str) -> list[str | list[dict]]:
 
 def cmd_generate(args: Any, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
-    validate_sampling(args.temperature, args.top_p, args.top_k)
+    validate_sampling(args.temperature, args.top_p, args.top_k, args.stop)
     if args.prompt_ids is not None and (args.chat or args.system is not None):
         raise ValueError("--chat and --system need text prompts (--prompt or --prompts), not --prompt-ids")
     if args.system is not None and not args.chat:

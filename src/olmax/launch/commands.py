@@ -27,25 +27,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     def common(q: argparse.ArgumentParser) -> None:
         add_recipe_args(q)
         q.add_argument("--run-dir", default=None, help="run directory (local, s3:// or gs://; default runs/RECIPE)")
-        q.add_argument("--init-from", default=None, metavar="hf:DIR|olmax:PATH|state:PATH")
+        q.add_argument("--init-from", default=None, metavar="hf:DIR|olmax:PATH|state:PATH",
+                       help="start from other weights, as olmax train --init-from")
         q.add_argument("--max-restarts", type=nonneg_int, default=3,
                        help="give up after this many restarts in a row without a new checkpoint (default 3)")
 
     q = lsub.add_parser("local", help="run training as a child process; restart it after a crash")
     common(q)
     q.add_argument("--backoff", type=nonneg_float, default=10.0, help="first wait before a restart, seconds (doubles)")
-    q.add_argument("--max-backoff", type=nonneg_float, default=600.0)
+    q.add_argument("--max-backoff", type=nonneg_float, default=600.0,
+                   help="longest wait between restarts, seconds (default 600)")
     q.add_argument("--status-file", default=None, help="write {pid, attempt, checkpoint} of the child here")
     q.add_argument("--json", action="store_true", help="print the final report as JSON")
     q.set_defaults(func=cmd_local)
 
     q = lsub.add_parser("slurm", help="write (and submit) an sbatch script that trains until done")
     common(q)
-    q.add_argument("--nodes", type=positive_int, required=True)
+    q.add_argument("--nodes", type=positive_int, required=True, help="Slurm nodes of the job")
     q.add_argument("--gpus-per-node", type=nonneg_int, required=True, help="0 for CPU nodes")
     q.add_argument("--tasks-per-node", type=positive_int, default=1,
                    help="JAX processes per node (default 1: all GPUs)")
-    q.add_argument("--partition", default=None)
+    q.add_argument("--partition", default=None, help="Slurm partition (default: the cluster's)")
     q.add_argument("--time", default=None, help="time limit, e.g. 24:00:00 (the job requeues itself before it)")
     q.add_argument("--backoff", type=nonneg_int, default=60, help="seconds before a requeued job starts (doubles)")
     q.add_argument("--log-dir", default=None, help="Slurm log and launcher state folder (default: logs/slurm)")
@@ -58,25 +60,25 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     q = lsub.add_parser("tpu", help="print the per-host command, a gcloud line and a JobSet manifest")
     common(q)
-    q.add_argument("--tpu-name", default="my-tpu")
-    q.add_argument("--zone", default="us-central2-b")
-    q.add_argument("--project", default=None)
+    q.add_argument("--tpu-name", default="my-tpu", help="the TPU VM's name")
+    q.add_argument("--zone", default="us-central2-b", help="the TPU's zone")
+    q.add_argument("--project", default=None, help="the Google Cloud project (default: gcloud's)")
     q.add_argument("--workdir", default=None, help="folder on the hosts to run from")
     q.add_argument("--accelerator", default="tpu-v5p-slice", help="GKE TPU accelerator label")
-    q.add_argument("--topology", default="2x2x2")
+    q.add_argument("--topology", default="2x2x2", help="the TPU slice's topology")
     q.add_argument("--hosts", type=positive_int, default=2, help="hosts per slice")
-    q.add_argument("--chips-per-host", type=positive_int, default=4)
+    q.add_argument("--chips-per-host", type=positive_int, default=4, help="TPU chips per host (default 4)")
     q.add_argument("--num-slices", type=positive_int, default=1,
                    help="slices (multi-slice data parallelism over DCN); passes mesh.slice=N to the run, "
                         "as `olmax compile --slices N` compiles it")
-    q.add_argument("--image", default="IMAGE_WITH_OLMAX")
-    q.add_argument("--python", default="python3")
+    q.add_argument("--image", default="IMAGE_WITH_OLMAX", help="the container image holding olmax")
+    q.add_argument("--python", default="python3", help="the Python that runs olmax on each host")
     q.add_argument("--manifest", default=None, help="write the JobSet manifest here instead of printing it")
     q.set_defaults(func=cmd_tpu)
 
     q = lsub.add_parser("status", help="the newest committed checkpoint step of a run directory (-1 if none)")
-    q.add_argument("--run-dir", required=True)
-    q.add_argument("--json", action="store_true")
+    q.add_argument("--run-dir", required=True, help="the run directory to report on")
+    q.add_argument("--json", action="store_true", help="print the result as one JSON object (stable keys: docs/cli.md)")
     q.set_defaults(func=cmd_status)
 
 

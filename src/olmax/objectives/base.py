@@ -22,6 +22,10 @@ from olmax.sharding import BatchPlan
 
 Step = Callable[[Any, Any, Any], tuple[Any, Any, dict[str, Any]]]
 
+# The step metric that counts the labels a step trained on (after truncation and masking): the loop
+# counts the steps whose batch held none (a loss of 0/0, or DPO's log 2 for nothing).
+TRAINED_TOKENS = "trained_tokens"
+
 
 class Data(Protocol):
     """The loop's data source of an objective (what ``Objective.data`` returns)."""
@@ -43,6 +47,9 @@ class Objective(abc.ABC):
     rows_per_example: ClassVar[int] = 1   # sequences of data.sequence_length per global-batch entry
     eval_by_default: ClassVar[bool] = False  # olmax compile compiles the held-out eval step without heldout paths
     samples: ClassVar[bool] = False       # samples from the policy between updates (compile reports generation)
+    # why a step's batch can hold no trained token (the loop's warnings and errors say it)
+    empty_batch: ClassVar[str] = ("every label masked, or cut away because data.sequence_length is shorter than the "
+                                  "prompts; a mean over no token is 0/0")
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -107,6 +114,10 @@ class Objective(abc.ABC):
         """The objective's own metrics row: short names ``olmax.metrics.sinks.named`` knows, or full
         ``group/name`` ones (the default: every metric named so)."""
         return {k: v for k, v in metrics.items() if "/" in k}
+
+    def trained_tokens(self, metrics: dict[str, float]) -> float | None:
+        """The labels the step trained on (None: the objective does not count them)."""
+        return metrics.get(TRAINED_TOKENS)
 
     def step_seconds(self, metrics: dict[str, float], wall: float) -> float:
         """The time the step took, for throughput (``wall``: between two steps' results)."""

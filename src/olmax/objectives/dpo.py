@@ -49,7 +49,7 @@ from olmax.config import RUNTIME_MODEL_FIELDS, Config, ConfigError, model_differ
 from olmax.data import chat
 from olmax.model.loss import token_logps
 from olmax.objectives.accumulate import accumulate, jit_update, micro_sharding, optimizer_update
-from olmax.objectives.base import Objective
+from olmax.objectives.base import TRAINED_TOKENS, Objective
 from olmax.sharding import BatchPlan, activation_mesh, batch_sharding
 
 CACHE_FORMAT = "olmax-reference-logps/1"
@@ -101,7 +101,32 @@ class PairSet:
                                       "pairs from another tokenizer?")
         self.n = int(idx.shape[0])
         self.truncated = int((idx[:, 1] > seq_len).sum() + (idx[:, 3] > seq_len).sum())
+        self._check_pairs()
         self.fingerprint = self._fingerprint()
+
+    def _check_pairs(self) -> None:
+        """Pairs that teach nothing are refused before any compute: identical chosen and rejected
+        sequences, or (all pairs) both sides cut to their prompt by ``data.sequence_length``. Pairs
+        with one side cut are counted (``cut``) and named in a note."""
+        idx, L = self.index, self.L
+        same = np.flatnonzero((idx[:, 1] == idx[:, 3]) & (idx[:, 0] != idx[:, 2]))
+        for i in same.tolist():
+            c, r, n = int(idx[i, 0]), int(idx[i, 2]), int(idx[i, 1])
+            if np.array_equal(self.tokens[c:c + n], self.tokens[r:r + n]) and \
+                    np.array_equal(self.mask[c:c + n], self.mask[r:r + n]):
+                raise PreferenceDataError(f"{self.folder}: pair {i} has identical chosen and rejected sequences: it "
+                                          "teaches nothing (its DPO loss is log 2 whatever the weights); drop such "
+                                          "pairs (olmax tokenize --preference refuses them, --skip-bad skips them)")
+        starts = np.concatenate([idx[:, 0], idx[:, 2]])
+        ends = starts + np.minimum(np.concatenate([idx[:, 1], idx[:, 3]]), L)
+        # the trained labels of each sequence within its first L tokens (position 0 predicts nothing)
+        trained = (_prefix_trues(self.mask, ends) - _prefix_trues(self.mask, starts + 1)).reshape(2, -1)
+        empty = trained <= 0
+        self.cut = int(np.sum(empty.any(axis=0)))
+        if empty.all():
+            raise ConfigError(f"data.sequence_length={L}: every pair of {self.folder} keeps no trained (answer) "
+                              f"token in its first {L} tokens, on either side (their prompts are longer): DPO would "
+                              "train on nothing; raise data.sequence_length")
 
     def _fingerprint(self) -> str:
         h = hashlib.sha256()
@@ -130,6 +155,27 @@ class PairSet:
                 toks[j, s, :n] = self.tokens[off:off + n]
                 mask[j, s, :n] = self.mask[off:off + n]
         return toks, mask
+
+
+def _prefix_trues(mask: np.ndarray, points: np.ndarray, chunk: int = 1 << 24) -> np.ndarray:
+    """``count_nonzero(mask[:p])`` for each of ``points``, in one pass over ``mask`` in chunks
+    (a memory-mapped mask of any size)."""
+    pts = np.asarray(points, np.int64)
+    order = np.argsort(pts, kind="stable")
+    sp = pts[order]
+    out = np.empty(len(sp), np.int64)
+    n, base, i, a = len(mask), 0, 0, 0
+    while True:
+        b = min(a + chunk, n)
+        j = int(np.searchsorted(sp, b, side="right"))
+        cs = np.concatenate([[0], np.cumsum(np.asarray(mask[a:b]) != 0, dtype=np.int64)])
+        out[i:j] = base + cs[sp[i:j] - a]
+        base, i, a = base + int(cs[-1]), j, b
+        if a >= n or i >= len(sp):
+            break
+    res = np.empty_like(out)
+    res[order] = out
+    return res
 
 
 def pair_order(n: int, seed: int, epoch: int) -> np.ndarray:
@@ -198,6 +244,7 @@ def _finish(sums: dict[str, jax.Array], pairs: int) -> dict[str, jax.Array]:
     out = {f"dpo/{k}": v / pairs for k, v in sums.items() if not k.startswith("tok_")}
     out["dpo/token_logps/chosen"] = sums["tok_sum_c"] / jnp.maximum(sums["tok_n_c"], 1.0)
     out["dpo/token_logps/rejected"] = sums["tok_sum_r"] / jnp.maximum(sums["tok_n_r"], 1.0)
+    out[TRAINED_TOKENS] = sums["tok_n_c"] + sums["tok_n_r"]  # not logged: the loop counts batches without any
     return out
 
 
@@ -463,6 +510,10 @@ class DpoData:
         if self.pairs.truncated and jax.process_index() == 0:
             print(f"olmax: note: {self.pairs.truncated} sequences of {cfg.data.preference_path} are longer than "
                   f"data.sequence_length={self.pairs.L} and keep their first {self.pairs.L} tokens", file=sys.stderr)
+        if self.pairs.cut and jax.process_index() == 0:
+            print(f"olmax: WARNING {self.pairs.cut} of the {self.pairs.n} pairs of {cfg.data.preference_path} keep no "
+                  f"trained token on a side within data.sequence_length={self.pairs.L} (cut to the prompt): that "
+                  "side adds nothing to the loss", file=sys.stderr)
 
     def prepare(self, initial_params: Callable[[], Any], pshard: Any, plan: BatchPlan,
                 say: Callable[[str], None]) -> None:
@@ -508,6 +559,8 @@ class Dpo(Objective):
 
     name = "dpo"
     loss_name = "DPO loss"
+    empty_batch = ("every pair cut to its prompt on both sides by data.sequence_length; its loss is log 2 whatever "
+                   "the weights")
     rows_per_example = 2
 
     def data(self, start: int, data_state: dict | None, allow_fingerprint_mismatch: bool, mesh: Mesh, run: Path,

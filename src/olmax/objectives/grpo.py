@@ -263,6 +263,8 @@ class Grpo(Objective):
 
     name = "grpo"
     loss_name = "policy loss"
+    empty_batch = ("no completion token left in the loss: every group's rewards equal (rl.filter_zero_std drops such "
+                   "groups) or every completion empty; a mean over no token is 0/0")
     samples = True
 
     def updates_per_step(self) -> int:
@@ -293,6 +295,9 @@ class Grpo(Objective):
         # KL to the initial weights: a frozen second copy, only when rl.kl_beta > 0
         reference = initial_params() if self.cfg.rl.kl_beta > 0 else None
         return RlStep(self.cfg, mesh, plan, pshard, oshard, reference=reference)
+
+    def trained_tokens(self, metrics: dict[str, float]) -> float | None:
+        return metrics.get("rl/trained_tokens")
 
     def step_seconds(self, metrics: dict[str, float], wall: float) -> float:
         # the RL step is synchronous: its own clock (sampling + updates) times it

@@ -5,19 +5,21 @@ accumulated over micro-batches (``olmax.objectives.accumulate``)."""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
-from olmax.config import Config
+from olmax.config import Config, ConfigError
 from olmax.data.loader import DataLoader, DataState, global_batch_to_device
 from olmax.model.loss import head_loss, loss_denominator, per_rank_weights, whole_rows_count, with_documents
 from olmax.objectives.accumulate import accumulate, jit_update, micro_sharding, optimizer_update
-from olmax.objectives.base import Objective
+from olmax.objectives.base import TRAINED_TOKENS, Objective
 from olmax.sharding import BatchPlan, activation_mesh, batch_sharding
 
 
@@ -36,6 +38,7 @@ def make_lm_step(cfg: Config, accum_steps: int, apply_update: Callable,
 
     def _step(params, opt_state, batch):
         batch = with_documents(batch, cfg)  # positions and segment ids, traced, when data.document_masking
+        trained = jnp.sum(batch["label_mask"][:, 1:].astype(jnp.float32))  # labels after the shift
         if cfg.train.loss_ranks > 1:  # OLMo-core's per-rank token mean: weights carry the denominators
             batch = {**batch, "label_mask": per_rank_weights(batch["label_mask"], cfg.train.loss_ranks,
                                                              jax.process_count())}
@@ -51,7 +54,7 @@ def make_lm_step(cfg: Config, accum_steps: int, apply_update: Callable,
         ce_loss = ce_sum / denom
         z_loss = z_mult * z_sum / denom
         new_params, new_opt, om = apply_update(params, grads, opt_state, ce_loss)
-        metrics = {"ce_loss": ce_loss, "z_loss": z_loss, **om}
+        metrics = {"ce_loss": ce_loss, "z_loss": z_loss, TRAINED_TOKENS: trained, **om}
         return new_params, new_opt, metrics
 
     return step
@@ -66,6 +69,26 @@ def jit_lm_step(cfg: Config, mesh: Mesh, plan: BatchPlan, pshard: Any, oshard: A
     return jit_update(step, pshard, oshard, {"input_ids": bshard, "label_mask": bshard})
 
 
+def check_trained_labels(dataset: Any, cfg: Config, sample: int = 256) -> None:
+    """Label-masked data (SFT) whose instances hold no trained label is refused before training:
+    up to ``sample`` instances spread over the dataset are read, and when none holds a trained
+    label the cause is nearly always a sequence shorter than every prompt."""
+    if not getattr(dataset, "has_label_masks", getattr(dataset, "label_masked", False)) or len(dataset) == 0:
+        return
+    ids = np.unique(np.linspace(0, len(dataset) - 1, min(len(dataset), sample)).astype(np.int64))
+    trained = dataset.read_label_mask(ids)[:, 1:].any(axis=1)
+    if not trained.any():
+        L = cfg.data.sequence_length
+        raise ConfigError(f"data.sequence_length={L}: none of the {len(ids)} instances read across data.paths holds "
+                          f"a trained token (label masks all 0 within {L} tokens): the conversations' prompts are "
+                          "longer than the sequence, or the label-mask files mask everything; raise "
+                          "data.sequence_length")
+    if not trained.all() and jax.process_index() == 0:
+        print(f"olmax: WARNING {int((~trained).sum())} of {len(ids)} instances read across data.paths hold no "
+              f"trained token within data.sequence_length={cfg.data.sequence_length}: those rows train on nothing",
+              file=sys.stderr, flush=True)
+
+
 class TrainData:
     """The loader as the loop sees it: global batch k as sharded ``jax.Array``s, in step order."""
 
@@ -78,6 +101,7 @@ class TrainData:
                                  allow_fingerprint_mismatch=allow_fingerprint_mismatch,
                                  cache_dir=cfg.data.cache_dir or cache_dir, dataset=dataset)
         self.fingerprint = self.loader.dataset.fingerprint
+        check_trained_labels(self.loader.dataset, cfg)
         self.mesh = mesh
         self._it = iter(self.loader)
         self.trace = None

@@ -119,7 +119,7 @@ def resolve(name: str) -> Score:
     if name in BUILTINS:
         return BUILTINS[name]
     if ":" not in name:
-        raise ValueError(f"reward {name!r}: not a built-in ({', '.join(BUILTINS)}) nor module:function")
+        raise ValueError(f"rl.reward={name!r}: not a built-in ({', '.join(BUILTINS)}) nor module:function")
     mod, _, fn = name.partition(":")
     try:
         obj = getattr(importlib.import_module(mod), fn)

@@ -71,6 +71,8 @@ def load_codec(cfg: Config) -> Any:
     ``train.init_from`` (or to the run's training data)."""
     from olmax.chat.codec import TextCodec, find_tokenizer
     path = cfg.rl.tokenizer
+    if path is not None and not Path(path).exists():
+        raise ConfigError(f"rl.tokenizer={path}: does not exist (give a tokenizer.json or a folder holding one)")
     if path is None and cfg.train.init_from:
         src = cfg.train.init_from.split(":", 1)[1] if cfg.train.init_from.split(":", 1)[0] in ("state", "olmax") \
             else cfg.train.init_from
@@ -132,9 +134,11 @@ def read_prompts(path: str, codec: Any, max_prompt_length: int) -> tuple[list[Pr
                 too_long += 1
                 continue
             out.append(Prompt(ids, str(gold), n))
+    if not out and not too_long:
+        raise PromptDataError(f"rl.prompts_path {p}: the file holds no prompt (it is empty or blank lines only)")
     if not out:
-        raise PromptDataError(f"rl.prompts_path {p}: no usable prompt ({too_long} longer than "
-                              f"rl.max_prompt_length={max_prompt_length})")
+        raise PromptDataError(f"rl.prompts_path {p}: no usable prompt: all {too_long} are longer than "
+                              f"rl.max_prompt_length={max_prompt_length} tokens")
     return out, too_long
 
 

@@ -15,27 +15,33 @@ from olmax.train.distributed import initialise
 def add_distributed_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("multi-process (or OLMAX_COORDINATOR / OLMAX_NUM_PROCESSES / OLMAX_PROCESS_ID, or Slurm)")
     g.add_argument("--coordinator", default=None, help="host:port of process 0")
-    g.add_argument("--num-processes", type=positive_int, default=None)
-    g.add_argument("--process-id", type=nonneg_int, default=None)
+    g.add_argument("--num-processes", type=positive_int, default=None, help="how many processes the job has")
+    g.add_argument("--process-id", type=nonneg_int, default=None,
+                   help="this process's index, 0..--num-processes - 1")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a recipe; resumes from the newest checkpoint in --run-dir")
     add_recipe_args(p)
     p.add_argument("--run-dir", default=None, help="run directory (default: runs/RECIPE)")
-    p.add_argument("--init-from", default=None, metavar="hf:DIR|olmax:DIR",
-                   help="start from converted weights (same as --set train.init_from=...)")
+    p.add_argument("--init-from", default=None, metavar="hf:DIR|olmax:PATH|state:PATH",
+                   help="start from other weights (same as --set train.init_from=...): hf:DIR an HF checkpoint, "
+                        "olmax:PATH olmax weights or a checkpoint (fresh optimizer), state:PATH a checkpoint's "
+                        "weights and optimizer state")
     p.add_argument("--allow-fingerprint-mismatch", action="store_true",
                    help="resume even though the dataset fingerprint changed (the data order may differ)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (a plain line every 10 steps still goes to a log that is no terminal)")
     p.add_argument("--max-steps-this-run", type=positive_int, default=None,
                    help="stop (after a checkpoint) once this many updates ran in this process")
     add_distributed_args(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("demo", help="the README's main job: a tiny OLMo 3 trained on CPU on the Python stdlib")
-    p.add_argument("--run-dir", default="runs/demo")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--run-dir", default="runs/demo",
+                   help="the demo's folder: its data in RUN_DIR/data, the run in RUN_DIR/run (default runs/demo)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value of the demo's recipe (tiny), e.g. train.steps=100 (repeatable)")
     p.add_argument("--corpus-mb", type=positive_float, default=12.0, help="megabytes of stdlib source to use")
     p.set_defaults(func=cmd_demo)
     stages = p.add_subparsers(dest="stage", metavar="STAGE")

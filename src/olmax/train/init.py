@@ -47,6 +47,18 @@ def load_initial_state(cfg: Config, init_from: str, mesh: jax.sharding.Mesh, psh
     kind, _, path = init_from.partition(":")
     if kind not in ("hf", "olmax", "state") or not path:
         raise ConfigError(f"train.init_from={init_from!r}: expected 'hf:DIR', 'olmax:PATH' or 'state:PATH'")
+    if "://" not in path and not Path(path).exists():
+        raise ConfigError(f"train.init_from={init_from!r}: {path} does not exist")
+    try:
+        return _load_initial_state(cfg, kind, path, mesh, pshard, oshard)
+    except ConfigError as e:
+        if type(e) is not ConfigError or "init_from" in str(e):
+            raise
+        raise ConfigError(f"train.init_from={init_from!r}: {e}") from None
+
+
+def _load_initial_state(cfg: Config, kind: str, path: str, mesh: jax.sharding.Mesh, pshard: Any, oshard: Any
+                        ) -> tuple[Any, Any]:
     opt_state = None
     if kind == "state":
         params, opt, src_cfg, _ = restore_train_state(path, mesh)

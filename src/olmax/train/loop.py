@@ -122,10 +122,14 @@ def _train(cfg: Config, run_dir: str | os.PathLike, *, allow_fingerprint_mismatc
     step_fn = objective.loop_step(r.mesh, r.plan, r.pshard, r.oshard, r.initial_params)
 
     log = _StepLog(r, start, progress, alarm)
-    end, stopped = _run_steps(r, loader, step_fn, params, opt_state, start, log, evaluator, max_steps_this_run)
-    r.ckpt.wait()
+    try:
+        end, stopped = _run_steps(r, loader, step_fn, params, opt_state, start, log, evaluator, max_steps_this_run)
+        r.ckpt.wait()
+    finally:
+        # the progress bar ends its line even when a step raises: the error gets a line of its own
+        log.close()
     r.ckpt.close()
-    log.close()
+    log.report_empty(len(log.losses))  # the steps this run finished
     loader.close()
     if r.mirror is not None and r.is_main:
         r.mirror.push()
@@ -213,6 +217,9 @@ def _restore_or_init(r: _Run, start: int | None, loader: Data, open_data: Callab
     if start is None:
         return 0, loader, *_fresh_state(r)
     params, opt_state = state["params"], state["opt_state"]
+    if not bool(all_finite((params, opt_state.mu, opt_state.nu))):  # written by no olmax that checks before saving
+        raise CheckpointError(f"checkpoint {start} in {r.run} holds non-finite parameters or Adam moments: move it "
+                              "aside (or delete it) to resume from the one before")
     if int(meta["step"]) != start or int(opt_state.step) != start * r.objective.updates_per_step():
         raise ConfigError(f"checkpoint {start} in {r.run} is inconsistent: meta step {meta['step']}, "
                           f"optimizer step {int(opt_state.step)}")
@@ -279,6 +286,8 @@ def _run_steps(r: _Run, loader: Data, step_fn: Callable, params: Any, opt_state:
                 pending = None
                 if log.failure is not None:
                     break
+            if forced and log.last_words(done, ran):  # the run's newest state is broken: no checkpoint of it
+                break
             if ckpt.should_save(done) and log.nonfinite_run and not forced:
                 log.say(f"olmax: WARNING not saving checkpoint {done} in the middle of {len(log.nonfinite_run)} "
                         "non-finite steps; the next checkpoint after a finite step will be saved")
@@ -345,6 +354,9 @@ class _StepLog:
         self.tokens_per_step = self.objective.tokens_per_step()
         self.losses: dict[int, float] = {}
         self.nonfinite_run: list[int] = []    # steps of the current run of consecutive non-finite updates
+        self.empty: list[int] = []            # steps whose batch held no trained token (this process's run)
+        self.last_loss = math.nan
+        self.counted = False                  # whether the objective counts its steps' trained tokens
         self.failure: str | None = None       # set when the run must stop with an error
         # Throughput: time from one step's result to the next, less the host's pauses in between
         # (checkpoint saves, their checksums, held-out evals, uploads), when the device sits idle.
@@ -379,6 +391,14 @@ class _StepLog:
                      "tps_device": tps_dev, "mfu": mfu(self.fl_tok, tps_dev, self.peak),
                      "tflops_device": self.fl_tok * tps_dev / 1e12, NONFINITE_METRIC: m["nonfinite"]})
         bad = m["nonfinite"] > 0
+        self.last_loss = loss
+        trained = self.objective.trained_tokens(m)
+        self.counted = trained is not None
+        if trained is not None and trained <= 0:
+            self.empty.append(step)
+            if self.r.is_main and len(self.empty) <= 3:
+                self.say(f"olmax: WARNING step {step}: its batch holds no trained token ({self.objective.empty_batch})"
+                         + ("; further such steps are counted, not printed" if len(self.empty) == 3 else ""))
         self._watch_nonfinite(step, bad, loss, m)
         if step % self.cfg.train.log_interval == 0 or step == self.cfg.train.steps or bad:
             self.logger.log(step, row)
@@ -398,8 +418,39 @@ class _StepLog:
         if bad and len(self.nonfinite_run) >= limit and self.failure is None:
             run = self.nonfinite_run
             self.failure = (f"{len(run)} consecutive updates had a non-finite loss or gradient norm (steps "
-                            f"{run[0]}..{run[-1]}); none of them was checkpointed; "
-                            f"{_resume_advice(self.r.ckpt, self.r.run)} (optim.skip_step.max_nonfinite_steps={limit})")
+                            f"{run[0]}..{run[-1]}; likely cause: {self.cause(run[-1])}); none of them was "
+                            f"checkpointed; {_resume_advice(self.r.ckpt, self.r.run)} "
+                            f"(optim.skip_step.max_nonfinite_steps={limit})")
+
+    def cause(self, step: int) -> str:
+        """The likely cause of a non-finite step, in words."""
+        if step in self.empty:
+            after = (f"; after {len(self.losses) - 1} earlier steps of this run, optim.lr={self.cfg.optim.lr} may "
+                     "have made the model degenerate" if step in self.losses and len(self.losses) > 1 else "")
+            return f"its batch holds no trained token ({self.objective.empty_batch}){after}"
+        return (f"the learning rate (optim.lr={self.cfg.optim.lr}) or the data (a bad batch)"
+                + ("; the step's batch did hold trained tokens" if self.counted else ""))
+
+    def last_words(self, done: int, ran: int) -> bool:
+        """Whether the state after step ``done``, the last this run saves, must not be the run's
+        last word: its update was non-finite, or no step of the run trained on a token. Sets
+        ``failure`` (the run exits 2, no checkpoint of that state) and says so."""
+        if self.failure is None and self.nonfinite_run:
+            self.failure = (f"step {done}, the last of this run, had a non-finite {self.objective.loss_name} "
+                            f"({self.last_loss}); likely cause: {self.cause(done)}; checkpoint {done} is not "
+                            f"written (a run never ends on a non-finite step, however short); "
+                            f"{_resume_advice(self.r.ckpt, self.r.run)}")
+        elif self.failure is None and ran > 0 and len(self.empty) >= ran:
+            self.failure = (f"no step of this run ({ran}) trained on a single token: every batch held no trained "
+                            f"token ({self.objective.empty_batch}); checkpoint {done} is not written")
+        return self.failure is not None
+
+    def report_empty(self, ran: int) -> None:
+        """The closing count of the steps that trained on nothing."""
+        if self.empty and self.r.is_main:
+            print(f"olmax: WARNING {len(self.empty)} of this run's {ran} steps held no trained token (steps "
+                  f"{', '.join(map(str, self.empty[:10]))}{', ...' if len(self.empty) > 10 else ''}): "
+                  f"{self.objective.empty_batch}", file=sys.stderr, flush=True)
 
     def heldout(self, done: int, ev: dict[str, float]) -> None:
         """The held-out eval after step ``done``."""
@@ -416,6 +467,7 @@ class _StepLog:
         self.logger.close()
         if self.bar:
             self.bar.close()
+            self.bar = None
 
 
 def _peak_flops() -> float:

@@ -286,7 +286,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", default=None,
                    help="olmax weights directory, run directory or RUN/checkpoints/N (default: convert --hf in memory)")
     p.add_argument("--tokens", default=None, help=".npy array of token ids [T] or [B, T] (default: random)")
-    p.add_argument("--seq-len", type=positive_int, default=128)
+    p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence compared (default 128)")
     p.add_argument("--batch-size", type=positive_int, default=2, help="sequences of random tokens (default 2)")
     p.add_argument("--batch", dest="batch_size", type=positive_int, default=argparse.SUPPRESS,
                    help=argparse.SUPPRESS)  # the old spelling, kept until the next release

@@ -100,7 +100,7 @@ def _check_devices(recipe: str, overrides: list[str], *counts: int | None) -> No
 def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("resume", help="A/B: uninterrupted run vs interrupted + resumed in a new process")
     add_recipe_args(p)
-    p.add_argument("--steps", type=int_in(2, 2**31), default=20)
+    p.add_argument("--steps", type=int_in(2, 2**31), default=20, help="updates of each run (default 20)")
     p.add_argument("--interrupt-at", type=positive_int, default=None, help="default: steps // 2")
     p.add_argument("--devices-before", type=positive_int, default=None, help="fake CPU devices before the interruption")
     p.add_argument("--devices-after", type=positive_int, default=None,
@@ -108,7 +108,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--tol", type=nonneg_float, default=None,
                    help="default: 0 (bitwise); 1e-5 when the device count changes")
     p.add_argument("--out", default=None, help="keep both run directories here")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object (stable keys: docs/cli.md)")
     p.set_defaults(func=cmd_resume)
     return p
 

@@ -307,12 +307,12 @@ def format_report(rep: dict[str, Any]) -> str:
 def register(vs: argparse._SubParsersAction) -> None:
     p = vs.add_parser("trl", help="DPO parity with TRL 1.16's DPOTrainer(loss_type='sigmoid_norm')")
     p.add_argument("--dpo", action="store_true", required=True, help="check DPO (the only check so far)")
-    p.add_argument("--steps", type=positive_int, default=20)
-    p.add_argument("--seed", type=seed_flag, default=0)
+    p.add_argument("--steps", type=positive_int, default=20, help="updates compared (default 20)")
+    p.add_argument("--seed", type=seed_flag, default=0, help="seed of the model and data (default 0)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override the parity config (e.g. optim.lr=1e-3)")
     p.add_argument("--out", default=None, help="directory for the models, pairs and runs (default: a temp dir)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object (stable keys: docs/cli.md)")
     p.set_defaults(func=_main)
 
 
