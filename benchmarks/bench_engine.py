@@ -180,7 +180,7 @@ def _rl(tmp: Path, args: argparse.Namespace, lengths: np.ndarray) -> dict:
             "model.padded_vocab_size=16384", "model.sliding_window=128", "model.max_position_embeddings=1024",
             "model.norm_eps=1e-6", "model.param_dtype=float32", "model.compute_dtype=float32",
             "data.eos_token_id=0", "data.pad_token_id=1"]
-    configs = {"static_padded": ["rl.batching=static"],
+    configs = {"static_padded": ["rl.batching=static", "rl.pack_length=null"],
                "continuous_packed": ["rl.batching=continuous", f"rl.pack_length={RL_PROMPT + args.cap}"]}
     out = {}
     try:
