@@ -39,7 +39,7 @@ from peers import maxtext_env
 
 REPO = Path(__file__).resolve().parents[1]
 GiB = 1024**3
-_COST = re.compile(r"Cost analysis: (\{.*?\})")
+_COST = re.compile(r"Cost analysis: (\{.*\})")  # one line; its keys hold braces
 _STATS = re.compile(r"Memory analysis: CompiledMemoryStats\((.*?)\)")
 PERIOD = 4  # OLMo 3's layer pattern repeats every 4 layers (3 sliding, 1 full)
 
