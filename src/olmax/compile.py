@@ -310,6 +310,8 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
         t1 = time.perf_counter()
         report.update(cost_summary(_train_cost(cfg, mesh, m["compiled"], plan.accum_steps), model_flops, peak))
         report["cost_seconds"] = time.perf_counter() - t1
+    else:
+        report.update(cost_summary(None, model_flops, peak))
     if eval_step:
         bs = cfg.eval.batch_size
         check_batch_divides(bs, mesh)  # the run would stop on this before training
