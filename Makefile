@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-integration test-all test-slow test-slurm lint bench bench-peers bench-generate bench-rl rehearse-gpu
+.PHONY: setup demo test test-integration test-all test-slow test-slurm lint bench bench-peers bench-generate bench-rl bench-tpu-aot rehearse-gpu
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m venv $(VENV)
@@ -50,6 +50,12 @@ bench: $(STAMP)
 # one-time MaxText install into .peers/); run nothing else meanwhile.
 bench-peers: $(STAMP)
 	$(VENV)/bin/python benchmarks/peers.py
+
+# olmax's 7B stage-1 train step on v5p-128 against MaxText 0.2.5's, compiled ahead of time (no TPU):
+# per-chip memory and XLA's cost estimate (FLOPs, optimal_seconds, estimated MFU) of each, at the
+# same plan; MaxText from .peers/maxtext-venv (make bench-peers). Each compile takes minutes.
+bench-tpu-aot: $(STAMP)
+	$(VENV)/bin/python benchmarks/bench_tpu_aot.py
 
 # Decode tokens/s of olmax's KV-cache generate against transformers' generate on the same random
 # OLMo 3 (batch 1 and 8), compile time apart, and the cache's bytes against the formula.

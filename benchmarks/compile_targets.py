@@ -46,11 +46,14 @@ UNBATCHED = ["--set", "train.micro_batch_size=null", "--set", "train.max_micro_b
 _STATS = re.compile(r"Memory analysis: CompiledMemoryStats\((.*?)\)")
 
 
-def olmax_compile(recipe: str, topology: str, *extra: str, eval_step: bool = True) -> dict:
-    """`olmax compile RECIPE --topology T --json` in its own process; its report, with the wall time."""
+def olmax_compile(recipe: str, topology: str, *extra: str, eval_step: bool = True, cost: bool = False) -> dict:
+    """`olmax compile RECIPE --topology T --json` in its own process; its report, with the wall time.
+    Memory only unless ``cost`` (XLA's cost estimate takes extra compiles)."""
     cmd = [sys.executable, "-m", "olmax.cli", "compile", recipe, "--topology", topology, "--json", *extra]
     if not eval_step:
         cmd.append("--no-eval")
+    if not cost:
+        cmd.append("--no-cost")
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True)
     try:

@@ -482,10 +482,10 @@ def test_a_launched_multislice_run_builds_the_program_its_compile_measured():
 def test_production_recipes_fit_their_slices(recipe, topology):
     """Full-size AOT compiles (minutes each on 2 cores): every recipe fits with its defaults; the
     7B on v5p-128 is also held to a like-for-like bound (below)."""
-    r = _compile(recipe, "--topology", topology, "--no-eval", "--json")
+    r = _compile(recipe, "--topology", topology, "--no-eval", "--no-cost", "--json")  # memory only
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
-    assert out["fits"] is True
+    assert out["fits"] is True and out["flops_per_device"] is None
     if recipe.endswith("_rl"):  # the rollouts' generation is compiled and fits too
         assert out["generate"]["fits"] is True and out["generate"]["batch"] >= 128
     if (recipe, topology) == ("olmo3_7b_stage1", "v5p-128"):

@@ -4,6 +4,12 @@ on any machine with the ``libtpu`` wheel (``pip install 'olmax[tpu]'``), no TPU 
 ``jax.experimental.topologies`` describes the slice's devices; the step is lowered on a mesh of
 them with the run's exact shardings, and XLA's ``memory_analysis()`` (or its out-of-memory
 error) gives the per-chip memory the run will need. Check a topology before renting it.
+
+Beside the memory, each program's cost as XLA's TPU compiler estimates it (``cost_analysis()``:
+FLOPs, bytes accessed and ``optimal_seconds`` per device): an estimate, not a measurement. XLA
+counts a loop's body once, so a program that scans its layers (or its micro-batches) is costed
+from the same program unrolled at one and two layer periods, extrapolated to the model's depth
+(every layer is the same program), and multiplied by the micro-batches (``program_cost``).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -177,13 +184,85 @@ def per_device_gib(abstract: Any) -> float:
     return total / GiB
 
 
-def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, progress: bool = True) -> dict:
-    """Lower and compile the train step (and the held-out eval step) of ``cfg`` for ``topology``;
-    return the per-device memory report. Allocates nothing."""
+# The cost keys of each program in ``olmax compile --json`` (stable).
+COST_KEYS = ("flops_per_device", "model_flops_per_device", "recompute_overhead", "bytes_accessed_per_device",
+             "optimal_seconds", "estimated_mfu")
+
+
+def xla_cost(compiled: Any) -> dict:
+    """XLA's cost analysis of a compiled program, per device (a sharded program's figures are one
+    device's shard): ``flops``, ``bytes`` accessed and ``seconds`` (its ``optimal_seconds``)."""
+    ca = compiled.cost_analysis()
+    if isinstance(ca, (list, tuple)):  # older jax: one dict per program
+        ca = ca[0] if ca else {}
+    return {"flops": float(ca.get("flops", 0.0)), "bytes": float(ca.get("bytes accessed", 0.0)),
+            "seconds": float(ca.get("optimal_seconds", 0.0))}
+
+
+def program_cost(model: Any, compile_at: Callable[[Any], Any], repeats: int = 1) -> dict:
+    """XLA's cost of a program of ``model`` run ``repeats`` times (the micro-batches of a step),
+    per device. ``compile_at(m)`` compiles the same program for model config ``m``.
+
+    XLA's cost analysis counts a while loop's body once (checked: a scan over 2 and 4 groups of
+    layers reports the FLOPs of one), so a program with more than one scanned layer group is
+    costed from the unrolled program at one and two layer periods, whose difference is one
+    period's cost, extrapolated linearly to ``model.n_layers``; a micro-batch loop is counted
+    by multiplying by ``repeats`` (the optimizer update, outside that loop, is then counted
+    ``repeats`` times: a few FLOPs per parameter against thousands per token)."""
+    from olmax.model.olmo3 import layer_groups
+    period, groups = layer_groups(model)
+    if groups <= 1:
+        c = xla_cost(compile_at(model))
+    else:
+        one = xla_cost(compile_at(dataclasses.replace(model, n_layers=period, scan_layers=False)))
+        two = xla_cost(compile_at(dataclasses.replace(model, n_layers=2 * period, scan_layers=False)))
+        c = {k: one[k] + (model.n_layers - period) / period * (two[k] - one[k]) for k in one}
+    return {k: v * repeats for k, v in c.items()}
+
+
+def cost_summary(cost: dict | None, model_flops: float, peak: float | None) -> dict:
+    """The stable cost keys of one program from its XLA cost (per device) and its model FLOPs
+    per device (as the MFU metric counts them); ``peak``: the device's bf16 FLOP/s."""
+    if cost is None:
+        return dict.fromkeys(COST_KEYS)
+    secs = cost["seconds"]
+    return {"flops_per_device": cost["flops"], "model_flops_per_device": model_flops,
+            "recompute_overhead": cost["flops"] / model_flops if model_flops else None,
+            "bytes_accessed_per_device": cost["bytes"], "optimal_seconds": secs,
+            "estimated_mfu": model_flops / (secs * peak) if peak and secs > 0 else None}
+
+
+def _abstract_step(cfg: Config, mesh: Mesh) -> tuple[Any, Any, Any, Any]:
+    """The train step of ``cfg`` on ``mesh``: (jitted update, params, opt_state, batch) as sharded shapes."""
+    from olmax.checkpoint.state import abstract_train_state, shardings
+    from olmax.objectives import get_objective
+    objective = get_objective(cfg)
+    plan = plan_batch(objective.update_batch_size(), dict(mesh.shape), cfg.train.micro_batch_size,
+                      cfg.train.max_micro_batch_size)
+    abstract = abstract_train_state(cfg, mesh)
+    jitted = objective.jit_update(mesh, plan, shardings(abstract["params"]), shardings(abstract["opt_state"]))
+    return jitted, abstract["params"], abstract["opt_state"], objective.abstract_batch(mesh, plan)
+
+
+def _train_cost(cfg: Config, mesh: Mesh, compiled: Any, accum_steps: int) -> dict:
+    def compile_at(m: Any) -> Any:
+        if m == cfg.model:
+            return compiled
+        jitted, *args = _abstract_step(dataclasses.replace(cfg, model=m), mesh)
+        return jitted.lower(*args).compile()
+    return program_cost(cfg.model, compile_at, accum_steps)
+
+
+def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, progress: bool = True,
+                cost: bool = True, generate: bool = True) -> dict:
+    """Lower and compile the train step (and the held-out eval step, and an RL recipe's sampling)
+    of ``cfg`` for ``topology``; return the per-device memory report, with each program's cost
+    as XLA estimates it unless ``cost`` is False (``COST_KEYS``). Allocates nothing."""
     # Imported here, not at the top: the CLI imports this module for its parser, and the step
     # brings Optax (``olmax inspect --topology`` and ``--help`` stay light).
     from olmax.checkpoint.state import abstract_train_state, shardings
     from olmax.eval.heldout import check_batch_divides, make_eval_step
+    from olmax.metrics.flops import device_peak_flops, flops_per_token, forward_flops_per_token
     from olmax.objectives import get_objective
 
     objective = get_objective(cfg)
@@ -216,20 +295,34 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
     jitted = objective.jit_update(mesh, plan, pshard, oshard)
     m = _compiled_memory(jitted.lower(abstract["params"], abstract["opt_state"], batch))
     report["compile_seconds"] = time.perf_counter() - t0
+    peak = device_peak_flops(devices[0].device_kind)
+    report["peak_flops_per_device"] = peak
     if "oom" in m:
         report.update(memory_verdict(need=m["need"], hbm=m["hbm"]), hbm_gib=m["hbm"], argument_gib=None,
-                      temp_gib=None, output_gib=None, oom_message=m["oom"])
+                      temp_gib=None, output_gib=None, oom_message=m["oom"], **cost_summary(None, 0.0, peak))
         return report
     report.update({f"{k}_gib": m[k] for k in ("argument", "output", "alias", "temp", "code")},
                   **memory_verdict(need=m["need"], hbm=topology.family.hbm_gib))
+    # Model FLOPs as the MFU metric counts them: the update's tokens x flops_per_token, over the devices.
+    update_tokens = objective.update_batch_size() * objective.rows_per_example * L
+    model_flops = update_tokens * flops_per_token(cfg.model, L)["total"] / mesh.size
+    if cost:
+        t1 = time.perf_counter()
+        report.update(cost_summary(_train_cost(cfg, mesh, m["compiled"], plan.accum_steps), model_flops, peak))
+        report["cost_seconds"] = time.perf_counter() - t1
+    else:
+        report.update(cost_summary(None, model_flops, peak))
     if eval_step:
         bs = cfg.eval.batch_size
         check_batch_divides(bs, mesh)  # the run would stop on this before training
         ev_batch = {"input_ids": jax.ShapeDtypeStruct((bs, L), jnp.int32, sharding=bshard),
                     "label_mask": jax.ShapeDtypeStruct((bs, L), jnp.bool_, sharding=bshard)}
         t1 = time.perf_counter()
-        em = _compiled_memory(jax.jit(make_eval_step(cfg, mesh), in_shardings=(pshard, bshard)).lower(
-            abstract["params"], ev_batch))
+
+        def lower_eval(c: Config) -> Any:
+            params = abstract["params"] if c is cfg else abstract_train_state(c, mesh)["params"]
+            return jax.jit(make_eval_step(c, mesh), in_shardings=(shardings(params), bshard)).lower(params, ev_batch)
+        em = _compiled_memory(lower_eval(cfg))
         # The in-loop eval runs between train steps: the optimizer state (Adam's moments) stays
         # resident beside the eval step's own arguments (the parameters), temporaries and outputs.
         resident = per_device_gib(abstract["opt_state"])
@@ -238,22 +331,29 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
                           "resident_gib": resident, "temp_gib": em.get("temp"),
                           "fits": "oom" not in em and need <= topology.family.hbm_gib,
                           "compile_seconds": time.perf_counter() - t1}
+        ev_cost = None
+        if cost and "oom" not in em:
+            ev_cost = program_cost(cfg.model, lambda mc: em["compiled"] if mc == cfg.model else lower_eval(
+                dataclasses.replace(cfg, model=mc)).compile())
+        report["eval"].update(cost_summary(ev_cost, bs * L * forward_flops_per_token(cfg.model, L) / mesh.size, peak))
         if not report["eval"]["fits"]:
             report["verdict"] += (f"; the eval step at batch {bs} does not fit "
                                   f"({report['eval']['per_device_gib']:.1f} GiB): lower eval.batch_size")
         report["fits"] = report["fits"] and report["eval"]["fits"]
-    if objective.samples:  # sampling runs between updates: the optimizer state stays resident beside it
+    if objective.samples and generate:  # sampling runs between updates: the optimizer state stays resident beside it
         shapes = rl_generation_shapes(cfg, mesh)
         gb = shapes.pop("batch")
         g = compile_generate(cfg, topology, gb, shapes["max_length"], prompt_len=shapes["prompt_len"],
-                             prompt_rows=shapes["prompt_rows"], progress=progress, mesh=mesh)
+                             prompt_rows=shapes["prompt_rows"], progress=progress, mesh=mesh, cost=cost)
         resident = per_device_gib(abstract["opt_state"])
         need = g["per_device_gib"] + resident
         report["generate"] = {"batch": gb, **shapes, "per_device_gib": need, "resident_gib": resident,
                               "prefill_gib": g["prefill"]["need"], "decode_gib": g.get("decode", {}).get("need"),
                               "cache_gib_total": g["cache_gib_total"],
                               "fits": bool(g["fits"]) and need <= topology.family.hbm_gib,
-                              "compile_seconds": g["compile_seconds"]}
+                              "compile_seconds": g["compile_seconds"],
+                              **{what: {k: g[what].get(k) for k in COST_KEYS}
+                                 for what in ("prefill", "decode") if what in g}}
         if not report["generate"]["fits"]:
             report["verdict"] += (f"; generation at rl.generation_batch={gb} x {L} tokens does not fit "
                                   f"({need:.1f} GiB with the optimizer state): lower rl.generation_batch")
@@ -281,28 +381,32 @@ def rl_generation_shapes(cfg: Config, mesh: Mesh) -> dict:
 
 
 def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: int, *, prompt_len: int | None = None,
-                     prompt_rows: int | None = None, progress: bool = True, mesh: Mesh | None = None) -> dict:
+                     prompt_rows: int | None = None, progress: bool = True, mesh: Mesh | None = None,
+                     cost: bool = True) -> dict:
     """Lower and compile KV-cache decoding of ``cfg``'s model for ``topology``: the prefill of
     ``batch`` prompts of ``prompt_len`` tokens (default ``max_length``, the longest a cache of
     that length takes) and one decode step against the full cache, with the parameters sharded
     as in training and the stacked compute-dtype copy (``decode.prepare``) made once beside
     them. With ``prompt_rows`` the prefill runs that many distinct prompts and copies their
     cache to the ``batch`` rows (``decode.expand_rows``, as GRPO's groups share a prompt).
-    ``mesh``: the abstract mesh of ``topology`` when the caller has built it. Allocates nothing."""
+    ``mesh``: the abstract mesh of ``topology`` when the caller has built it. With ``cost``, each
+    program's cost as XLA estimates it (``COST_KEYS``). Allocates nothing."""
     from olmax.checkpoint.state import abstract_train_state, shardings
+    from olmax.metrics.flops import decode_flops_per_token, device_peak_flops, forward_flops_per_token
     from olmax.model.decode import cache_bytes, decode_step, expand_rows, prefill, prepare
 
     mesh = mesh if mesh is not None else make_mesh(cfg.mesh, abstract_devices(topology))
     m = cfg.model
-    if batch % data_parallel_size(dict(mesh.shape)):
-        raise ConfigError(f"--batch-size {batch} does not divide over the {data_parallel_size(dict(mesh.shape))} "
-                          f"data-parallel shards of mesh {dict(mesh.shape)}")
-    params = abstract_train_state(cfg, mesh)["params"]
+    dp = data_parallel_size(dict(mesh.shape))
+    if batch % dp:
+        raise ConfigError(f"--batch-size {batch} does not divide over the {dp} data-parallel "
+                          f"shards of mesh {dict(mesh.shape)}")
     bshard = batch_sharding(mesh)
     rows = batch_sharding(mesh, 1)
+    plen = prompt_len or max_length
     report: dict[str, Any] = {"recipe": cfg.name, "topology": topology.name, "devices": mesh.size,
                               "mesh": dict(mesh.shape), "batch": batch, "max_length": max_length,
-                              "prompt_len": prompt_len or max_length, "prompt_rows": prompt_rows,
+                              "prompt_len": plen, "prompt_rows": prompt_rows,
                               "compute_dtype": m.compute_dtype, "attention": m.attention_impl,
                               "hbm_gib": topology.family.hbm_gib,
                               "cache_gib_total": cache_bytes(m, batch, max_length) / GiB}
@@ -311,45 +415,174 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
               f"{dict(mesh.shape)}), batch {batch} x {max_length} tokens"
               + (f" ({prompt_rows} distinct prompts of {prompt_len} prefilled once)" if prompt_rows else "") + "...",
               file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    with activation_mesh(mesh):
-        prep = jax.jit(partial(prepare, cfg=m), in_shardings=(shardings(params),)).lower(params).compile()
+    programs: dict[Any, tuple[dict, dict | None]] = {}
+
+    def build(mc: Any) -> tuple[dict, dict | None]:
+        """The prefill's and the decode step's compiled memory for model config ``mc`` (the
+        decode step is None where the prefill runs out of memory)."""
+        if mc in programs:
+            return programs[mc]
+        params = abstract_train_state(dataclasses.replace(cfg, model=mc), mesh)["params"]
+        prep = jax.jit(partial(prepare, cfg=mc), in_shardings=(shardings(params),)).lower(params).compile()
         prepared = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                                jax.eval_shape(partial(prepare, cfg=m), params), prep.output_shardings)
+                                jax.eval_shape(partial(prepare, cfg=mc), params), prep.output_shardings)
         filled = prompt_rows or batch
-        tokens = jax.ShapeDtypeStruct((filled, prompt_len or max_length), jnp.int32, sharding=bshard)
+        tokens = jax.ShapeDtypeStruct((filled, plen), jnp.int32, sharding=bshard)
         lengths = jax.ShapeDtypeStruct((filled,), jnp.int32, sharding=rows)
         args = (prepared, tokens, lengths)
         if prompt_rows:
             def fill(prepared, tokens, lengths, source):
-                return expand_rows(*prefill(prepared, tokens, lengths, m, max_length), source)
-            dp = data_parallel_size(dict(mesh.shape))
+                return expand_rows(*prefill(prepared, tokens, lengths, mc, max_length), source)
             args += (jax.ShapeDtypeStruct((dp, batch // dp), jnp.int32, sharding=bshard),)
         else:
-            fill = partial(prefill, cfg=m, max_length=max_length)
+            fill = partial(prefill, cfg=mc, max_length=max_length)
         pre = _compiled_memory(jax.jit(fill).lower(*args))
-        if "oom" in pre:
-            report.update(prefill=pre, compile_seconds=time.perf_counter() - t0,
+        dec = None
+        if "oom" not in pre:
+            cache = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                                 jax.eval_shape(fill, *args)[1], pre["compiled"].output_shardings[1])
+            tok = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
+            dec = _compiled_memory(jax.jit(partial(decode_step, cfg=mc, max_length=max_length),
+                                           donate_argnums=(2,)).lower(prepared, tok, cache))
+        programs[mc] = (pre, dec)
+        return pre, dec
+
+    t0 = time.perf_counter()
+    with activation_mesh(mesh):
+        pre, dec = build(m)
+        if dec is None:
+            report.update(prefill=_without_compiled(pre), compile_seconds=time.perf_counter() - t0,
                           **memory_verdict(need=pre["need"], hbm=pre["hbm"]))
             return report
-        cache_shard = pre.pop("compiled").output_shardings[1]
-        cache = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                             jax.eval_shape(fill, *args)[1],
-                             cache_shard)
-        tok = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
-        dec = _compiled_memory(jax.jit(partial(decode_step, cfg=m, max_length=max_length), donate_argnums=(2,)).lower(
-            prepared, tok, cache))
-    report["compile_seconds"] = time.perf_counter() - t0
-    dec.pop("compiled", None)
-    report["prefill"], report["decode"] = pre, dec
+        report["compile_seconds"] = time.perf_counter() - t0
+        peak = device_peak_flops(jax.tree.leaves(mesh.devices.tolist())[0].device_kind)
+        model_flops = {"prefill": (prompt_rows or batch) * plen * forward_flops_per_token(m, plen) / mesh.size,
+                       "decode": batch * decode_flops_per_token(m, max_length) / mesh.size}
+        for i, what in enumerate(("prefill", "decode")):
+            prog = (pre, dec)[i]
+            c = None
+            if cost and "oom" not in prog:
+                c = program_cost(m, lambda mc, i=i: build(mc)[i]["compiled"])
+            prog.update(cost_summary(c, model_flops[what], peak))
+    report["prefill"], report["decode"] = _without_compiled(pre), _without_compiled(dec)
     report.update(memory_verdict(need=max(pre["need"], dec["need"]), hbm=topology.family.hbm_gib))
     return report
+
+
+def _without_compiled(m: dict) -> dict:
+    return {k: v for k, v in m.items() if k != "compiled"}
 
 
 def memory_verdict(need: float, hbm: float) -> dict:
     fits = need <= hbm
     text = (f"fits with {hbm - need:.1f} GiB to spare" if fits else f"does not fit by {need - hbm:.1f} GiB")
     return {"per_device_gib": need, "fits": fits, "verdict": text}
+
+
+def _cost_line(c: dict) -> str:
+    """One program's cost keys as a line of text (XLA's estimate)."""
+    if c.get("flops_per_device") is None:
+        return "-"
+    mfu = f", est. MFU {c['estimated_mfu']:.1%}" if c.get("estimated_mfu") is not None else ""
+    return (f"{c['flops_per_device'] / 1e12:.2f} TFLOP per device ({c['recompute_overhead']:.2f}x the model's "
+            f"{c['model_flops_per_device'] / 1e12:.2f}), {c['bytes_accessed_per_device'] / GiB:.1f} GiB accessed, "
+            f"est. {c['optimal_seconds']:.3f} s{mfu}")
+
+
+# --------------------------------------------------------------------------- --sweep
+
+
+def sweep_choices(cfg: Config, topology: Topology, remats: list[str] | None, micro_batches: list[int] | None,
+                  blocks: list[int] | None) -> tuple[list[str], list[int], list[int]]:
+    """What ``--sweep`` compiles: remat policies (default: every one the target has), per-device
+    micro-batches (default: the recipe's and the whole per-device batch in one pass) and splash
+    block sizes (default: the recipe's)."""
+    from olmax.model.olmo3 import REMAT_NAMES
+    from olmax.objectives import get_objective
+    for r in remats or []:
+        if r not in REMAT_NAMES:
+            raise ConfigError(f"--remat: unknown policy {r!r} (known: {', '.join(REMAT_NAMES)})")
+    # Every sweep target is a TPU, whose host memory offload_proj uses.
+    remats = remats or list(REMAT_NAMES)
+    sizes = dict(make_mesh(cfg.mesh, abstract_devices(topology)).shape)
+    plan = plan_batch(get_objective(cfg).update_batch_size(), sizes, cfg.train.micro_batch_size,
+                      cfg.train.max_micro_batch_size)
+    for mb in micro_batches or []:
+        if plan.per_device % mb:
+            raise ConfigError(f"--micro-batches: {mb} does not divide the {plan.per_device} sequences per device")
+    micro = micro_batches or sorted({plan.micro_batch, plan.per_device})
+    return remats, micro, blocks or [cfg.model.attention_block_q]
+
+
+def sweep(cfg: Config, topology: Topology, *, remats: list[str] | None = None, micro_batches: list[int] | None = None,
+          blocks: list[int] | None = None, headroom: float = 0.10, progress: bool = True) -> dict:
+    """Compile ``cfg``'s train step for ``topology`` under each remat policy x micro-batch x splash
+    block size; each row has the memory and XLA's cost. ``best``: the row with the highest
+    estimated MFU among those that leave ``headroom`` of the HBM free. A micro-batch that runs out
+    of memory skips the larger ones of the same policy and blocks."""
+    remats, micro, blks = sweep_choices(cfg, topology, remats, micro_batches, blocks)
+    rows: list[dict] = []
+    oom_at: dict[tuple[str, int], int] = {}
+    for remat in remats:
+        for blk in blks:
+            for mb in micro:
+                label = f"remat={remat} micro_batch={mb} block={blk}"
+                if mb > oom_at.get((remat, blk), 1 << 30):
+                    rows.append({"remat": remat, "micro_batch": mb, "block": blk, "skipped": True,
+                                 "verdict": f"skipped: micro-batch {oom_at[(remat, blk)]} does not fit"})
+                    continue
+                c = cfg.override([f"model.remat={remat}", f"train.micro_batch_size={mb}",
+                                  "train.max_micro_batch_size=null", f"model.attention_block_q={blk}",
+                                  f"model.attention_block_kv={blk}"])
+                if progress:
+                    print(f"sweep: {label}...", file=sys.stderr, flush=True)
+                try:
+                    r = compile_for(c, topology, eval_step=False, progress=False, generate=False)
+                except ConfigError as e:  # e.g. a block that does not tile the sequence
+                    rows.append({"remat": remat, "micro_batch": mb, "block": blk, "error": str(e)})
+                    continue
+                row = {"remat": remat, "micro_batch": mb, "block": blk, "accum_steps": r["plan"]["accum_steps"],
+                       "per_device_gib": r["per_device_gib"], "hbm_gib": r["hbm_gib"], "fits": r["fits"],
+                       "headroom": 1 - r["per_device_gib"] / r["hbm_gib"], "verdict": r["verdict"],
+                       "compile_seconds": r["compile_seconds"], "cost_seconds": r.get("cost_seconds"),
+                       **{k: r.get(k) for k in COST_KEYS}}
+                rows.append(row)
+                if not r["fits"]:
+                    oom_at[(remat, blk)] = min(mb, oom_at.get((remat, blk), 1 << 30))
+    ok = [r for r in rows if r.get("fits") and r["headroom"] >= headroom and r.get("estimated_mfu") is not None]
+    best = max(ok, key=lambda r: r["estimated_mfu"]) if ok else None
+    return {"recipe": cfg.name, "topology": topology.name, "slices": topology.slices, "headroom": headroom,
+            "sequence_length": cfg.data.sequence_length, "global_batch": cfg.train.global_batch_size,
+            "recipe_choice": {"remat": cfg.model.remat, "micro_batch": cfg.train.micro_batch_size,
+                              "max_micro_batch": cfg.train.max_micro_batch_size,
+                              "block": cfg.model.attention_block_q},
+            "rows": rows, "best": best,
+            "note": "cost columns are XLA's estimate for the compiled TPU program, not a measurement"}
+
+
+def print_sweep(s: dict) -> None:
+    print(f"recipe {s['recipe']} on {s['topology']} x {s['slices']} slice(s), global batch {s['global_batch']} x "
+          f"{s['sequence_length']} tokens; cost columns are XLA's estimate, not a measurement")
+    head = (f"{'remat':14s} {'micro':>5s} {'accum':>5s} {'block':>5s} {'GiB/chip':>9s} {'free':>6s} "
+            f"{'overhead':>8s} {'est. step s':>11s} {'est. MFU':>8s}")
+    print(head)
+    for r in s["rows"]:
+        if "per_device_gib" not in r:
+            why = r.get("verdict") or r.get("error")
+            print(f"{r['remat']:14s} {r['micro_batch']:5d} {'':5s} {r['block']:5d} {why}")
+            continue
+        cost = (f"{r['recompute_overhead']:7.2f}x {r['optimal_seconds']:11.3f} {r['estimated_mfu']:8.1%}"
+                if r.get("estimated_mfu") is not None else f"{'-':>8s} {'-':>11s} {'-':>8s}")
+        mark = "  <- best" if r is s["best"] else ""
+        print(f"{r['remat']:14s} {r['micro_batch']:5d} {r['accum_steps']:5d} {r['block']:5d} "
+              f"{r['per_device_gib']:9.2f} {r['headroom']:6.1%} {cost}{mark}")
+    if s["best"] is None:
+        print(f"no configuration leaves {s['headroom']:.0%} of the HBM free")
+    else:
+        b = s["best"]
+        print(f"best with >= {s['headroom']:.0%} HBM free: --set model.remat={b['remat']} "
+              f"--set train.micro_batch_size={b['micro_batch']} --set model.attention_block_q={b['block']} "
+              f"--set model.attention_block_kv={b['block']}")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -365,17 +598,53 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=positive_int, default=32, help="--step generate: prompts per batch")
     p.add_argument("--max-length", type=positive_int, default=None,
                    help="--step generate: cache length = prompt length (default: data.sequence_length)")
+    p.add_argument("--no-cost", action="store_true",
+                   help="memory only: skip XLA's cost estimate (its extra compiles of one and two layer periods)")
+    p.add_argument("--sweep", action="store_true",
+                   help="compile the train step under each remat policy x micro-batch x splash block and tabulate "
+                        "memory against XLA's estimated cost; the best that leaves --headroom free")
+    p.add_argument("--remat", type=_names, default=None, metavar="A,B", help="--sweep: remat policies (default: all)")
+    p.add_argument("--micro-batches", type=_ints, default=None, metavar="N,M",
+                   help="--sweep: sequences per device per micro-batch (default: the recipe's and all in one pass)")
+    p.add_argument("--attention-blocks", type=_ints, default=None, metavar="N,M",
+                   help="--sweep: splash block sizes, queries and keys alike (default: the recipe's)")
+    p.add_argument("--headroom", type=float, default=0.10, help="--sweep: HBM fraction the best must leave free")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (stable keys: docs/cli.md)")
     p.set_defaults(func=cmd_compile)
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    out = []
+    for x in _names(text):
+        if not x.isdigit() or int(x) < 1:
+            raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+        out.append(int(x))
+    return out
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
     topology = parse_topology(args.topology, args.slices)
     quiet_libtpu(topology)
     cfg = get_recipe(args.recipe, args.overrides)
+    if not 0 <= args.headroom < 1:
+        raise ConfigError(f"--headroom must be in [0, 1), got {args.headroom}")
+    if args.sweep:
+        if args.step != "train" or args.no_cost:
+            raise ConfigError("--sweep compiles the train step with its cost: drop --step generate / --no-cost")
+        s = sweep(cfg, topology, remats=args.remat, micro_batches=args.micro_batches, blocks=args.attention_blocks,
+                  headroom=args.headroom, progress=not args.json)
+        if args.json:
+            print(jsonout.dumps(s, indent=2))
+        else:
+            print_sweep(s)
+        return 0 if s["best"] is not None else 1
     if args.step == "generate":
         r = compile_generate(cfg, topology, args.batch_size, args.max_length or cfg.data.sequence_length,
-                             progress=not args.json)
+                             progress=not args.json, cost=not args.no_cost)
         if args.json:
             print(jsonout.dumps(r, indent=2))
         else:
@@ -388,10 +657,12 @@ def cmd_compile(args: argparse.Namespace) -> int:
                 if what in r:
                     oom = " (XLA: out of memory)" if "oom" in r[what] else ""
                     print(f"{what:<15}{r[what]['need']:.2f} GiB per device{oom}")
+                    if not args.no_cost and "oom" not in r[what]:
+                        print(f"{'  cost':<15}{_cost_line(r[what])} (XLA's estimate)")
             print(f"compile time   {r['compile_seconds']:.1f} s")
             print(f"verdict        {r['verdict']}")
         return 0 if r["fits"] else 1
-    r = compile_for(cfg, topology, eval_step=not args.no_eval, progress=not args.json)
+    r = compile_for(cfg, topology, eval_step=not args.no_eval, progress=not args.json, cost=not args.no_cost)
     if args.json:
         print(jsonout.dumps(r, indent=2))
     else:
@@ -408,15 +679,26 @@ def cmd_compile(args: argparse.Namespace) -> int:
                   f"{r['temp_gib']:.2f}, outputs {r['output_gib']:.2f} (aliased with arguments {r['alias_gib']:.2f})")
         else:
             print(f"per device     {r['per_device_gib']:.2f} GiB (XLA: out of memory)")
+        if not args.no_cost:
+            print(f"cost (XLA)     {_cost_line(r)}")
         if "generate" in r:
             g = r["generate"]
             print(f"generation     {g['per_device_gib']:.2f} GiB per device at {g['batch']} completions x "
                   f"{g['max_length']} tokens (KV cache {g['cache_gib_total']:.1f} GiB in all; with the optimizer "
                   f"state that stays resident, {g['resident_gib']:.2f}); prompts of {g['prompt_len']} tokens"
                   + (f", {g['prompt_rows']} distinct ones prefilled once" if g["prompt_rows"] else ""))
+            for what in ("prefill", "decode"):
+                if not args.no_cost and what in g:
+                    print(f"  {what + ' cost':<13}{_cost_line(g[what])}")
         if "eval" in r:
             print(f"eval step      {r['eval']['per_device_gib']:.2f} GiB per device at batch {r['eval']['batch_size']} "
                   f"(with the optimizer state that stays resident, {r['eval']['resident_gib']:.2f})")
-        print(f"compile time   {r['compile_seconds']:.1f} s")
+            if not args.no_cost:
+                print(f"  eval cost    {_cost_line(r['eval'])}")
+        print(f"compile time   {r['compile_seconds']:.1f} s"
+              + (f" (+ {r['cost_seconds']:.1f} s for the cost's compiles)" if r.get("cost_seconds") else ""))
+        if not args.no_cost:
+            print("cost           XLA's estimate for the compiled TPU program (FLOPs, bytes, optimal_seconds), not a "
+                  "measurement; MFU = model FLOPs / (est. seconds x the chip's peak)")
         print(f"verdict        {r['verdict']}")
     return 0 if r["fits"] else 1

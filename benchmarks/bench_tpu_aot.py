@@ -1,0 +1,150 @@
+"""olmax's TPU train step against MaxText's, program for program: memory and XLA's cost estimate
+of each, ahead of time (the libtpu wheel, no TPU).
+
+    python benchmarks/bench_tpu_aot.py [--recipe olmo3_7b_stage1] [--topology v5p-128]
+        [--remat full,save_proj] [--maxtext-remat full,minimal] [--maxtext-venv DIR | --no-maxtext] [--out FILE.json]
+
+For each olmax remat policy, ``olmax compile RECIPE --topology T --no-eval --json`` (memory, and
+the cost keys: compiled FLOPs, model FLOPs, overhead, bytes, ``optimal_seconds``, estimated
+MFU). For each MaxText policy, MaxText 0.2.5's own ``train_compile`` for the same model
+(``MAXTEXT_MODEL``), slice and sequence length at olmax's plan (``per_device_batch_size`` =
+olmax's micro-batch, ``gradient_accumulation_steps`` = its accumulation); ``full`` is MaxText's
+default, ``minimal`` (every projection output kept: attention and MLP) is the policy the published
+MaxText reproduction names. MaxText prints XLA's cost analysis beside its memory analysis; as for
+olmax, XLA counts a loop's body once, so MaxText's cost is taken the way ``olmax.compile.
+program_cost`` takes olmax's: its program unrolled (``scan_layers=false``) at one and two layer
+periods (``base_num_decoder_layers`` 4 and 8), extrapolated to the model's depth, times the
+accumulation steps; its memory from the real (scanned) program. The estimated MFU of both uses the
+same model FLOPs (olmax's count, ``olmax.metrics.flops``) and the same peak.
+
+MaxText comes from ``--maxtext-venv`` (default ``.peers/maxtext-venv``, which ``make bench-peers``
+installs: Python 3.12, ``maxtext[tpu]==0.2.5``); without it only olmax's rows are written and the
+reason is named. Every compile runs in its own process; a full-size one takes minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from compile_targets import MAXTEXT_MODEL, maxtext_available, olmax_compile
+from peers import maxtext_env
+
+REPO = Path(__file__).resolve().parents[1]
+GiB = 1024**3
+_COST = re.compile(r"Cost analysis: (\{.*\})")  # one line; its keys hold braces
+_STATS = re.compile(r"Memory analysis: CompiledMemoryStats\((.*?)\)")
+PERIOD = 4  # OLMo 3's layer pattern repeats every 4 layers (3 sliding, 1 full)
+
+
+def maxtext_train_compile(venv: Path, model: str, topology: str, micro_batch: int, accum_steps: int, seq: int,
+                          *extra: str) -> dict:
+    """One MaxText ``train_compile``: XLA's memory (per-chip GiB, counted as olmax counts it) and
+    cost analysis (per device) of its train step, as it prints them."""
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [str(venv / "bin" / "python"), "-m", "maxtext.trainers.pre_train.train_compile", "run_name=aot",
+               f"base_output_directory={out}", f"compile_topology={topology}", "compile_topology_num_slices=1",
+               f"model_name={model}", f"per_device_batch_size={micro_batch}",
+               f"gradient_accumulation_steps={accum_steps}", f"max_target_length={seq}", "dataset_type=synthetic",
+               *extra]
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, capture_output=True, text=True, env=maxtext_env(), cwd=out)
+    text = r.stdout + r.stderr
+    m, c = _STATS.search(text), _COST.search(text)
+    if r.returncode != 0 or m is None or c is None:
+        raise RuntimeError(f"MaxText train_compile {' '.join(cmd[3:])} failed (exit {r.returncode})\n{text[-3000:]}")
+    b = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(1))}
+    need = (b["argument_size_in_bytes"] + b["output_size_in_bytes"] - b["alias_size_in_bytes"]
+            + b["temp_size_in_bytes"] + b.get("generated_code_size_in_bytes", 0))
+    cost = ast.literal_eval(c.group(1))
+    return {"per_device_gib": need / GiB, "flops": float(cost.get("flops", 0.0)),
+            "bytes": float(cost.get("bytes accessed", 0.0)), "seconds": float(cost.get("optimal_seconds", 0.0)),
+            "wall_seconds": time.perf_counter() - t0}
+
+
+def maxtext_row(venv: Path, model: str, topology: str, plan: dict, seq: int, layers: int, remat: str,
+                model_flops: float, peak: float | None) -> dict:
+    """MaxText's memory (the real program) and cost (unrolled at one and two periods, extrapolated)."""
+    args = (venv, model, topology, plan["micro_batch"], plan["accum_steps"], seq, f"remat_policy={remat}")
+    real = maxtext_train_compile(*args)
+    # The depth of a named model is fixed unless override_model_config is set.
+    unrolled = ("scan_layers=false", "override_model_config=true")
+    one = maxtext_train_compile(*args, *unrolled, f"base_num_decoder_layers={PERIOD}")
+    two = maxtext_train_compile(*args, *unrolled, f"base_num_decoder_layers={2 * PERIOD}")
+    cost = {k: plan["accum_steps"] * (one[k] + (layers - PERIOD) / PERIOD * (two[k] - one[k]))
+            for k in ("flops", "bytes", "seconds")}
+    return {"system": "maxtext 0.2.5", "remat": remat, "per_device_gib": real["per_device_gib"],
+            "flops_per_device": cost["flops"], "model_flops_per_device": model_flops,
+            "recompute_overhead": cost["flops"] / model_flops, "bytes_accessed_per_device": cost["bytes"],
+            "optimal_seconds": cost["seconds"],
+            "estimated_mfu": model_flops / (cost["seconds"] * peak) if peak and cost["seconds"] else None,
+            "scanned_program_as_reported": {k: real[k] for k in ("flops", "bytes", "seconds")},
+            "wall_seconds": real["wall_seconds"] + one["wall_seconds"] + two["wall_seconds"]}
+
+
+def _print(row: dict, hbm: float) -> None:
+    mfu = f"{row['estimated_mfu']:.1%}" if row.get("estimated_mfu") is not None else "-"
+    free = 1 - row["per_device_gib"] / hbm
+    print(f"{row['system']:14s} {row['remat']:14s} {row['per_device_gib']:7.2f} GiB ({free:.0%} "
+          f"free)  {row['flops_per_device'] / 1e12:8.1f} TFLOP  overhead {row['recompute_overhead']:.2f}x  "
+          f"est. {row['optimal_seconds']:.2f} s  est. MFU {mfu}", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--recipe", default="olmo3_7b_stage1", choices=sorted(MAXTEXT_MODEL))
+    ap.add_argument("--topology", default="v5p-128")
+    ap.add_argument("--remat", default="full,save_proj", help="olmax's policies")
+    ap.add_argument("--maxtext-remat", default="full,minimal", help="MaxText's policies")
+    ap.add_argument("--maxtext-venv", default=str(REPO / ".peers" / "maxtext-venv"))
+    ap.add_argument("--no-maxtext", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows, rc, first = [], 0, None
+    for remat in args.remat.split(","):
+        out = olmax_compile(args.recipe, args.topology, "--set", f"model.remat={remat}", eval_step=False, cost=True)
+        first = first or out
+        row = {"system": "olmax", "remat": remat, **{k: out.get(k) for k in (
+            "per_device_gib", "flops_per_device", "model_flops_per_device", "recompute_overhead",
+            "bytes_accessed_per_device", "optimal_seconds", "estimated_mfu", "plan", "mesh", "wall_seconds")}}
+        rows.append(row)
+        if row["flops_per_device"] is None:
+            print(f"olmax {remat}: {out['verdict']}", flush=True)
+            rc = 1
+        else:
+            _print(row, out["hbm_gib"])
+    venv = Path(args.maxtext_venv)
+    missing = "--no-maxtext" if args.no_maxtext else maxtext_available(venv)
+    if missing:
+        print(f"MaxText left out: {missing}", flush=True)
+    else:
+        for remat in args.maxtext_remat.split(","):
+            try:
+                row = maxtext_row(venv, MAXTEXT_MODEL[args.recipe], args.topology, first["plan"],
+                                  first["sequence_length"], 32 if args.recipe != "olmo3_32b" else 64, remat,
+                                  first["model_flops_per_device"], first["peak_flops_per_device"])
+            except RuntimeError as e:
+                print(f"MaxText {remat}: {e}", flush=True)
+                rc = 1
+                continue
+            rows.append(row)
+            _print(row, first["hbm_gib"])
+    result = {"recipe": args.recipe, "topology": args.topology, "hbm_gib": first["hbm_gib"],
+              "device_kind": first["device_kind"], "peak_flops_per_device": first["peak_flops_per_device"],
+              "plan": first["plan"], "sequence_length": first["sequence_length"], "maxtext_missing": missing,
+              "note": "cost columns are XLA's estimate for each compiled TPU program, not a measurement",
+              "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""``olmax compile``'s cost beside memory: XLA's cost analysis of the compiled TPU program, per
+device, corrected for the loops XLA counts once (the layer scan, the micro-batches), the stable
+JSON keys, the MFU it implies, and ``--sweep``. The compiles are integration tests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from olmax.compile import COST_KEYS, cost_summary, parse_topology, program_cost, xla_cost
+from olmax.config import ConfigError
+from olmax.metrics.flops import CHIPS, PEAK_BF16_FLOPS, decode_flops_per_token, device_peak_flops, flops_per_token
+from olmax.recipes import get_recipe
+
+
+class _Compiled:
+    def __init__(self, flops, nbytes, seconds, as_list=False):
+        d = {"flops": flops, "bytes accessed": nbytes, "optimal_seconds": seconds, "utilization0{}": 1.0}
+        self.d = [d] if as_list else d
+
+    def cost_analysis(self):
+        return self.d
+
+
+def test_xla_cost_reads_both_shapes_of_cost_analysis():
+    assert xla_cost(_Compiled(2.0, 3.0, 4.0)) == {"flops": 2.0, "bytes": 3.0, "seconds": 4.0}
+    assert xla_cost(_Compiled(2.0, 3.0, 4.0, as_list=True)) == {"flops": 2.0, "bytes": 3.0, "seconds": 4.0}
+
+
+def test_program_cost_extrapolates_unrolled_periods_to_the_depth():
+    """A scanned model is costed from its unrolled one- and two-period programs: outside + per
+    layer x depth, times the micro-batches; an unscanned (or one-group) model from itself."""
+    m = get_recipe("olmo3_7b_stage1").model           # 32 layers scanned in groups of 4
+    seen = []
+
+    def compile_at(mc):
+        seen.append((mc.n_layers, mc.scan_layers))
+        # outside 10, each layer 3 (FLOPs), 5 + 2/layer bytes, 1 + 0.5/layer seconds
+        return _Compiled(10 + 3 * mc.n_layers, 5 + 2 * mc.n_layers, 1 + 0.5 * mc.n_layers)
+    c = program_cost(m, compile_at, repeats=2)
+    assert seen == [(4, False), (8, False)]
+    assert c == {"flops": 2 * (10 + 3 * 32), "bytes": 2 * (5 + 2 * 32), "seconds": 2 * (1 + 0.5 * 32)}
+    seen.clear()
+    from dataclasses import replace
+    flat = replace(m, scan_layers=False)
+    assert program_cost(flat, compile_at) == {"flops": 10 + 96.0, "bytes": 5 + 64.0, "seconds": 17.0}
+    assert seen == [(32, False)]
+
+
+def test_cost_summary_keys_overhead_and_mfu():
+    s = cost_summary({"flops": 1.5e12, "bytes": 1e9, "seconds": 0.01}, 1.2e12, 459e12)
+    assert tuple(s) == COST_KEYS
+    assert s["recompute_overhead"] == pytest.approx(1.25)
+    assert s["estimated_mfu"] == pytest.approx(1.2e12 / (0.01 * 459e12))
+    assert cost_summary({"flops": 1.0, "bytes": 1.0, "seconds": 1.0}, 1.0, None)["estimated_mfu"] is None
+    assert cost_summary(None, 1.0, 1.0) == dict.fromkeys(COST_KEYS)
+
+
+def test_peak_table_is_per_chip_and_divides_into_devices():
+    """Ironwood's 2,307 TFLOP/s are a chip's, over two TensorCores that JAX sees as two devices."""
+    assert CHIPS["TPU7x"].devices == 2 and device_peak_flops("TPU7x") == pytest.approx(2307e12 / 2)
+    assert device_peak_flops("TPU v5") == 459e12 and device_peak_flops("TPU v6 lite") == 918e12
+    assert all(c.source for c in CHIPS.values()) and set(PEAK_BF16_FLOPS) == set(CHIPS)
+    assert device_peak_flops("a chip nobody knows") is None
+
+
+def test_decode_flops_count_the_window():
+    m = get_recipe("olmo3_7b_stage1").model
+    short, long = decode_flops_per_token(m, 1024), decode_flops_per_token(m, 16384)
+    # 8 full layers see every key; 24 sliding layers at most 4,096
+    per_key = 4 * m.n_heads * m.head_dim
+    assert long - short == pytest.approx(per_key * (8 * (16384 - 1024) + 24 * (4096 - 1024)))
+    # a training token's forward is a third of flops_per_token (attention over the whole sequence aside)
+    assert short < flops_per_token(m, 8192)["total"] / 3
+
+
+def _compile(*args):
+    return subprocess.run([sys.executable, "-m", "olmax.cli", "compile", *args], capture_output=True, text=True)
+
+
+def test_sweep_refuses_an_unknown_policy():
+    from olmax.compile import sweep_choices
+    with pytest.raises(ConfigError, match="fastest"):
+        sweep_choices(get_recipe("tiny"), parse_topology("v5p:2x2x1"), ["full", "fastest"], None, None)
+
+
+@pytest.mark.integration  # four CLI processes that load libtpu
+def test_sweep_bad_input_exits_2():
+    for args, said in [(["--sweep", "--remat", "fastest"], "fastest"), (["--sweep", "--micro-batches", "3"], "3"),
+                       (["--headroom", "1.5"], "--headroom"), (["--sweep", "--no-cost"], "--sweep")]:
+        r = _compile("tiny", "--topology", "v5p:2x2x1", "--json", *args)
+        assert r.returncode == 2, (args, r.stderr[-2000:])
+        assert said in json.loads(r.stdout.strip().splitlines()[-1])["error"], args
+
+
+# --------------------------------------------------------------------------- compiles
+
+
+@pytest.mark.integration
+def test_cost_analysis_is_per_device_for_a_sharded_matmul():
+    """A bf16 matmul with its rows split over the 4 devices of v5p:2x2x1: XLA reports one
+    device's share of the FLOPs, 2 N^3 / 4 (a replicated one: all of them)."""
+    code = """
+import json
+from olmax.compile import abstract_devices, parse_topology, quiet_libtpu, xla_cost
+t = parse_topology("v5p:2x2x1"); quiet_libtpu(t)
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+mesh = Mesh(np.array(abstract_devices(t)), ("x",))
+N = 4096
+split = jax.ShapeDtypeStruct((N, N), jnp.bfloat16, sharding=NamedSharding(mesh, P("x", None)))
+whole = jax.ShapeDtypeStruct((N, N), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+mm = jax.jit(lambda a, b: a @ b)
+print(json.dumps([xla_cost(mm.lower(split, whole).compile()), xla_cost(mm.lower(whole, whole).compile())]))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    sharded, replicated = json.loads(r.stdout.strip().splitlines()[-1])
+    assert sharded["flops"] == pytest.approx(2 * 4096 ** 3 / 4, rel=1e-3)
+    assert replicated["flops"] == pytest.approx(2 * 4096 ** 3, rel=1e-3)
+    assert 0 < sharded["seconds"] < replicated["seconds"]
+
+
+@pytest.mark.integration
+def test_scanned_and_micro_batched_costs_match_the_unrolled_program():
+    """XLA counts a loop's body once: the cost of 12 scanned layers (3 groups) and of 4
+    micro-batches must still be what the unrolled, single-pass program costs."""
+    base = ["--set", "model.attention_impl=auto", "--set", "model.compute_dtype=bfloat16", "--set",
+            "model.n_layers=12", "--set", "model.remat=full", "--no-eval", "--json"]
+    runs = {}
+    for name, extra in [("scanned", []), ("unrolled", ["--set", "model.scan_layers=false"]),
+                        ("micro", ["--set", "train.micro_batch_size=1"])]:
+        r = _compile("tiny", "--topology", "v5p:2x2x1", *base, *extra)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[name] = json.loads(r.stdout)
+    s, u, mb = runs["scanned"], runs["unrolled"], runs["micro"]
+    assert mb["plan"]["accum_steps"] == 4 and s["plan"]["accum_steps"] == 1
+    for out in (s, u, mb):
+        assert set(COST_KEYS) <= set(out) and out["peak_flops_per_device"] == 459e12
+        assert out["model_flops_per_device"] == u["model_flops_per_device"]
+    assert s["flops_per_device"] == pytest.approx(u["flops_per_device"], rel=0.02)
+    assert mb["flops_per_device"] == pytest.approx(u["flops_per_device"], rel=0.02)
+    assert s["optimal_seconds"] == pytest.approx(u["optimal_seconds"], rel=0.10)
+    # full remat recomputes each layer's forward: more FLOPs than the model's
+    assert 1.05 < u["recompute_overhead"] < 1.34
+
+
+@pytest.mark.integration
+def test_sweep_tabulates_policies_and_picks_the_best_that_leaves_headroom():
+    r = _compile("tiny", "--topology", "v5p:2x2x1", "--sweep", "--remat", "none,full", "--micro-batches", "2,4",
+                 "--set", "model.attention_impl=auto", "--set", "model.compute_dtype=bfloat16", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads(r.stdout)
+    rows = {(x["remat"], x["micro_batch"]): x for x in s["rows"]}
+    assert set(rows) == {("none", 2), ("none", 4), ("full", 2), ("full", 4)}
+    assert rows[("full", 4)]["recompute_overhead"] > rows[("none", 4)]["recompute_overhead"]
+    assert rows[("none", 2)]["accum_steps"] == 2
+    assert s["best"] == max(s["rows"], key=lambda x: x["estimated_mfu"])
+    assert "estimate" in s["note"]
