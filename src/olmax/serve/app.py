@@ -25,6 +25,7 @@ from typing import Any
 from anyio import to_thread
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -171,6 +172,9 @@ def _error(e: APIError) -> JSONResponse:
 
 
 async def _read_json(request: HTTPRequest) -> Any:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        raise APIError(413, f"the request body is larger than {MAX_BODY} bytes")
     size, parts = 0, []
     async for part in request.stream():
         size += len(part)
@@ -204,6 +208,9 @@ def endpoint(fn: Callable) -> Callable:
         except APIError as e:
             state.log(f"serve: {request.method} {request.url.path} {e.status} {e.message}")
             return _error(e)
+        except ClientDisconnect:  # gone before its request was read: nobody to answer
+            state.log(f"serve: {request.method} {request.url.path} client disconnected before sending its request")
+            return Response(status_code=499)
         except Exception:  # noqa: BLE001 - a bug: logged in full, answered without details
             state.log(f"serve: {request.method} {request.url.path} 500\n{traceback.format_exc().rstrip()}")
             return _error(APIError(500, "internal server error (logged by the server)", type="server_error"))
@@ -304,7 +311,6 @@ async def _stream(run: Run, rid: str, t0: float) -> AsyncIterator[str]:
     served = state.served
     created = int(time.time())
     texts = [TextStream(served.codec, job.stops) for _ in range(job.choices)]
-    lps: list[list[float]] = [[] for _ in range(job.choices)]
     # Top logprobs come with a finished completion: then a choice's logprobs go in its last chunk.
     per_chunk = job.logprobs and not job.top_logprobs
     note = "client disconnected"
@@ -330,16 +336,17 @@ async def _stream(run: Run, rid: str, t0: float) -> AsyncIterator[str]:
                 elif kind == "finish":
                     finished.append(c)
             out = []
-            for c, (ids, ls) in new.items():
-                lps[c] += ls
+            for c in sorted(set(new) | set(finished)):  # one entry per choice: its new text, maybe its end
+                ids, ls = new.get(c, ([], []))
+                comp = run.finished.get(c) if c in finished else None
                 text = texts[c].ready()
-                if text or per_chunk:
-                    out.append(chunk_choice(job, served, c, text, ids if per_chunk else [], ls, None))
-            for c in finished:
-                comp = run.finished[c]
-                text = texts[c].finish(final_text(served.codec, comp.token_ids, job.stops))
-                choice = chunk_choice(job, served, c, text, [], [], comp.finish_reason)
-                if job.logprobs and job.top_logprobs:
+                if comp is not None:
+                    text += texts[c].finish(final_text(served.codec, comp.token_ids, job.stops))
+                elif not (text or per_chunk):
+                    continue
+                choice = chunk_choice(job, served, c, text, ids if per_chunk else [], ls,
+                                      comp.finish_reason if comp is not None else None)
+                if comp is not None and job.logprobs and job.top_logprobs:
                     tops = getattr(comp, "top_logprobs", None)
                     make = chat_logprobs if job.chat else completion_logprobs
                     choice["logprobs"] = make(served.codec, comp.token_ids, comp.logprobs, tops)

@@ -5,6 +5,7 @@ in flight finish, and exits 0."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import time
@@ -54,11 +55,14 @@ def cmd_serve(args: Any) -> int:
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            if not state.draining:
-                log(f"olmax serve: signal {sig}: finishing {worker.in_flight()} request(s) in flight, "
-                    "refusing new ones")
+            # Not uvicorn's own: it re-raises the signal after shutting down, so that the process
+            # dies of it; a drained server exits 0. A second Ctrl-C stops at once.
+            if state.draining and sig == signal.SIGINT:
+                self.force_exit = True
+                return
+            log(f"olmax serve: signal {sig}: finishing {worker.in_flight()} request(s) in flight, refusing new ones")
             state.draining = True
-            super().handle_exit(sig, frame)
+            self.should_exit = True
 
         async def startup(self, sockets: list | None = None) -> None:
             await super().startup(sockets)

@@ -20,9 +20,39 @@ try:
 except ImportError:  # PRE-MERGE SHIM: olmax.engine lands on main; until then the ENGINE_API.md types
     from dataclasses import dataclass, field
 
-    from olmax.model.generate import Completion, Sampling
+    from olmax.model.generate import Completion, Generator, Sampling, cache_length, prompt_bucket
 
-    Engine = None
+    class Engine:  # one request at a time on today's Generator, until the real engine lands
+        def __init__(self, params, cfg, *, slots, max_length, mesh=None, chunk=8):
+            import threading as _t
+            self.cfg, self.gen, self.lock = cfg, Generator(params, cfg, rows=1), _t.Lock()
+            self.waiting, self.cancelled, self.n = [], set(), 0
+
+        def submit(self, r):
+            r.sampling.check()
+            with self.lock:
+                self.n += 1
+                self.waiting.append((self.n, r))
+                return self.n
+
+        def cancel(self, rid):
+            self.cancelled.add(rid)
+
+        def busy(self):
+            return bool(self.waiting)
+
+        def step(self):
+            with self.lock:
+                rid, r = self.waiting.pop(0)
+            pl = prompt_bucket(len(r.prompt), self.cfg)
+            lps = []
+            (c,) = self.gen.run([r.prompt], [r.index], 1, pl, cache_length(pl, r.max_new_tokens), r.max_new_tokens,
+                                set(r.eos_ids), lambda i, ids: rid in self.cancelled or bool(r.stop and r.stop(ids)),
+                                lambda i, t: (lps.append(0.0), r.on_token and r.on_token(t, 0.0)), r.sampling)
+            if rid in self.cancelled:
+                c.finish_reason = "cancelled"
+            r.on_finish and r.on_finish(c)
+            return [(rid, c)]
 
     @dataclass
     class Request:
