@@ -1,4 +1,4 @@
-"""Decoding speed: ``olmax.model.generate.generate`` (KV cache, jitted prefill and one-token
+"""Decoding speed: ``olmax.engine.generate`` (KV cache, jitted prefill and one-token
 steps) against transformers' ``model.generate`` on the same random OLMo 3, on this CPU, as ratios
 measured in the same run.
 
@@ -81,8 +81,8 @@ def main() -> None:
 
     from olmax.checkpoint.load import load_params
     from olmax.compat.hf import random_hf_model
+    from olmax.engine import Generator, Sampling, cache_length, generate
     from olmax.model.decode import cache_bytes, prefill, step_weight_bytes
-    from olmax.model.generate import Generator, Sampling, cache_length, generate
 
     tmp = tempfile.mkdtemp(prefix="bench_generate_")
     random_hf_model(tmp, seed=0, **HF)

@@ -26,8 +26,8 @@ import numpy as np
 
 import olmax  # noqa: F401  (first: keeps JAX off a TPU runtime that has no TPU here)
 from olmax.config import Config, ModelConfig
+from olmax.engine import Sampling, generate
 from olmax.model.dispatch import can_reproduce_decode_bits
-from olmax.model.generate import Sampling, generate
 from olmax.model.params import init_params
 from olmax.rl import grpo
 

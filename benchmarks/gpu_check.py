@@ -18,7 +18,7 @@ Sections, in order (each timed; an exception is recorded in the JSON and the exi
    Adam, bf16 compute, cuDNN, scanned layers, chunked loss): step time, tokens/s, MFU against
    the measured matmul rate and against the datasheet's 989 TFLOP/s, peak memory.
 6. ``decode``: the same 7B-width slice through olmax's KV-cache generation
-   (``olmax.model.generate.Generator``: its prefill and decode step, the host loop that reads each
+   (``olmax.engine.Generator``: its prefill and decode step, the host loop that reads each
    token), greedy, prompts of 128 tokens, at batch 1 and 32: decode tokens/s, and the HBM
    roofline: bytes of the prepared weights one step reads / step time, against the measured copy
    bandwidth (and the same with the KV cache's bytes added).
@@ -252,23 +252,23 @@ class Check:
                 "ce_loss_last": ce, "finite": bool(np.isfinite(ce)), **memory()}
 
     def decode(self) -> dict:
+        from olmax.engine import Generator, Sampling, cache_length
         from olmax.model.decode import cache_bytes, step_weight_bytes
-        from olmax.model.generate import Generator, Sampling, cache_length
         from olmax.model.params import init_params
         cfg = self.config(1).model
         params = jax.jit(lambda k: init_params(cfg, k))(jax.random.key(0))
         gen = Generator(params, cfg, Sampling())
         del params
         # Every step reads these whole (the embedding only b rows), in the dtype prepare left them.
-        parts = {k: jax.tree.leaves(v) for k, v in gen.prepared.items() if k != "embed"}
-        weight_bytes = step_weight_bytes(gen.prepared)
+        parts = {k: jax.tree.leaves(v) for k, v in gen.weights.prepared.items() if k != "embed"}
+        weight_bytes = step_weight_bytes(gen.weights.prepared)
         P, N = self.shape["prompt"], self.shape["new_tokens"]
         max_length = cache_length(P, N)
         rng = np.random.default_rng(0)
         res: dict[str, Any] = {"layers": cfg.n_layers, "d_model": cfg.d_model, "prompt": P, "new_tokens": N,
                                "max_length": max_length, "weight_bytes_per_step": weight_bytes,
                                "layers_scanned": sum(jax.tree.leaves(g)[0].shape[0]
-                                                     for g in gen.prepared["layers"]["groups"]),
+                                                     for g in gen.weights.prepared["layers"]["groups"]),
                                "weight_bytes_by_part": {k: {"bytes": sum(x.nbytes for x in xs),
                                                             "dtypes": sorted({str(x.dtype) for x in xs})}
                                                         for k, xs in parts.items()},
@@ -330,7 +330,7 @@ class Check:
 
         from olmax.checkpoint.load import load_params
         from olmax.compat.hf import olmax_to_hf_config, random_hf_model
-        from olmax.model.generate import Generator, Sampling, cache_length
+        from olmax.engine import Generator, Sampling, cache_length
         dev = "cpu" if self.args.rehearse or not torch.cuda.is_available() else "cuda"
         sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
         hf_cfg = olmax_to_hf_config(self.config(1), "bfloat16")

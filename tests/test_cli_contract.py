@@ -232,7 +232,7 @@ def test_post_training_and_tool_flags_refuse_nonsense(argv, flag, capsys):
 
 
 def test_sampling_refuses_a_seed_the_decoder_cannot_hold():
-    from olmax.model.generate import Sampling
+    from olmax.engine import Sampling
     for bad in (Sampling(seed=-1), Sampling(seed=2**32), Sampling(temperature=math.inf),
                 Sampling(temperature=math.nan)):
         with pytest.raises(ValueError):

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from olmax.config import ModelConfig
+from olmax.engine import Generator, Sampling, generate
 from olmax.kernels import cpu as cpu_kernels
 from olmax.model.decode import layout_of
 from olmax.model.dispatch import decode_layout
-from olmax.model.generate import Generator, Sampling, generate
 from olmax.model.params import init_params
 
 TINY = ModelConfig(vocab_size=100, padded_vocab_size=128, d_model=64, n_layers=5, n_heads=4, n_kv_heads=2,
@@ -131,14 +131,14 @@ def test_decoding_uses_the_kernel_and_keeps_the_tokens(monkeypatch) -> None:
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [9, 10, 11], [3, 4]]
     gen = Generator(params, TINY, Sampling())
     with_kernel = generate(params, TINY, prompts, max_new_tokens=20, generator=gen)
-    assert layout_of(gen.prepared) == "packed" and decode_layout(1, TINY) == "packed"
+    assert layout_of(gen.weights.prepared) == "packed" and decode_layout(1, TINY) == "packed"
     one = generate(params, TINY, prompts[:1], max_new_tokens=20, generator=gen)[0]
     assert one.token_ids == with_kernel[0].token_ids
     np.testing.assert_allclose(one.logprobs, with_kernel[0].logprobs, atol=2e-5)
     monkeypatch.setattr(cpu_kernels, "_STATE", {"why": "off for this test"})
     gen2 = Generator(params, TINY, Sampling())
     without = generate(params, TINY, prompts, max_new_tokens=20, generator=gen2)
-    assert layout_of(gen2.prepared) == "streamed"
+    assert layout_of(gen2.weights.prepared) == "streamed"
     for a, b in zip(with_kernel, without):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
@@ -185,7 +185,7 @@ def test_unbuildable_kernel_names_the_reason_and_decoding_goes_on(monkeypatch, t
     params = init_params(TINY, jax.random.key(0))
     gen = Generator(params, TINY, Sampling())
     out = generate(params, TINY, [[5, 6, 7]], max_new_tokens=4, generator=gen)
-    assert len(out[0].token_ids) == 4 and layout_of(gen.prepared) == "plain"
+    assert len(out[0].token_ids) == 4 and layout_of(gen.weights.prepared) == "plain"
     monkeypatch.setattr(cpu_kernels, "_STATE", {})
     monkeypatch.setenv("OLMAX_CPU_KERNELS", "0")
     caplog.clear()

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 from olmax.config import ModelConfig
+from olmax.engine import Generator, Sampling, generate
+from olmax.engine.sampling import knobs
 from olmax.model.decode import cache_bytes, prefill, prepare
-from olmax.model.generate import Generator, Sampling, _knobs, generate
 from olmax.model.params import init_params
 from olmax.recipes.olmo3 import olmo3_7b_model
 
@@ -74,11 +75,13 @@ def test_bucketed_shapes_compile_once() -> None:
 
 
 @pytest.mark.integration
-def test_repeated_prompts_are_prefilled_once(monkeypatch) -> None:
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_repeated_prompts_are_prefilled_once(monkeypatch, batching: str) -> None:
     """Rows that repeat a prompt (GRPO's group of completions of one prompt) share one prefill:
     8 rows of 2 distinct prompts prefill 2 rows, and every row draws the tokens it draws run
-    alone (same key, same cache contents), sampled and greedy."""
-    import olmax.model.generate as g
+    alone (same key, same cache contents), sampled and greedy; in either engine."""
+    import importlib
+    g = importlib.import_module(f"olmax.engine.{batching}")
     traced = []
     real = g.prefill
 
@@ -91,9 +94,11 @@ def test_repeated_prompts_are_prefilled_once(monkeypatch) -> None:
     prompts = [[5, 6, 7, 8]] * 4 + [list(range(2, 21))] * 4
     for sampling in (Sampling(temperature=1.0, seed=3), Sampling()):
         traced.clear()
-        together = generate(params, TINY, prompts, max_new_tokens=10, batch_size=8, sampling=sampling)
+        together = generate(params, TINY, prompts, max_new_tokens=10, batch_size=8, sampling=sampling,
+                            batching=batching)
         assert traced == [2]
-        alone = generate(params, TINY, prompts, max_new_tokens=10, batch_size=1, sampling=sampling)
+        alone = generate(params, TINY, prompts, max_new_tokens=10, batch_size=1, sampling=sampling,
+                         batching=batching)
         assert traced == [2, 1]
         assert [c.token_ids for c in together] == [c.token_ids for c in alone]
         assert max(abs(p - q) for a, b in zip(together, alone) for p, q in zip(a.logprobs, b.logprobs)) <= 1e-5
@@ -106,7 +111,7 @@ def test_the_rl_compile_prefills_what_the_run_prefills(monkeypatch) -> None:
     rules: on one step's rows (4 groups of 3, generation batches of 8 that cut a group in two)
     the rows each batch prefills, the prompt bucket and the cache length are what the rollouts'
     ``generate`` call traces."""
-    import olmax.model.generate as g
+    import olmax.engine.static as g
     from olmax.compile import rl_generation_shapes
     from olmax.recipes import get_recipe
     from olmax.sharding import make_mesh
@@ -155,7 +160,7 @@ def test_sharded_decoding_equals_one_device() -> None:
     code = textwrap.dedent("""
         import json, jax
         from olmax.config import MeshConfig
-        from olmax.model.generate import generate
+        from olmax.engine import generate
         from olmax.model.params import init_params
         from olmax.sharding import make_mesh
         from test_decode import TINY
@@ -258,14 +263,14 @@ def test_streamed_decode_compiles_to_ynnpack_and_switches_layout(monkeypatch) ->
     assert "__ynn_fusion" in hlo and "reduce(" in hlo
     params = init_params(TINY, jax.random.key(0))
     gen = Generator(params, TINY, Sampling())
-    assert layout_of(gen.prepared) == "plain"
+    assert layout_of(gen.weights.prepared) == "plain"
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     alone = [generate(params, TINY, [p], max_new_tokens=6, generator=gen)[0].token_ids for p in prompts]
-    assert layout_of(gen.prepared) == "plain"
+    assert layout_of(gen.weights.prepared) == "plain"
     together = [c.token_ids for c in generate(params, TINY, prompts, max_new_tokens=6, generator=gen)]
-    assert layout_of(gen.prepared) == "streamed" and together == alone
+    assert layout_of(gen.weights.prepared) == "streamed" and together == alone
     gen.load(params)  # RL after an update: the new weights come in the layout in use
-    assert layout_of(gen.prepared) == "streamed"
+    assert layout_of(gen.weights.prepared) == "streamed"
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_experimental_ynn_fusion_type=")
     assert decode_layout(8, TINY) == "plain"
     monkeypatch.delenv("XLA_FLAGS")
@@ -277,7 +282,8 @@ def test_streamed_decode_compiles_to_ynnpack_and_switches_layout(monkeypatch) ->
     _, cache = jax.eval_shape(partial(prefill, cfg=TINY, max_length=length), prepared,
                               jax.ShapeDtypeStruct((rows, 8), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32))
     step = gen._decode.lower(prepared, jnp.zeros((rows,), jnp.int32), cache, jax.random.split(jax.random.key(0), rows),
-                             np.int32(1), _knobs(Sampling()), max_length=length, greedy=True).compile().as_text()
+                             np.int32(1), {k: jnp.asarray(v) for k, v in knobs([Sampling()] * rows).items()},
+                             max_length=length, greedy=True).compile().as_text()
     entry = step[step.index("ENTRY"):]
     called = re.findall(r"calls=(%[\w.\-]+), [^\n]*__ynn_fusion", entry)
     bodies = {m.group(1): m.group(2) for m in re.finditer(r"^(%[\w.\-]+) \([^\n]*\{\n(.*?)\n\}", step, re.M | re.S)}
@@ -296,7 +302,8 @@ def test_one_row_decode_step_copies_no_cache() -> None:
     _, cache = jax.eval_shape(partial(prefill, cfg=TINY, max_length=length), prepared,
                               jax.ShapeDtypeStruct((1, 8), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
     step = gen._decode.lower(prepared, jnp.zeros((1,), jnp.int32), cache, jax.random.split(jax.random.key(0), 1),
-                             np.int32(1), _knobs(Sampling()), max_length=length, greedy=True).compile().as_text()
+                             np.int32(1), {k: jnp.asarray(v) for k, v in knobs([Sampling()]).items()},
+                             max_length=length, greedy=True).compile().as_text()
     entry = step[step.index("ENTRY"):]
     shapes = {"f32[" + ",".join(map(str, x.shape)) + "]" for x in jax.tree.leaves(cache["kv"])}
     copies = [line for line in entry.splitlines() if " copy(" in line and any(s in line.split("=")[1] for s in shapes)]
@@ -318,17 +325,18 @@ def test_a_generator_told_its_rows_compiles_one_prepare(kernel: bool, monkeypatc
     params = init_params(TINY, jax.random.key(0))
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13], [14]]
     gen = Generator(params, TINY, Sampling(), rows=4)
-    assert layout_of(gen.prepared) == decode_layout(4, TINY) == ("packed" if cpu_kernels.available() else "streamed")
+    want = "packed" if cpu_kernels.available() else "streamed"
+    assert layout_of(gen.weights.prepared) == decode_layout(4, TINY) == want
     got = [c.token_ids for c in generate(params, TINY, prompts, max_new_tokens=5, batch_size=4, generator=gen)]
     for _ in range(2):
         gen.load(params)
         again = [c.token_ids for c in generate(params, TINY, prompts, max_new_tokens=5, batch_size=4, generator=gen)]
         assert again == got
-    assert gen._prepare._cache_size() == 1 and gen._relayout._cache_size() == 0
+    assert gen.weights._prepare._cache_size() == 1 and gen.weights._relayout._cache_size() == 0
     untold = Generator(params, TINY, Sampling())
     assert [c.token_ids
             for c in generate(params, TINY, prompts, max_new_tokens=5, batch_size=4, generator=untold)] == got
-    assert untold._relayout._cache_size() == 1   # the untold one turned its plain weights over
+    assert untold.weights._relayout._cache_size() == 1   # the untold one turned its plain weights over
 
 
 def test_prepare_casts_the_lm_head_once() -> None:

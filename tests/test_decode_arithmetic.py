@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from olmax.config import Config, ModelConfig
+from olmax.engine import Sampling, generate
 from olmax.kernels import cpu as cpu_kernels
 from olmax.model import olmo3
 from olmax.model.attention import reference_attention
 from olmax.model.dispatch import can_reproduce_decode_bits, reproduce_decode_bits, rms_norm
-from olmax.model.generate import Sampling, generate
 from olmax.model.layers import position_mask
 from olmax.model.loss import token_logps
 from olmax.model.params import init_params

@@ -1,4 +1,4 @@
-"""Decoding (``olmax.model.generate``) against transformers' ``generate`` and against olmax's own
+"""Decoding (``olmax.engine``) against transformers' ``generate`` and against olmax's own
 teacher-forced forward pass, on a random OLMo 3 whose prompt + generation runs past the
 sliding window.
 
@@ -22,7 +22,8 @@ import torch
 from transformers import Olmo3ForCausalLM
 
 from olmax.compat.hf import load_hf_params, random_hf_model
-from olmax.model.generate import Generator, Sampling, generate
+from olmax.engine import Generator, Sampling, generate
+from olmax.engine.sampling import knobs
 from olmax.model.olmo3 import forward
 
 VOCAB, WINDOW, NEW = 256, 8, 32
@@ -178,6 +179,11 @@ def test_sampled_logprobs_are_untempered_and_tokens_obey_top_k_top_p(model: dict
             assert probs[:rank].sum() < SAMPLING.top_p + 1e-6, (rank, probs[:rank + 1])
 
 
+def _per_row(s: Sampling, rows: int) -> dict:
+    """The sampler's per-row settings of ``rows`` rows sampling with ``s``."""
+    return {k: jnp.asarray(v) for k, v in knobs([s] * rows).items()}
+
+
 @pytest.mark.integration
 def test_sample_inverts_the_distribution_function_and_never_draws_a_nan_or_padded_token() -> None:
     """``sample`` draws by the inverse of the distribution function with one uniform per row
@@ -185,14 +191,15 @@ def test_sample_inverts_the_distribution_function_and_never_draws_a_nan_or_padde
     by row, across blocks of the vocabulary; many draws must follow softmax(logits / T); padded
     vocabulary rows, NaN and -inf logits are never drawn, and an all-NaN row still gives a token
     id inside the vocabulary."""
-    from olmax.model.generate import _knobs, sample
+    from olmax.engine.sampling import sample
 
     rows, padded, vocab = 64, 512, 500
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(rows, padded)).astype(np.float32) * 3)
     keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(7), i))(jnp.arange(rows))
     for step in (0, 5):
         for temperature in (1.0, 0.7):
-            tok, _ = sample(logits, keys, jnp.int32(step), _knobs(Sampling(temperature=temperature)), False, vocab)
+            tok, _, _ = sample(logits, keys, jnp.int32(step), _per_row(Sampling(temperature=temperature), rows),
+                               False, vocab)
             u = np.asarray(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, step), ()))(keys), np.float64)
             z = np.asarray(logits, np.float64)[:, :vocab] / np.float32(temperature)
             cdf = np.cumsum(np.exp(z - z.max(-1, keepdims=True)), axis=-1)
@@ -206,20 +213,20 @@ def test_sample_inverts_the_distribution_function_and_never_draws_a_nan_or_padde
     one[200:210] = np.log(probs) + 1.5
     one[5], one[400] = np.nan, 40.0                                    # a NaN; 400 lies in the padding
     many = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(11), i))(jnp.arange(n))
-    tok, _ = sample(jnp.broadcast_to(jnp.asarray(one), (n, padded)), many, jnp.int32(3),
-                    _knobs(Sampling(temperature=1.0)), False, 300)
+    tok, _, _ = sample(jnp.broadcast_to(jnp.asarray(one), (n, padded)), many, jnp.int32(3),
+                    _per_row(Sampling(temperature=1.0), n), False, 300)
     counts = np.bincount(np.asarray(tok), minlength=padded)
     assert counts.sum() == counts[200:210].sum() == n
     assert (np.abs(counts[200:210] - n * probs) <= 5 * np.sqrt(n * probs * (1 - probs))).all(), counts[200:210]
     # +inf: one of the +inf entries, nothing else.
     inf = np.zeros((rows, padded), np.float32)
     inf[:, [17, 300]] = np.inf
-    tok, _ = sample(jnp.asarray(inf), keys, jnp.int32(0), _knobs(Sampling(temperature=1.0)), False, vocab)
+    tok, _, _ = sample(jnp.asarray(inf), keys, jnp.int32(0), _per_row(Sampling(temperature=1.0), rows), False, vocab)
     assert set(np.asarray(tok).tolist()) == {17, 300}
     # NaNs: a NaN entry is never drawn; a row of NaNs gives some id in range, not out of it.
     bad = logits.at[:, :vocab // 2].set(jnp.nan).at[0].set(jnp.nan)
     for greedy in (False, True):
-        tok, _ = sample(bad, keys, jnp.int32(1), _knobs(Sampling(temperature=1.0)), greedy, vocab)
+        tok, _, _ = sample(bad, keys, jnp.int32(1), _per_row(Sampling(temperature=1.0), rows), greedy, vocab)
         tok = np.asarray(tok)
         assert 0 <= tok[0] < vocab
         assert (tok[1:] >= vocab // 2).all() and (tok[1:] < vocab).all()
@@ -231,7 +238,7 @@ def test_sample_inverts_the_distribution_function_and_never_draws_a_nan_or_padde
 def test_greedy_takes_the_first_maximum_as_argmax_does() -> None:
     """Greedy's two-pass maximum is ``jnp.argmax``'s token, ties (the first index wins) and a
     padded vocabulary (never taken, even where its logits are the largest) included."""
-    from olmax.model.generate import _knobs, sample
+    from olmax.engine.sampling import sample
 
     rows, padded, vocab = 32, 1024, 1000
     rng = np.random.default_rng(1)
@@ -241,7 +248,7 @@ def test_greedy_takes_the_first_maximum_as_argmax_does() -> None:
         top = int(np.argmax(logits[r, :vocab]))
         logits[r, rng.integers(0, vocab, 3)] = logits[r, top]
     keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(0), i))(jnp.arange(rows))
-    tok, lp = sample(jnp.asarray(logits), keys, jnp.int32(0), _knobs(Sampling()), True, vocab)
+    tok, lp, _ = sample(jnp.asarray(logits), keys, jnp.int32(0), _per_row(Sampling(), rows), True, vocab)
     want = jnp.argmax(jnp.where(jnp.arange(padded) < vocab, jnp.asarray(logits), -jnp.inf), axis=-1)
     np.testing.assert_array_equal(np.asarray(tok), np.asarray(want))
     np.testing.assert_allclose(np.asarray(lp), np.asarray(jax.nn.log_softmax(jnp.asarray(logits[:, :vocab]), axis=-1))[

@@ -104,7 +104,7 @@ def jsonl(out: str) -> list[dict]:
 @pytest.mark.integration
 def test_prompt_ids_on_a_random_model(ids_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from olmax.checkpoint.load import load_params
-    from olmax.model.generate import generate
+    from olmax.engine import generate
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [3]]
     f = tmp_path / "ids.jsonl"
     f.write_text("".join(json.dumps(p) + "\n" for p in prompts[:2]) + "\n" + json.dumps(prompts[2]) + "\n")

@@ -35,9 +35,9 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from olmax.compat.hf import random_hf_model  # noqa: E402
 from olmax.config import ConfigError  # noqa: E402
+from olmax.engine import Sampling  # noqa: E402
 from olmax.eval import suite  # noqa: E402
 from olmax.eval.lm_eval_adapter import OlmaxLM  # noqa: E402
-from olmax.model.generate import Sampling  # noqa: E402
 
 TASKS = ["olmax_mc", "olmax_ppl", "olmax_gen"]
 MAX_LENGTH = 48

@@ -92,7 +92,7 @@ def test_rl_options_kl_active_sampling_and_retirement(rl_data: Path, tmp_path: P
 def test_rl_batch_rows_masks_and_advantages(rl_data: Path, tmp_path: Path):
     """Prompt + completion rows: trained tokens, the generation log-probs in token_logps' layout,
     dropped groups (no trained token, advantage 0, row_valid False), and rl.mask_truncated."""
-    from olmax.model.generate import Completion
+    from olmax.engine import Completion
     d = RlData(rl_cfg(rl_data, "rl.mask_truncated=true"), 0, None, False, None, tmp_path)
     p0 = d.prompts[0].ids
     comps = [Completion([5, 6, 0], [-0.5, -0.25, -0.125], "stop"), Completion([7] * 8, [-1.0] * 8, "length"),

@@ -262,13 +262,13 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
 
 
 def rl_generation_shapes(cfg: Config, mesh: Mesh) -> dict:
-    """The shapes an RL run's rollouts decode with on ``mesh``, from ``olmax.model.generate``'s
+    """The shapes an RL run's rollouts decode with on ``mesh``, from ``olmax.engine.shapes``'
     own bucketing applied to one step's rows (``rl.prompts_per_step`` groups of
     ``rl.group_size`` rows that share a prompt): ``batch``, the rows of each generation batch;
     ``prompt_len``, the bucket of ``rl.max_prompt_length``; ``max_length``, the cache of that
     plus ``rl.max_response_length`` tokens; ``prompt_rows``, the most rows a batch prefills
     (each shard's distinct prompts), None where no batch saves a row."""
-    from olmax.model.generate import batch_rows, cache_length, prefill_rows, prompt_bucket
+    from olmax.engine.shapes import batch_rows, cache_length, prefill_rows, prompt_bucket
 
     r = cfg.rl
     dp = data_parallel_size(dict(mesh.shape))

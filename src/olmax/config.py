@@ -378,8 +378,12 @@ class RlConfig:
     tis_cap: float | None = 2.0
     # Completions that hit max_response_length train nothing (open-instruct mask_truncated_completions).
     mask_truncated: bool = False
-    # Completions decoded at once; None = all rows of a sampling round.
+    # Completions decoded at once (the engine's row slots); None = all rows of a sampling round.
     generation_batch: int | None = None
+    # continuous: a finished completion's slot takes the next waiting row at once, several decode
+    # steps per host round trip; static: each batch decodes until its longest row stops. The same
+    # completions either way (olmax.engine).
+    batching: str = "continuous"
 
 
 @dataclass(frozen=True)
@@ -520,6 +524,8 @@ def _validate_rl(cfg: Config) -> None:
                  "num_mini_batches", "num_epochs"):
         if getattr(r, name) < 1:
             raise ConfigError(f"rl.{name} must be >= 1, got {getattr(r, name)}")
+    if r.batching not in ("continuous", "static"):
+        raise ConfigError(f"rl.batching must be 'continuous' or 'static', got {r.batching!r}")
     if r.generation_batch is not None and r.generation_batch < 1:
         raise ConfigError(f"rl.generation_batch must be >= 1 or null, got {r.generation_batch}")
     if not r.temperature > 0:

@@ -236,12 +236,12 @@ def sample_rewards(model: Any, prompts: Sequence[dict], k: int = 8, seed: int = 
     when the tokenizer has no such token), and the text is scored as the RL loop scores it
     (``olmax.rl.rollout.completion_text``: special tokens dropped, cut at ``<|im_end|>``).
     ``max_new_tokens``: by default the longest gold answer's tokens + 4. ``generator``: an
-    ``olmax.model.generate.Generator`` holding the same weights, to reuse its compiled programs."""
+    ``olmax.engine.decoder`` holding the same weights, to reuse its compiled programs."""
     import numpy as np
 
     from olmax.chat.template import IM_END
+    from olmax.engine import Sampling, generate
     from olmax.infer.run import first_stop
-    from olmax.model.generate import Sampling, generate
     from olmax.rl.rewards import get_reward
     from olmax.rl.rollout import completion_text
     params, mcfg, dcfg, codec = _decoder(model, tokenizer)

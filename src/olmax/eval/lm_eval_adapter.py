@@ -16,7 +16,7 @@ none is added here either unless the tokenizer itself (or ``add_bos_token=True``
 
 Cost: every shape is bucketed (batch and length rounded up to powers of two, capped at
 ``batch_size`` and ``max_length``), so jit compiles at most log2(batch) * log2(max_length) programs
-per function. ``generate_until`` decodes through the KV cache (``olmax.model.generate``: one
+per function. ``generate_until`` decodes through the KV cache (``olmax.engine``: one
 prefill, then one token per step), all requests with the same gen_kwargs in one call (its
 batches share one prompt bucket), one compiled decoder for every sampling setting.
 
@@ -58,7 +58,7 @@ from tqdm import tqdm
 from olmax.chat.template import tokenizer_template
 from olmax.checkpoint.load import load_params
 from olmax.config import Config, ConfigError
-from olmax.model.generate import Generator, Sampling, generate
+from olmax.engine import Engine, Generator, Sampling, decoder, generate
 from olmax.model.olmo3 import forward
 
 DTYPES = ("float32", "bfloat16")
@@ -103,7 +103,7 @@ def load_tokenizer(path: str | Path, cfg: Config, add_bos_token: bool | None = N
 @register_model("olmax")
 class OlmaxLM(TemplateLM):
     """lm-eval model over ``olmax.model.olmo3.forward`` (scoring) and the KV-cache decoder
-    ``olmax.model.generate`` (generation: greedy or sampled)."""
+    ``olmax.engine`` (generation: greedy or sampled)."""
 
     def __init__(self, checkpoint: str, tokenizer: str | None = None, batch_size: int | str = 8,
                  max_length: int | None = None, dtype: str = "float32", max_gen_toks: int = 256,
@@ -152,7 +152,7 @@ class OlmaxLM(TemplateLM):
 
         self._score = jax.jit(score)
         self._seed = int(seed)
-        self._decoder: Generator | None = None  # one KV-cache decoder; sampling is a runtime value
+        self._decoder: Engine | Generator | None = None  # one KV-cache decoder; sampling is a runtime value
 
     # ------------------------------------------------------------------ lm-eval properties
 
@@ -351,7 +351,7 @@ class OlmaxLM(TemplateLM):
         """Continuations of the contexts through the KV cache, stopping at ``stop_ids`` or once
         the decoded text contains a string of ``until``."""
         if self._decoder is None:
-            self._decoder = Generator(self.params, self.cfg.model)
+            self._decoder = decoder(self.params, self.cfg.model, rows=self.batch_size)
         stops = [s for s in until if s]
 
         def stop(i: int, ids: list[int]) -> bool:

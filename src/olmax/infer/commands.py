@@ -61,7 +61,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="wrap each prompt as a user turn in the chat template (the checkpoint's, else OLMo 3 "
                         "Instruct's ChatML); also stop at <|im_end|>")
     p.add_argument("--batch-size", type=positive_int, default=8, metavar="B",
-                   help="prompts decoded together (default 8)")
+                   help="prompts decoded together: the engine's row slots (default 8)")
+    p.add_argument("--batching", choices=["continuous", "static"], default="continuous",
+                   help="continuous: a finished row's slot takes the next prompt at once, several decode steps "
+                        "per host round trip (default); static: each batch decodes until its longest row stops "
+                        "(the same completions, to compare with)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per prompt: token_ids, text, logprobs, finish_reason")
     _common(p, 256)

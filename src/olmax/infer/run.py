@@ -124,7 +124,8 @@ class Model:
             raise ConfigError(f"checkpoint {checkpoint} ships no tokenizer and {need_tokenizer} need one: pass "
                               "--tokenizer (a tokenizer.json file or a folder holding one)")
         self.codec = TextCodec.load(tok_path, cfg) if tok_path is not None else None
-        self._generator: Any = None  # one compiled decoder for every call (sampling is a runtime value)
+        self._decoders: dict[str, Any] = {}  # one engine of each kind for every call (sampling is a runtime value)
+        self.last_stats: Any = None  # the engine's counters for the last ``generate`` call
 
     def eos_ids(self, chat: bool) -> tuple[int, ...]:
         ids = [self.cfg.data.eos_token_id]
@@ -152,10 +153,11 @@ class Model:
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float | None = None,
                  top_p: float | None = None, top_k: int | None = None, seed: int = 0, batch_size: int = 8,
-                 stops: list[str] = (), chat: bool = False, stream: TextIO | None = None) -> list[dict[str, Any]]:
+                 stops: list[str] = (), chat: bool = False, stream: TextIO | None = None,
+                 batching: str = "continuous") -> list[dict[str, Any]]:
         """One dict per prompt, in prompt order: ``token_ids``, ``text`` (with a tokenizer),
         ``logprobs``, ``finish_reason`` ("stop": EOS or a stop string; "length")."""
-        from olmax.model.generate import Generator, Sampling, call_rows, generate
+        from olmax.engine import EngineStats, Sampling, call_rows, decoder, generate
         stops = [s for s in stops if s] + (self.chat_stops() if chat else [])
         if stops and self.codec is None:
             raise ConfigError("stop strings need a tokenizer: pass --tokenizer")
@@ -165,11 +167,15 @@ class Model:
 
         streamer = Streamer(codec, stops, stream) if stream is not None and codec is not None else None
         sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        if self._generator is None:
-            self._generator = Generator(self.params, self.cfg.model, rows=call_rows(len(prompts), batch_size))
+        if batching not in self._decoders:
+            self._decoders[batching] = decoder(self.params, self.cfg.model, batching,
+                                               rows=call_rows(len(prompts), batch_size))
+        engine = self._decoders[batching]
+        before = EngineStats(**vars(engine.stats))
         out = generate(self.params, self.cfg.model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                        eos_ids=self.eos_ids(chat), batch_size=batch_size, stop=stop_fn,
-                       on_token=streamer.on_token if streamer else None, generator=self._generator)
+                       on_token=streamer.on_token if streamer else None, generator=engine)
+        self.last_stats = EngineStats(**{k: v - getattr(before, k) for k, v in vars(engine.stats).items()})
         results = []
         for c in out:
             r: dict[str, Any] = {"token_ids": [int(t) for t in c.token_ids]}
@@ -287,7 +293,8 @@ def cmd_generate(args: Any, stdout: TextIO | None = None, stderr: TextIO | None 
     t0 = time.perf_counter()
     results = gen.generate(prompts, max_new_tokens=max_new, temperature=args.temperature,
                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, batch_size=args.batch_size,
-                           stops=list(args.stop or []), chat=chat, stream=stdout if stream else None)
+                           stops=list(args.stop or []), chat=chat, stream=stdout if stream else None,
+                           batching=args.batching)
     dt = time.perf_counter() - t0
     if args.json:
         for r in results:
@@ -303,5 +310,7 @@ def cmd_generate(args: Any, stdout: TextIO | None = None, stderr: TextIO | None 
     n = sum(len(r["token_ids"]) for r in results)
     stderr.write(f"generate: {len(results)} prompt(s), {n} new tokens in {dt:.2f} s ({n / max(dt, 1e-9):.1f} "
                  f"tokens/s, compilation included); finish: "
-                 f"{', '.join(sorted({r['finish_reason'] for r in results}))}\n")
+                 f"{', '.join(sorted({r['finish_reason'] for r in results}))}; {args.batching} batching, slot "
+                 f"utilisation {gen.last_stats.slot_utilisation:.2f} ({gen.last_stats.decoded} decoded tokens / "
+                 f"{gen.last_stats.decode_steps} decode steps x slots)\n")
     return 0

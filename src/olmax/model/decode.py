@@ -228,6 +228,29 @@ def expand_rows(logits: jax.Array, cache: dict, source: jax.Array) -> tuple[jax.
             {"kv": kv, "pos": pos, "length": constrain(take(cache["length"], 0), ("batch",))})
 
 
+def blank_cache(cfg: ModelConfig, prepared: dict, batch: int, max_length: int) -> dict:
+    """A cache of ``batch`` empty rows (no position written, length 0): the continuous engine's
+    slots before their first prompt."""
+    n = slots(cfg, max_length)
+    lengths = jnp.zeros((batch,), jnp.int32)
+    return {"kv": empty_cache(cfg, prepared, batch, max_length),
+            "pos": {kind: constrain(slot_positions(lengths, s), ("batch", "length")) for kind, s in n.items()},
+            "length": constrain(lengths, ("batch",))}
+
+
+def write_rows(cache: dict, rows: dict, source: jax.Array, dest: jax.Array) -> dict:
+    """``cache`` with row ``dest[i]`` replaced by row ``source[i]`` of the cache ``rows`` (a
+    ``prefill``'s, of the same ``max_length``): keys, values, positions and length, so nothing of
+    the row's previous occupant stays visible. A ``dest`` past the last row writes nothing (the
+    padding of a bucketed admission)."""
+    kv = jax.tree.map(lambda a, r: constrain(a.at[:, dest].set(jnp.take(r, source, axis=1).astype(a.dtype),
+                                                             mode="drop"), _axes()), cache["kv"], rows["kv"])
+    pos = {kind: constrain(p.at[dest].set(jnp.take(rows["pos"][kind], source, axis=0), mode="drop"),
+                           ("batch", "length")) for kind, p in cache["pos"].items()}
+    length = cache["length"].at[dest].set(jnp.take(rows["length"], source, axis=0), mode="drop")
+    return {"kv": kv, "pos": pos, "length": constrain(length, ("batch",))}
+
+
 def decode_step(prepared: dict, tokens: jax.Array, cache: dict, cfg: ModelConfig, max_length: int
                 ) -> tuple[jax.Array, dict]:
     """One new token per row (``tokens`` [b]) at position ``cache["length"]`` (below

@@ -225,7 +225,7 @@ def token_logps(params: Any, tokens: jax.Array, label_mask: jax.Array, cfg: Any,
         logits = lm_head({"lm_head": head}, xc, m)
         if sampled_vocab and m.embedding_rows > m.vocab_size:
             logits = jnp.where(jnp.arange(logits.shape[-1]) < m.vocab_size, logits, -jnp.inf)
-        if reproducing_decode_bits():  # the sampler's formula (``olmax.model.generate.sample``), bit for bit
+        if reproducing_decode_bits():  # the sampler's formula (``olmax.engine.sample``), bit for bit
             return jnp.take_along_axis(log_softmax(logits), tc[..., None], axis=-1)[..., 0]
         lse = jax.nn.logsumexp(logits, axis=-1)
         return jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0] - lse

@@ -7,7 +7,7 @@ What a step does (``RlData.rollouts(step, params)``):
    ``(data.seed, epoch)``; prompts retired by ``rl.retire_pass_rate`` are passed over. The stream
    position (and the retired prompts) are the data state saved in every checkpoint.
 2. Samples ``rl.group_size`` completions of each with olmax's KV-cache generator
-   (``olmax.model.generate``) loaded with the trainer's current weights: the same parameters, on
+   (``olmax.engine``) loaded with the trainer's current weights: the same parameters, on
    the same mesh; there is no second copy to keep in sync. Row j of sampling round r of step s
    draws from ``fold_in(key(seed(train.seed, s, r)), j)``: rollouts are a pure function of the
    weights, the step and the data state, so a resumed run samples what an uninterrupted one does.
@@ -227,15 +227,15 @@ class RlData:
     # -- rollouts -------------------------------------------------------------------------------
 
     def _generate(self, params: Any, rows: list[list[int]], seed: int) -> list[Any]:
-        from olmax.model.generate import Generator, Sampling, call_rows, generate
+        from olmax.engine import Sampling, call_rows, decoder, generate
         r = self.cfg.rl
         sampling = Sampling(temperature=r.temperature, top_p=None if r.top_p >= 1 else r.top_p, seed=seed)
         batch = r.generation_batch or len(rows)
         if self.generator is None:
             # In the layout of the batches it runs from the start: the weights reloaded every step
             # then go through one program compiled in the first step (not a new one in the second).
-            self.generator = Generator(params, self.cfg.model, sampling, self.mesh,
-                                       rows=call_rows(len(rows), batch, self.mesh))
+            self.generator = decoder(params, self.cfg.model, r.batching, rows=call_rows(len(rows), batch, self.mesh),
+                                     mesh=self.mesh, sampling=sampling)
         else:
             self.generator.load(params)
         stops = r.stop_strings
@@ -268,10 +268,14 @@ class RlData:
         kept: list[tuple[int, list[Any], np.ndarray]] = []      # informative groups
         spare: list[tuple[int, list[Any], np.ndarray]] = []     # zero-std groups (masked out when filtered)
         all_rewards, lengths, truncated, generated, zero_std, rounds = [], [], 0, 0, 0, 0
+        slot_steps = decoded = 0
         while True:
             ids = self.draw(P)
             rows = [self.prompts[i].ids for i in ids for _ in range(G)]
+            before = (self.generator.stats.slot_steps, self.generator.stats.decoded) if self.generator else (0, 0)
             comps = self._generate(params, rows, _stream_seed(self.cfg.train.seed, step, rounds))
+            slot_steps += self.generator.stats.slot_steps - before[0]
+            decoded += self.generator.stats.decoded - before[1]
             rounds += 1
             texts = [completion_text(self.codec, c.token_ids, r.stop_strings) for c in comps]
             golds = [self.prompts[i].gold for i in ids for _ in range(G)]
@@ -304,6 +308,8 @@ class RlData:
             "rl/truncation_rate": truncated / len(lengths),
             "rl/tokens_generated": float(generated),
             "rl/generation_tokens_per_sec": generated / t_gen if t_gen > 0 else 0.0,
+            # Tokens made per decode step and slot: the share of the engine's slots that did useful work.
+            "rl/slot_utilisation": decoded / slot_steps if slot_steps else 1.0,
             "rl/time_generation_s": t_gen, "rl/prompts_retired": float(len(self.retired)),
             "rl/reward_failures": float(self.reward.failures + self.reward.timeouts),
         }

@@ -1,0 +1,100 @@
+"""Generation: the engines that schedule the model's prefill and decode step (``olmax.model.decode``)
+over row slots, sampling, stops and streaming; used by ``olmax generate``/``chat``, RL rollouts,
+the lm-eval adapter and the server.
+
+- ``continuous`` (the default): a fixed number of slots; a finished row's slot takes the next
+  waiting prompt while the others decode on; several decode steps per host round trip.
+- ``static``: a batch steps until its last row stops, one round trip per token (to compare with,
+  and a fallback).
+
+Both give the same completions (token ids and log-probs) for the same call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from jax.sharding import Mesh
+
+from olmax.config import ModelConfig
+from olmax.engine.continuous import Engine, EngineStats, Request
+from olmax.engine.sampling import MAX_TEMPERATURE, MAX_TOP_LOGPROBS, Completion, Sampling
+from olmax.engine.shapes import cache_length, call_rows, prompt_bucket
+from olmax.engine.static import Generator
+
+BATCHING = ("continuous", "static")
+DEFAULT_CHUNK = 8  # decode steps per host round trip (benchmarks/bench_rl.py measures the choice)
+
+__all__ = ["BATCHING", "Completion", "Engine", "EngineStats", "Generator", "MAX_TEMPERATURE", "MAX_TOP_LOGPROBS",
+           "Request", "Sampling", "decoder", "generate"]
+
+
+def decoder(params: Any, cfg: ModelConfig, batching: str = "continuous", *, rows: int, mesh: Mesh | None = None,
+            sampling: Sampling = Sampling()) -> Engine | Generator:
+    """An engine of kind ``batching`` to reuse across ``generate`` calls (its compiled programs and
+    prepared weights; ``load`` new weights into it), built for batches of ``rows``."""
+    if batching not in BATCHING:
+        raise ValueError(f"batching must be one of {', '.join(BATCHING)}, got {batching!r}")
+    if batching == "static":
+        return Generator(params, cfg, sampling, mesh, rows=rows)
+    # Shapes are set by each ``generate`` call (``Engine.reset``); a placeholder until then.
+    return Engine(params, cfg, slots=rows, max_length=64, mesh=mesh, chunk=DEFAULT_CHUNK)
+
+
+def generate(params: Any, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+             sampling: Sampling | None = None, eos_ids: Iterable[int] = (), batch_size: int = 8,
+             stop: Callable[[int, list[int]], bool] | None = None,
+             on_token: Callable[[int, int], None] | None = None,
+             generator: Engine | Generator | None = None, mesh: Mesh | None = None,
+             batching: str | None = None, chunk: int = DEFAULT_CHUNK) -> list[Completion]:
+    """Complete each prompt (a list of token ids) with up to ``max_new_tokens`` tokens, ``batch_size``
+    rows at a time; results in prompt order. ``stop(prompt_index, generated_ids)`` is asked after
+    each token (stop strings); ``on_token(prompt_index, token_id)`` sees each token as it is made
+    (streaming). ``sampling`` defaults to greedy. Pass ``generator`` (``decoder``) to reuse its
+    compiled programs and prepared weights (its mesh and kind then apply), or ``mesh`` to shard
+    the run. ``batching``: "continuous" (default) or "static"; ``chunk``: decode steps per host
+    round trip of the continuous engine."""
+    prompts = [list(p) for p in prompts]
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty: decoding needs at least one token")
+        bad = [t for t in p if not 0 <= int(t) < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {cfg.vocab_size}): {bad[:5]}")
+    if not prompts:
+        return []
+    if generator is not None:
+        batching = "static" if isinstance(generator, Generator) else "continuous"
+        mesh = generator.mesh
+    batching = batching or "continuous"
+    if batching not in BATCHING:
+        raise ValueError(f"batching must be one of {', '.join(BATCHING)}, got {batching!r}")
+    if sampling is None:
+        sampling = generator.sampling if isinstance(generator, Generator) else Sampling()
+    sampling.check()
+    rows = call_rows(len(prompts), batch_size, mesh)
+    prompt_len = prompt_bucket(max(len(p) for p in prompts), cfg, mesh)
+    max_length = cache_length(prompt_len, max_new_tokens)
+    eos = frozenset(int(e) for e in eos_ids)
+    if batching == "static":
+        gen = generator or Generator(params, cfg, sampling, mesh, rows=rows)
+        results: list[Completion] = []
+        for start in range(0, len(prompts), rows):
+            part = prompts[start:start + rows]
+            results += gen.run(part, list(range(start, start + len(part))), rows, prompt_len, max_length,
+                               max_new_tokens, set(eos), stop, on_token, sampling)
+        return results
+    engine = generator or Engine(params, cfg, slots=rows, max_length=max_length, mesh=mesh, chunk=chunk,
+                                 prompt_len=prompt_len)
+    engine.reset(slots=rows, max_length=max_length, chunk=chunk, prompt_len=prompt_len)
+
+    def request(i: int, p: list[int]) -> Request:
+        return Request(p, max_new_tokens, sampling, index=i, eos_ids=eos,
+                       stop=None if stop is None else (lambda ids, i=i: stop(i, ids)),
+                       on_token=None if on_token is None else (lambda t, _lp, i=i: on_token(i, t)))
+    return engine.run([request(i, p) for i, p in enumerate(prompts)])

@@ -1,0 +1,140 @@
+"""The continuous-batching engine (``olmax.engine.continuous``) against the static one: the same
+completions (token ids and log-probs, bit for bit) whatever the slots, the chunk of decode steps
+per round trip or the other requests in flight; per-request settings, cancels, top log-probs,
+bad requests, and the slot utilisation it is for."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from olmax.engine import Engine, Request, Sampling, decoder, generate
+from olmax.model.params import init_params
+from test_decode import TINY
+
+SETTINGS = [Sampling(), Sampling(temperature=1.0, seed=5), Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=1)]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(TINY, jax.random.key(0))
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(1, 100, size=int(rng.integers(3, 30)))] for _ in range(n)]
+
+
+def _same(a, b) -> None:
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert [c.logprobs for c in a] == [c.logprobs for c in b]   # to the bit
+    assert [c.finish_reason for c in a] == [c.finish_reason for c in b]
+
+
+@pytest.mark.parametrize("sampling", [SETTINGS[0], pytest.param(SETTINGS[1], marks=pytest.mark.integration)],
+                         ids=["greedy", "sampled"])
+def test_continuous_equals_static(params, sampling: Sampling) -> None:
+    """13 prompts of mixed lengths on 4 slots, EOS ids and a stop rule that ends rows at
+    different lengths: every completion of the continuous engine is the static engine's."""
+    prompts = _prompts(13)
+    targets = [5 + (7 * i) % 31 for i in range(len(prompts))]
+
+    def stop(i: int, ids: list[int]) -> bool:
+        return len(ids) >= targets[i]
+
+    kw = dict(max_new_tokens=32, sampling=sampling, eos_ids=[7, 11], batch_size=4, stop=stop)
+    static = generate(params, TINY, prompts, batching="static", **kw)
+    continuous = generate(params, TINY, prompts, batching="continuous", chunk=5, **kw)
+    _same(static, continuous)
+    assert {c.finish_reason for c in static} >= {"stop"}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("chunk", [1, 3, 16])
+@pytest.mark.parametrize("sampling", SETTINGS, ids=["greedy", "sampled", "top-k-p"])
+def test_continuous_equals_static_at_every_chunk(params, sampling: Sampling, chunk: int) -> None:
+    prompts = _prompts(11, seed=1)
+    kw = dict(max_new_tokens=24, sampling=sampling, eos_ids=[3, 9, 27], batch_size=4)
+    _same(generate(params, TINY, prompts, batching="static", **kw),
+          generate(params, TINY, prompts, batching="continuous", chunk=chunk, **kw))
+
+
+@pytest.mark.integration
+def test_a_request_does_not_depend_on_the_others(params) -> None:
+    """Requests with their own settings (greedy, sampled, top-k/top-p, seeds, budgets, EOS) share
+    slots; each completion equals the same request run alone on the same engine, and a
+    stream's tokens (``on_token``) are its completion's, in order."""
+    engine = Engine(params, TINY, slots=4, max_length=128, chunk=4)
+    prompts = _prompts(7, seed=2)
+    seen: dict[int, list[int]] = {}
+
+    def request(i: int, stream: bool = False) -> Request:
+        return Request(prompts[i], max_new_tokens=6 + 5 * i, sampling=SETTINGS[i % 3], index=i,
+                       eos_ids=frozenset({i + 10}),
+                       on_token=(lambda t, lp, i=i: seen.setdefault(i, []).append(t)) if stream else None)
+    together = engine.run([request(i, stream=True) for i in range(len(prompts))])
+    for i in range(len(prompts)):
+        (alone,) = engine.run([request(i)])
+        _same([alone], [together[i]])
+        assert seen[i] == together[i].token_ids
+    assert not engine.busy()
+
+
+@pytest.mark.integration
+def test_cancel_frees_the_slot_and_leaves_the_others(params) -> None:
+    engine = Engine(params, TINY, slots=2, max_length=128, chunk=2)
+    prompts = _prompts(3, seed=3)
+    finished = {}
+    reqs = [Request(p, max_new_tokens=40, index=i, on_finish=lambda c, i=i: finished.setdefault(i, c))
+            for i, p in enumerate(prompts)]
+    ids = [engine.submit(r) for r in reqs]
+    engine.step()
+    engine.cancel(ids[0])
+    engine.cancel(ids[2])   # still waiting: never runs
+    done = {}
+    while engine.busy():
+        done.update(engine.step())
+    assert done[ids[0]].finish_reason == finished[0].finish_reason == "cancelled"
+    assert done[ids[2]].finish_reason == "cancelled" and done[ids[2]].token_ids == []
+    (alone,) = Engine(params, TINY, slots=2, max_length=128, chunk=2).run([reqs[1]])
+    _same([done[ids[1]]], [alone])
+    assert 0 < len(done[ids[0]].token_ids) < 40
+
+
+def test_top_logprobs_hold_the_sampled_token_and_are_sorted(params) -> None:
+    engine = Engine(params, TINY, slots=2, max_length=64, chunk=3)
+    (c,) = engine.run([Request(_prompts(1)[0], max_new_tokens=7, top_logprobs=5)])
+    assert len(c.top_logprobs) == len(c.token_ids) == 7
+    for tok, lp, top in zip(c.token_ids, c.logprobs, c.top_logprobs):
+        assert len(top) == 5 and top[0] == (tok, lp)          # greedy: the most likely token
+        assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+
+
+def test_bad_requests_are_refused_before_they_run(params) -> None:
+    engine = Engine(params, TINY, slots=2, max_length=64)
+    for req, match in [(Request([], 4), "empty"), (Request([1, 100], 4), "outside the vocabulary"),
+                       (Request([1], 0), "max_new_tokens"), (Request([1] * 60, 8), "past the engine's 64"),
+                       (Request([1], 4, Sampling(temperature=1e9)), "temperature"),
+                       (Request([1], 4, Sampling(temperature=1.0, top_p=0.0)), "top_p"),
+                       (Request([1], 4, top_logprobs=21), "top_logprobs"),
+                       (Request([1], 4, eos_ids=frozenset(range(9))), "end-of-sequence")]:
+        with pytest.raises(ValueError, match=match):
+            engine.submit(req)
+    assert not engine.busy()
+    with pytest.raises(ValueError, match="slots"):
+        Engine(params, TINY, slots=0, max_length=64)
+
+
+def test_continuous_batching_keeps_the_slots_busy(params) -> None:
+    """Rows that end at very different lengths (a stop rule): the static engine's slots idle while
+    its batches' longest rows finish, the continuous engine's are refilled."""
+    prompts = _prompts(24, seed=4)
+    targets = [4 if i % 4 else 40 for i in range(len(prompts))]
+    stats = {}
+    for batching in ("static", "continuous"):
+        engine = decoder(params, TINY, batching, rows=4)
+        generate(params, TINY, prompts, max_new_tokens=40, batch_size=4, generator=engine,
+                 stop=lambda i, ids: len(ids) >= targets[i])
+        stats[batching] = engine.stats.slot_utilisation
+    assert stats["static"] < 0.5 < 0.75 < stats["continuous"], stats
