@@ -117,7 +117,7 @@ class FakeEngine:
                 c.logprobs.append(lp)
                 if r.top_logprobs:
                     tops = [(tok, lp)] + [((tok + k) % self.vocab, lp - k) for k in range(1, r.top_logprobs)]
-                    c.top_logprobs = (getattr(c, "top_logprobs", None) or []) + [tops]
+                    c.top_logprobs = (c.top_logprobs or []) + [tops]
                 if r.on_token:
                     r.on_token(tok, lp)
                 if tok in r.eos_ids or (r.stop is not None and r.stop(c.token_ids)):

@@ -347,7 +347,7 @@ async def _stream(run: Run, rid: str, t0: float) -> AsyncIterator[str]:
                 choice = chunk_choice(job, served, c, text, ids if per_chunk else [], ls,
                                       comp.finish_reason if comp is not None else None)
                 if comp is not None and job.logprobs and job.top_logprobs:
-                    tops = getattr(comp, "top_logprobs", None)
+                    tops = comp.top_logprobs
                     make = chat_logprobs if job.chat else completion_logprobs
                     choice["logprobs"] = make(served.codec, comp.token_ids, comp.logprobs, tops)
                 out.append(choice)

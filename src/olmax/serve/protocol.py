@@ -22,12 +22,11 @@ from typing import Any
 
 from olmax.chat.codec import TextCodec
 from olmax.chat.template import ROLES, check_messages
-from olmax.serve.worker import Completion, Sampling
+from olmax.serve.worker import MAX_TOP_LOGPROBS, Completion, Sampling
 
 SEED_MAX = 2**32 - 1          # a uint32 inside the compiled decoder
 MAX_N = 64                    # choices per request
 MAX_STOPS = 32                # lm-eval's tasks pass more than OpenAI's 4
-MAX_TOP_LOGPROBS = 20         # the engine's limit (and OpenAI's for chat)
 MAX_COMPLETION_LOGPROBS = 5   # OpenAI's limit for /v1/completions
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -400,7 +399,7 @@ def response(job: Job, rid: str, served: ServedModel, choices: list[Choice]) -> 
     out = []
     for i, c in enumerate(choices):
         comp = c.completion
-        tops = getattr(comp, "top_logprobs", None)
+        tops = comp.top_logprobs
         if job.chat:
             lp = chat_logprobs(served.codec, comp.token_ids, comp.logprobs, tops) if job.logprobs else None
             out.append({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,

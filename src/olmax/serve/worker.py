@@ -15,58 +15,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
 
-try:
-    from olmax.engine import Completion, Engine, Request, Sampling
-except ImportError:  # PRE-MERGE SHIM: olmax.engine lands on main; until then the ENGINE_API.md types
-    from dataclasses import dataclass, field
+from olmax.engine import MAX_TOP_LOGPROBS, Completion, Engine, Request, Sampling
 
-    from olmax.model.generate import Completion, Generator, Sampling, cache_length, prompt_bucket
-
-    class Engine:  # one request at a time on today's Generator, until the real engine lands
-        def __init__(self, params, cfg, *, slots, max_length, mesh=None, chunk=8):
-            import threading as _t
-            self.cfg, self.gen, self.lock = cfg, Generator(params, cfg, rows=1), _t.Lock()
-            self.waiting, self.cancelled, self.n = [], set(), 0
-
-        def submit(self, r):
-            r.sampling.check()
-            with self.lock:
-                self.n += 1
-                self.waiting.append((self.n, r))
-                return self.n
-
-        def cancel(self, rid):
-            self.cancelled.add(rid)
-
-        def busy(self):
-            return bool(self.waiting)
-
-        def step(self):
-            with self.lock:
-                rid, r = self.waiting.pop(0)
-            pl = prompt_bucket(len(r.prompt), self.cfg)
-            lps = []
-            (c,) = self.gen.run([r.prompt], [r.index], 1, pl, cache_length(pl, r.max_new_tokens), r.max_new_tokens,
-                                set(r.eos_ids), lambda i, ids: rid in self.cancelled or bool(r.stop and r.stop(ids)),
-                                lambda i, t: (lps.append(0.0), r.on_token and r.on_token(t, 0.0)), r.sampling)
-            if rid in self.cancelled:
-                c.finish_reason = "cancelled"
-            r.on_finish and r.on_finish(c)
-            return [(rid, c)]
-
-    @dataclass
-    class Request:
-        prompt: list[int]
-        max_new_tokens: int
-        sampling: Sampling = field(default_factory=Sampling)
-        index: int = 0
-        eos_ids: frozenset[int] = frozenset()
-        stop: Callable[[list[int]], bool] | None = None
-        on_token: Callable[[int, float], None] | None = None
-        on_finish: Callable[[Completion], None] | None = None
-        top_logprobs: int = 0
-
-__all__ = ["Completion", "Request", "Sampling", "EngineLike", "EngineWorker", "build_engine"]
+__all__ = ["MAX_TOP_LOGPROBS", "Completion", "Request", "Sampling", "EngineLike", "EngineWorker", "build_engine"]
 
 
 class EngineLike(Protocol):
