@@ -139,7 +139,7 @@ def test_completions_from_token_ids_equal_olmax_generate(checkpoint: Path, clien
         assert c.logprobs.token_logprobs == pytest.approx(want["logprobs"], abs=1e-5)
 
 
-def test_seeded_sample_alone_equals_among_8_concurrent(client) -> None:
+def test_seeded_sample_alone_equals_among_8_concurrent(server: ServeProcess, client) -> None:
     def ask(prompt: str, seed: int, stream: bool) -> str:
         kw = dict(model="tiny", prompt=prompt, temperature=0.9, top_p=0.95, seed=seed, max_tokens=32)
         if not stream:
@@ -148,11 +148,16 @@ def test_seeded_sample_alone_equals_among_8_concurrent(client) -> None:
 
     alone = ask("the cat sat", 11, False)
     assert alone == ask("the cat sat", 11, True)
-    with ThreadPoolExecutor(9) as pool:
+    before = httpx.get(server.url + "/health").json()["engine"]
+    with ThreadPoolExecutor(10) as pool:
         others = [pool.submit(ask, f"we see the {w}", i, i % 2 == 0) for i, w in enumerate(["sky"] * 4 + ["dog"] * 4)]
         among = [pool.submit(ask, "the cat sat", 11, stream) for stream in (False, True)]
         [f.result() for f in others]
         assert [f.result() for f in among] == [alone, alone]
+    after = httpx.get(server.url + "/health").json()["engine"]
+    # They decoded in one batch: more tokens kept than decode steps run.
+    decoded, steps = (after[k] - before[k] for k in ("decoded", "decode_steps"))
+    assert decoded > 2 * steps, (decoded, steps)
 
 
 def _raw(port: int, data: bytes, read: bool = True) -> bytes:

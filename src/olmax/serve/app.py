@@ -223,7 +223,11 @@ async def health(request: HTTPRequest) -> Response:
         return JSONResponse({"status": "engine failed"}, status_code=503)
     if state.draining:
         return JSONResponse({"status": "shutting down"}, status_code=503)
-    return JSONResponse({"status": "ok", "in_flight": state.worker.in_flight()})
+    out: dict[str, Any] = {"status": "ok", "in_flight": state.worker.in_flight()}
+    stats = getattr(state.worker.engine, "stats", None)  # olmax.engine's EngineStats
+    if stats is not None:
+        out["engine"] = {**vars(stats), "slot_utilisation": stats.slot_utilisation}
+    return JSONResponse(out)
 
 
 @endpoint
