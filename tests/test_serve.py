@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import threading
 import time
 
@@ -372,3 +373,22 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(served: ServedModel
         server.should_exit = True
         thread.join(10)
         s.close()
+
+
+# --------------------------------------------------------------------------- the command's user errors
+
+
+def test_serve_command_user_errors(tmp_path, capsys, monkeypatch) -> None:
+    from olmax import cli
+    rc = cli.main(["serve", "--checkpoint", str(tmp_path / "nothing"), "--port", "0"])
+    assert rc == 2 and "does not exist" in capsys.readouterr().err
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        rc = cli.main(["serve", "--checkpoint", str(tmp_path), "--port", str(busy.getsockname()[1])])
+        assert rc == 2 and "cannot listen on 127.0.0.1" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "uvicorn", None)
+    rc = cli.main(["serve", "--checkpoint", str(tmp_path), "--port", "0"])
+    assert rc == 2 and "pip install 'olmax[serve]'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--checkpoint", "x", "--port", "70000"])
