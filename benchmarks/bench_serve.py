@@ -10,7 +10,8 @@ hold a tokenizer).
 
 For each level N of ``--clients`` (default 1, 8, 32), N concurrent clients stream
 ``/v1/completions`` (greedy, text prompts of about ``--prompt-tokens`` tokens, distinct per
-request) until ``max(2N, 8)`` requests are done, after a warm-up burst at the level; the best of
+request) until ``max(2N, 8)`` requests are done (``olmax serve --warmup`` compiles its prefill
+programs first), after a warm-up burst at the level; the best of
 ``--repeats`` such runs (default 2: the engine compiles a prefill program the first time it admits
 a new number of rows or prompt bucket together, and one run alone may time a compile). Per level:
 aggregate output tokens/s (all tokens over the wall time), time to first token (p50, p95) and
@@ -148,11 +149,11 @@ class Process:
                 self.proc.wait()
 
 
-def olmax_serve(model: str, port: int, slots: int, max_length: int) -> Process:
+def olmax_serve(model: str, port: int, slots: int, max_length: int, warmup: int) -> Process:
     env = {"PYTHONPATH": os.pathsep.join([str(Path(olmax.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
     return Process("olmax-serve", [sys.executable, "-m", "olmax.cli", "serve", "--checkpoint", model, "--port",
                                    str(port), "--max-concurrency", str(slots), "--max-length", str(max_length),
-                                   "--model-name", "bench"], port, env)
+                                   "--model-name", "bench", "--warmup", str(warmup)], port, env)
 
 
 def transformers_serve(hf_dir: str, port: int) -> Process:
@@ -311,7 +312,8 @@ def main() -> None:
     slots = max(levels)
     print(f"[bench-serve] model {model}, prompts ~{args.prompt_tokens} tokens, {args.max_tokens} new, greedy",
           flush=True)
-    run_server("olmax serve", olmax_serve(model, free_port(), slots, max_length), "bench")
+    # Prompts are about --prompt-tokens long: warm the buckets they fall in.
+    run_server("olmax serve", olmax_serve(model, free_port(), slots, max_length, args.prompt_tokens + 8), "bench")
     if not args.skip_transformers:
         run_server("transformers serve", transformers_serve(hf_dir, free_port()), hf_dir)
     if not args.skip_offline:

@@ -232,7 +232,8 @@ def test_malformed_request_probe(server: ServeProcess) -> None:
 
 
 def test_sigterm_finishes_the_request_in_flight_and_exits_0(checkpoint: Path) -> None:
-    s = ServeProcess("--checkpoint", f"hf:{checkpoint}", "--max-length", "256", "--max-concurrency", "2")
+    s = ServeProcess("--checkpoint", f"hf:{checkpoint}", "--max-length", "256", "--max-concurrency", "2",
+                     "--warmup", "16")
     try:
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=300)
         stream = c.completions.create(model=f"hf:{checkpoint}", prompt=[5, 6, 7], max_tokens=200, temperature=0,
@@ -245,5 +246,7 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(checkpoint: Path) ->
         with pytest.raises(httpx.ConnectError):
             httpx.get(s.url + "/health")
         assert any("refusing new ones" in line for line in s.lines)
+        # One bucket (prompts up to 16 tokens), 1 and 2 rows at a time, greedy and sampled.
+        assert any("warmed up 4 prefill groups" in line for line in s.lines), "".join(s.lines)
     finally:
         s.stop()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from olmax.argtypes import int_in, positive_int
+from olmax.argtypes import int_in, nonneg_int, positive_int
 
 DEFAULT_PORT = 8000
 DEFAULT_SLOTS = 32
@@ -34,6 +34,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-length", type=positive_int, default=None, metavar="L",
                    help=f"prompt + completion tokens per request, the KV cache of each slot (default: the model's "
                         f"positions, at most {DEFAULT_MAX_LENGTH})")
+    p.add_argument("--warmup", type=nonneg_int, nargs="?", const=0, default=None, metavar="TOKENS",
+                   help="before listening, compile the engine's prefill programs for prompts up to TOKENS long "
+                        "(default: --max-length), 1 to --max-concurrency rows at a time, greedy and sampled, so "
+                        "that no request waits for a compile")
     p.add_argument("--model-name", default=None, metavar="NAME",
                    help="the model id clients name (default: --checkpoint as given)")
     p.set_defaults(func=_serve)

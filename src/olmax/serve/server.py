@@ -37,7 +37,7 @@ def cmd_serve(args: Any) -> int:
     from olmax.infer.run import Model
     from olmax.serve.app import create_app
     from olmax.serve.protocol import ServedModel
-    from olmax.serve.worker import EngineWorker, build_engine
+    from olmax.serve.worker import EngineWorker, build_engine, warm_up
 
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     api_key = args.api_key if args.api_key is not None else os.environ.get("OLMAX_API_KEY") or None
@@ -49,7 +49,10 @@ def cmd_serve(args: Any) -> int:
         raise ConfigError(f"--max-length {max_length} is past the model's {positions} positions "
                           "(max_position_embeddings)")
     served = ServedModel.from_model(model, args.model_name or args.checkpoint, max_length)
-    worker = EngineWorker(build_engine(model, args.max_concurrency, max_length), log).start()
+    engine = build_engine(model, args.max_concurrency, max_length)
+    if args.warmup is not None:
+        warm_up(engine, model.cfg.model, args.warmup or max_length - 1, log)
+    worker = EngineWorker(engine, log).start()
     app = create_app(served, worker, api_key, log)
     state = app.state.olmax
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from olmax.engine import MAX_TOP_LOGPROBS, Completion, Engine, Request, Sampling
+from olmax.engine import MAX_TOP_LOGPROBS, Completion, Engine, Request, Sampling, prompt_bucket
 
 __all__ = ["MAX_TOP_LOGPROBS", "Completion", "Request", "Sampling", "EngineLike", "EngineWorker", "build_engine"]
 
@@ -30,6 +31,31 @@ class EngineLike(Protocol):
 def build_engine(model: Any, slots: int, max_length: int) -> Engine:
     """The continuous-batching engine over a checkpoint loaded by ``olmax.infer.run.Model``."""
     return Engine(model.params, model.cfg.model, slots=slots, max_length=max_length)
+
+
+def warm_up(engine: Engine, cfg: Any, upto: int, log: Callable[[str], None]) -> int:
+    """Compile the engine's prefill programs before serving, so that no request waits for one: the
+    engine compiles a program per (rows admitted together, a power of two; prompt bucket; greedy
+    or sampled) the first time it admits such a group. Runs one-token requests of every bucket up
+    to ``upto`` prompt tokens, admitted 1, 2, 4, ... ``engine.slots`` at a time, greedy and
+    sampled (not with top logprobs). The number of groups run."""
+    lengths, n = [], 1
+    while n <= min(upto, engine.max_length - 1):
+        lengths.append(n)
+        n = prompt_bucket(n, cfg, engine.mesh) + 1
+    sizes = [1 << k for k in range(engine.slots.bit_length()) if 1 << k <= engine.slots]
+    runs = 0
+    t0 = time.perf_counter()
+    for length in lengths:
+        for rows in sizes:
+            for sampling in (Sampling(), Sampling(temperature=1.0)):
+                # Distinct prompts (rows sharing a prompt are prefilled once).
+                engine.run([Request(prompt=[(i + 1) % cfg.vocab_size] * length, max_new_tokens=1,
+                                    sampling=sampling, index=i) for i in range(rows)])
+                runs += 1
+    log(f"olmax serve: warmed up {runs} prefill groups (prompts up to {lengths[-1] if lengths else 0} tokens, "
+        f"up to {engine.slots} rows at a time) in {time.perf_counter() - t0:.1f} s")
+    return runs
 
 
 class EngineWorker:
