@@ -392,3 +392,13 @@ def test_serve_command_user_errors(tmp_path, capsys, monkeypatch) -> None:
     assert rc == 2 and "pip install 'olmax[serve]'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["serve", "--checkpoint", "x", "--port", "70000"])
+
+
+def test_logprobs_json_never_holds_infinity(served: ServedModel) -> None:
+    from olmax.serve.protocol import chat_logprobs, completion_logprobs
+    inf = float("-inf")
+    c = chat_logprobs(served.codec, [5], [inf], [[(5, inf), (6, -1.0)]])["content"][0]
+    assert c["logprob"] == -9999.0 and [t["logprob"] for t in c["top_logprobs"]] == [-9999.0, -1.0]
+    d = completion_logprobs(served.codec, [5], [inf], [[(5, inf)]])
+    assert d["token_logprobs"] == [-9999.0] and list(d["top_logprobs"][0].values()) == [-9999.0]
+    json.dumps(c, allow_nan=False)

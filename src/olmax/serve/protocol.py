@@ -361,11 +361,17 @@ def token_text(codec: TextCodec | None, tid: int) -> str:
     return codec.decode([tid]) or codec.tokenizer.id_to_token(tid) or ""
 
 
+def _lp(x: float) -> float:
+    """A log-probability JSON can carry: -inf (a token the model rules out) as -9999.0, as vLLM does."""
+    x = float(x)
+    return x if math.isfinite(x) else -9999.0
+
+
 def chat_logprobs(codec: TextCodec | None, ids: list[int], lps: list[float],
                   tops: list[list[tuple[int, float]]] | None) -> dict:
     def entry(tid: int, lp: float) -> dict:
         t = token_text(codec, tid)
-        return {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
+        return {"token": t, "logprob": _lp(lp), "bytes": list(t.encode("utf-8"))}
 
     return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in (tops[i] if tops else [])]}
                         for i, (t, lp) in enumerate(zip(ids, lps))]}
@@ -378,8 +384,8 @@ def completion_logprobs(codec: TextCodec | None, ids: list[int], lps: list[float
     for t in tokens:
         offsets.append(at)
         at += len(t)
-    return {"tokens": tokens, "token_logprobs": lps, "text_offset": offsets,
-            "top_logprobs": [{token_text(codec, a): b for a, b in tops[i]} if tops else {}
+    return {"tokens": tokens, "token_logprobs": [_lp(x) for x in lps], "text_offset": offsets,
+            "top_logprobs": [{token_text(codec, a): _lp(b) for a, b in tops[i]} if tops else {}
                              for i in range(len(ids))]}
 
 
