@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-integration test-all test-slow test-slurm lint bench bench-peers bench-generate bench-rl bench-tpu-aot rehearse-gpu
+.PHONY: setup demo test test-integration test-all test-slow test-slurm lint bench bench-peers bench-generate bench-rl bench-serve bench-tpu-aot rehearse-gpu
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m venv $(VENV)
@@ -61,6 +61,11 @@ bench-tpu-aot: $(STAMP)
 # OLMo 3 (batch 1 and 8), compile time apart, and the cache's bytes against the formula.
 bench-generate: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_generate.py
+
+# olmax serve against transformers serve (continuous batching) and offline olmax generate: N = 1, 8,
+# 32 concurrent streaming clients, aggregate tokens/s, time to first token, per-token latency.
+bench-serve: $(STAMP)
+	$(VENV)/bin/python benchmarks/bench_serve.py $(BENCH_ARGS)
 
 # An RL step's time split (sampling vs updates) and olmax's sampling tokens/s inside RL against
 # transformers' sampled generate on the same model and rows; then rollouts on OLMo 3 Think's

@@ -159,6 +159,6 @@ def test_checker_catches_what_it_should(tmp_path: Path, commands, monkeypatch):
     page.write_text("[a](missing.md) [b](other.md#nope) [c](other.md#json-outputs---json-stable-keys)\n"
                     "[d](other.md#weights--biases) [e](#here)\n\n## Here\n\n`olmax [x](gone.md)`\n")
     assert broken_links(page) == ["page.md: missing.md: no such file", "page.md: other.md#nope: no heading #nope"]
-    assert bad_commands("olmax serve --port 1", commands) == ["olmax serve: no such command"]
+    assert bad_commands("olmax deploy --port 1", commands) == ["olmax deploy: no such command"]
     assert bad_commands("olmax eval perplexity --checkpoint x", commands)[0].startswith("olmax eval perplexity")
     assert bad_commands("olmax demo, then olmax verify trl --dpo; src/olmax/rl olmax.cli olmax --help", commands) == []

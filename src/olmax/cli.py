@@ -20,6 +20,7 @@ from olmax.eval import commands as eval_commands
 from olmax.extras import MissingExtra
 from olmax.infer import commands as infer_commands
 from olmax.launch import commands as launch_commands
+from olmax.serve import commands as serve_commands
 from olmax.train import commands as train_commands
 from olmax.verify import commands as verify_commands
 from olmax.verify import parity
@@ -30,7 +31,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ValueError, OSError
 
 # Modules that add subcommands, in help order.
 COMMAND_MODULES = [commands, compile, train_commands, data_commands, convert_commands, parity, verify_commands,
-                   eval_commands, infer_commands, launch_commands]
+                   eval_commands, infer_commands, serve_commands, launch_commands]
 
 
 class Parser(argparse.ArgumentParser):

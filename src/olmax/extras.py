@@ -6,6 +6,7 @@ compiles and generates; the rest comes with an extra (pyproject.toml's optional-
 - ``rl``: math-verify (the ``math`` reward);
 - ``remote``: fsspec, aiohttp, pyarrow, google-cloud-storage (``s3://``, ``gs://``, ``http(s)://`` paths);
 - ``wandb``: wandb (``wandb.project``);
+- ``serve``: starlette, uvicorn (``olmax serve``);
 - ``plots``: matplotlib (``olmax compare`` plots);
 - ``tpu``: libtpu (``olmax compile`` for a TPU slice, running on TPUs);
 - ``verify``: OLMo-core and TRL (``olmax verify olmo-core``, ``olmax verify trl``), with ``hf``.
@@ -27,6 +28,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "rl": ("math_verify",),
     "remote": ("fsspec", "aiohttp", "pyarrow", "google.cloud.storage"),
     "wandb": ("wandb",),
+    "serve": ("starlette", "uvicorn"),
     "plots": ("matplotlib",),
     "tpu": ("libtpu",),
     "verify": ("olmo_core", "trl"),

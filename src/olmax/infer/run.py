@@ -45,6 +45,16 @@ def unsafe_tail(text: str, stops: list[str]) -> int:
     return n
 
 
+def stop_condition(codec: TextCodec, stops: list[str]) -> Callable[[list[int]], bool] | None:
+    """Whether generated ids have reached a stop string (None without stop strings): decodes only a
+    tail of the ids, since a stop string ends within the last len(s) characters, each at most 4
+    UTF-8 bytes, and every token is at least one byte."""
+    if not stops:
+        return None
+    tail = 4 * max(len(s) for s in stops) + 4
+    return lambda ids: first_stop(codec.decode(ids[-tail:]), stops) is not None
+
+
 def validate_sampling(temperature: float | None, top_p: float | None, top_k: int | None,
                       stops: list[str] | None = None) -> None:
     if temperature is not None and not 0 <= temperature <= MAX_TEMPERATURE:
@@ -156,14 +166,8 @@ class Model:
         if stops and self.codec is None:
             raise ConfigError("stop strings need a tokenizer: pass --tokenizer")
         codec = self.codec
-        stop_fn = None
-        if stops:
-            # A stop string ends within the last len(s) characters, each at most 4 UTF-8 bytes,
-            # and every token is at least one byte: the tail of tokens to decode is bounded.
-            tail = 4 * max(len(s) for s in stops) + 4
-
-            def stop_fn(i: int, ids: list[int]) -> bool:
-                return first_stop(codec.decode(ids[-tail:]), stops) is not None
+        stopped = stop_condition(codec, stops)
+        stop_fn = (lambda i, ids: stopped(ids)) if stopped is not None else None
 
         streamer = Streamer(codec, stops, stream) if stream is not None and codec is not None else None
         sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
