@@ -81,6 +81,15 @@ def olmo3_7b_stage1() -> Config:
             switch_step=STAGE1_SWITCH, t_max_2=STAGE1_T_MAX_2)),
         # At most 4 x 8192 tokens per device per micro-batch (2 micro-batches of 4 on v5p-128):
         # within MaxText's per-chip memory for the same slice and batch.
+        # Remat by measurement (`olmax compile --sweep`, 2026-12-05, XLA's estimate, not a chip's
+        # clock: benchmarks/results/compile-sweep-7b_tpu-aot_2026-12-05.md): on v5p-128,
+        # save_proj in 4 micro-batches of 2 needs 64.07 GiB a chip (33% free) for an estimated
+        # 7.93 s a step (est. MFU 83.8%) against full remat's 9.75 s (68.2%, 25.35 GiB); save_proj
+        # at 4 a micro-batch does not fit (111.22 GiB: about 24 GiB of activations per sequence).
+        # The recipe keeps full remat: one recipe serves every slice, and save_proj has not been
+        # compiled for v6e-256 (31.25 GiB: room for one such sequence at most), tpu7x-128 or
+        # stage 3's 65,536 tokens (which inherit this model). On v5p-128:
+        # --set model.remat=save_proj --set train.max_micro_batch_size=2.
         train=TrainConfig(steps=STAGE1_STEPS, global_batch_size=STAGE1_BATCH, max_micro_batch_size=MAX_MICRO_BATCH),
         checkpoint=CheckpointConfig(interval=1000),        # save_interval=1000
         # In-loop evaluation every 10k steps; 8 batches of 256 x 8192 tokens = 16.8M held-out tokens
