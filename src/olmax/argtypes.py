@@ -56,6 +56,14 @@ def nonneg_float(s: str) -> float:
     return v
 
 
+def fraction(s: str) -> float:
+    """A number in [0, 1)."""
+    v = _float(s)
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1), got {s!r}")
+    return v
+
+
 def int_in(lo: int, hi: int):
     """An integer in lo..hi (inclusive): for flags whose huge values would overflow a seed or an index."""
     def check(s: str) -> int:

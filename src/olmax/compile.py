@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from olmax import jsonout
-from olmax.argtypes import positive_int
+from olmax.argtypes import fraction, positive_int
 from olmax.config import Config, ConfigError
 from olmax.extras import require
 from olmax.recipes import add_recipe_args, get_recipe
@@ -603,18 +603,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sweep", action="store_true",
                    help="compile the train step under each remat policy x micro-batch x splash block and tabulate "
                         "memory against XLA's estimated cost; the best that leaves --headroom free")
-    p.add_argument("--remat", type=_names, default=None, metavar="A,B", help="--sweep: remat policies (default: all)")
+    p.add_argument("--remat", type=_remats, default=None, metavar="A,B", help="--sweep: remat policies (default: all)")
     p.add_argument("--micro-batches", type=_ints, default=None, metavar="N,M",
                    help="--sweep: sequences per device per micro-batch (default: the recipe's and all in one pass)")
     p.add_argument("--attention-blocks", type=_ints, default=None, metavar="N,M",
                    help="--sweep: splash block sizes, queries and keys alike (default: the recipe's)")
-    p.add_argument("--headroom", type=float, default=0.10, help="--sweep: HBM fraction the best must leave free")
+    p.add_argument("--headroom", type=fraction, default=0.10, help="--sweep: HBM fraction the best must leave free")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (stable keys: docs/cli.md)")
     p.set_defaults(func=cmd_compile)
 
 
 def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _remats(text: str) -> list[str]:
+    import typing
+
+    from olmax.config import ModelConfig
+    known = typing.get_args(typing.get_type_hints(ModelConfig)["remat"])
+    names = _names(text)
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"expected remat policies separated by commas ({', '.join(known)}), "
+                                         f"got {text!r}")
+    return names
 
 
 def _ints(text: str) -> list[int]:
