@@ -340,11 +340,13 @@ class Engine:
         pending = []
         put = self.weights.put
         for block, group in by_block.items():
-            pad = self.slots - len(group)  # one program per block size: the padding rows write nothing
+            # Rows written at once: a power of two (whole rows per data-parallel shard); the padding
+            # rows write nothing. Not every slot: each written row gathers a whole cache row.
+            pad = -(-bucket(len(group), lo=1) // dp) * dp - len(group)
             reqs = [g[2] for g in group] + [group[0][2]] * pad
             source = np.asarray([self._prefilled[self._key(q.prompt)][1] for q in reqs], np.int32)
             dest = np.asarray([g[0] for g in group] + [self.slots] * pad, np.int32)  # past the end: dropped
-            eos = np.full((self.slots, MAX_EOS), -1, np.int32)
+            eos = np.full((len(reqs), MAX_EOS), -1, np.int32)
             for i, q in enumerate(reqs):
                 eos[i, :len(q.eos_ids)] = sorted(q.eos_ids)
             kn = sampling_knobs([q.sampling for q in reqs])
