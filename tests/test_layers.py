@@ -19,9 +19,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # kernels: the platform kernels, which only olmax.model.dispatch calls (they import sharding).
     ("model/data", ("olmax.model", "olmax.kernels", "olmax.sharding", "olmax.optim", "olmax.data", "olmax.metrics",
                     "olmax.chat")),
-    ("compat/checkpoint", ("olmax.compat", "olmax.checkpoint")),
+    # engine: generation over the model's prefill and decode step, used by eval, RL and the tools.
+    ("compat/checkpoint/engine", ("olmax.compat", "olmax.checkpoint", "olmax.engine")),
     ("train/eval", ("olmax.train", "olmax.objectives", "olmax.eval", "olmax.rl")),
-    ("verify/tools", ("olmax.verify", "olmax.infer", "olmax.compile", "olmax.launch", "olmax.demos")),
+    ("verify/tools", ("olmax.verify", "olmax.infer", "olmax.compile", "olmax.launch", "olmax.demos",
+                      "olmax.serve")),
     ("CLI", ("olmax.cli", "olmax.commands")),
 ]
 CLI = len(LAYERS) - 1

@@ -5,3 +5,7 @@ no HTTP. worker: the one seam to ``olmax.engine`` (the thread that steps the eng
 Starlette application (routes, API key, streaming, disconnects). server: ``olmax serve`` itself
 (loading a checkpoint as ``olmax generate`` does, uvicorn, SIGTERM). Nothing here is imported by
 training or evaluation."""
+
+# The cache per slot when --max-length is not given: the model's positions, at most this (a 7B's
+# 65,536 positions x 32 slots would not fit a GPU).
+DEFAULT_MAX_LENGTH = 4096

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 
 from olmax.argtypes import int_in, nonneg_int, positive_int
+from olmax.serve import DEFAULT_MAX_LENGTH
 
 DEFAULT_PORT = 8000
 DEFAULT_SLOTS = 32
-DEFAULT_MAX_LENGTH = 4096
 
 
 def _serve(args: argparse.Namespace) -> int:

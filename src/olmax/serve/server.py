@@ -13,7 +13,7 @@ from typing import Any
 
 from olmax.config import ConfigError
 from olmax.extras import require
-from olmax.serve.commands import DEFAULT_MAX_LENGTH
+from olmax.serve import DEFAULT_MAX_LENGTH
 
 
 def _bind(host: str, port: int) -> socket.socket:
