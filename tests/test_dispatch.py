@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import jax.numpy as jnp
+import pytest
 
 from olmax.kernels import cpu as cpu_kernels
 from olmax.model import dispatch
@@ -118,6 +119,7 @@ def test_describe_agrees_with_what_the_model_traces():
         assert (cpu_kernels.QKV_FWD in text) is (info["qkv"] == dispatch.KERNELS), info
 
 
+@pytest.mark.integration
 def test_a_fresh_run_records_the_implementations_in_run_info(tmp_path, corpus):
     """The tiny recipe at test size (heads of 8: the blocked attention) for one step: run_info.json
     names the attention implementation and kernels the run used, as ``describe`` gives them."""

@@ -126,6 +126,7 @@ def test_bad_requests_are_refused_before_they_run(params) -> None:
         Engine(params, TINY, slots=0, max_length=64)
 
 
+@pytest.mark.integration
 def test_continuous_batching_keeps_the_slots_busy(params) -> None:
     """Rows that end at very different lengths (a stop rule): the static engine's slots idle while
     its batches' longest rows finish, the continuous engine's are refilled."""

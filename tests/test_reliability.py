@@ -320,6 +320,7 @@ def test_compare_refuses_a_non_empty_out(tmp_path, olmax_main):
     assert (out / "report.md").read_text() == "an earlier report\n" and len(list(out.iterdir())) == 1
 
 
+@pytest.mark.integration
 def test_binary_metrics_file_is_named_and_left_untouched(tmp_path, corpus):
     cfg = cfg_for(corpus, "train.steps=4")
     train(cfg, tmp_path / "run", progress=False, max_steps_this_run=2)

@@ -234,6 +234,7 @@ def test_eval_step_follows_the_training_rule():
     assert float(ce_all) > float(ce)
 
 
+@pytest.mark.integration
 def test_document_masking_reaches_the_forward_in_train_and_eval():
     """``data.document_masking``: the train and eval steps compute positions and segment ids from
     EOS and pass them to the forward; the loss rule is unchanged."""

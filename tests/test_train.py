@@ -63,6 +63,7 @@ def test_checkpoint_n_is_state_after_n_updates_and_resumes_with_batch_n(tmp_path
     assert [resumed[s]["train/CE loss"] for s in (1, 2, 3, 4)] == [full[s]["train/CE loss"] for s in (1, 2, 3, 4)]
 
 
+@pytest.mark.integration
 def test_gradient_accumulation_matches_one_big_batch(tmp_path, corpus):
     a = train(cfg_for(corpus, "train.steps=3"), tmp_path / "a", progress=False)
     b = train(cfg_for(corpus, "train.steps=3", "train.micro_batch_size=2"), tmp_path / "b", progress=False)
