@@ -132,13 +132,14 @@ def test_warm_start_and_heldout_accuracy(tmp_path: Path) -> None:
 
     # `olmax demo rl` (SFT -> DPO -> RL) with an RL stage that cannot help (lr 0): RL keeps the DPO
     # stage's weights, so the same draws and no gain, exit 1, and the figures on stdout as JSON (the
-    # warm start above is reused).
+    # warm start above is reused). Flat groups are kept (rl.filter_zero_std=false): with every reward
+    # 0 they would all be dropped, and a run that trains on no token exits 2 instead.
     import contextlib
     import io
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         rc = main(["demo", "--run-dir", str(demo), "rl", "--prompts", "200", "--sft-steps", "3", "--dpo-steps", "2",
-                   "--set", "optim.lr=0",
+                   "--set", "optim.lr=0", "--set", "rl.filter_zero_std=false",
                    "--set", "train.steps=2", "--set", "rl.prompts_per_step=2", "--set", "train.global_batch_size=16",
                    "--eval-prompts", "6", "--samples", "3", "--json"])
     out = json.loads(buf.getvalue())
