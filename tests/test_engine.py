@@ -50,6 +50,23 @@ def test_continuous_equals_static(params, sampling: Sampling) -> None:
     assert {c.finish_reason for c in static} >= {"stop"}
 
 
+def test_prefilling_ahead_changes_no_completion(params) -> None:
+    """With 2 slots and 10 waiting prompts, a prefill also takes the next waiting prompts (up to
+    ``prefill_ahead``): fewer prefill calls, the same completions, to the bit."""
+    prompts = [p[:12] for p in _prompts(10, seed=2) if len(p) >= 12][:6] * 2   # one bucket, each twice
+    got, calls = {}, {}
+    for ahead in (0, 4):
+        engine = decoder(params, TINY, "continuous", rows=2)
+        engine.prefill_ahead = ahead
+        real, n = engine._prefill, []
+        engine._prefill = lambda *a, **k: n.append(1) or real(*a, **k)
+        got[ahead] = generate(params, TINY, prompts, max_new_tokens=6, batch_size=2, generator=engine,
+                              sampling=SETTINGS[1], stop=lambda i, ids: len(ids) >= 2 + i % 5)
+        calls[ahead] = len(n)
+    _same(got[0], got[4])
+    assert calls[4] < calls[0], calls
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("chunk", [1, 3, 16])
 @pytest.mark.parametrize("sampling", SETTINGS, ids=["greedy", "sampled", "top-k-p"])

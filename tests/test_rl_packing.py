@@ -88,13 +88,18 @@ def test_first_fit_decreasing_is_deterministic_and_fills_rows():
     assert packing.first_fit_decreasing([], 8) == []
     with pytest.raises(ValueError, match="does not fit"):
         packing.first_fit_decreasing([3, 13], 12)
-    # micro-batches within the unpacked per-device bound; rows per device in eighths of it
-    assert packing.row_plan(43, 1, 128) == (1, 48)
+    # micro-batches within the unpacked per-device bound; rows per device to 5 significant bits
+    assert packing.row_plan(28, 1, 64) == (1, 28)      # exact up to 32
+    assert packing.row_plan(43, 1, 128) == (1, 44)
     assert packing.row_plan(0, 1, 128) == (1, 1)
     assert packing.row_plan(128, 1, 128) == (1, 128)
-    assert packing.row_plan(300, 2, 128) == (2, 80)
+    assert packing.row_plan(300, 2, 128) == (2, 76)
     assert packing.row_plan(5, 4, 1) == (2, 1)        # AI2's layout: one row per device per micro-batch
-    assert packing.row_plan(9, 1, 10) == (1, 10)      # never past the bound
+    assert packing.row_plan(33, 1, 33) == (1, 33)     # never past the bound (34 by the rounding)
+    for n in range(1, 5000):                          # at most 1/16 more rows, 16 counts per doubling
+        r = packing.round_rows(n)
+        assert n <= r <= n * (1 + 1 / 16) and packing.round_rows(r) == r
+    assert len({packing.round_rows(n) for n in range(257, 513)}) == 16  # 272, 288, ..., 512
 
 
 def test_packed_rows_hold_every_trained_completion_once():

@@ -26,6 +26,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import islice
 from typing import Any
 
 import jax
@@ -165,6 +166,25 @@ def decode_chunk(prepared, state, kill, need, steps, *, cfg, chunk, max_length, 
     return state, dict(zip(("steps", "live", *outs), read))
 
 
+def programs(cfg: ModelConfig, mesh: Mesh | None, readable: Callable = lambda *a: a) -> tuple[Callable, ...]:
+    """The engine's four compiled programs, as ``Engine`` runs them and ``olmax compile`` lowers
+    them: ``blank_state`` (static ``slots``, ``max_length``), ``prefill_block`` (static
+    ``max_length``), ``admit`` (static ``greedy``, ``top_n``; the state donated) and
+    ``decode_chunk`` (static ``chunk``, ``max_length``, ``greedy``, ``top_n``; the state donated)."""
+    return (jax.jit(on_mesh(partial(blank_state, cfg=cfg), mesh), static_argnames=("slots", "max_length")),
+            jax.jit(on_mesh(partial(prefill_block, cfg=cfg), mesh), static_argnames=("max_length",)),
+            jax.jit(on_mesh(partial(admit, cfg=cfg, readable=readable), mesh),
+                    static_argnames=("greedy", "top_n"), donate_argnums=(1,)),
+            jax.jit(on_mesh(partial(decode_chunk, cfg=cfg, readable=readable), mesh),
+                    static_argnames=("chunk", "max_length", "greedy", "top_n"), donate_argnums=(1,)))
+
+
+def block_rows(prompts: int, dp: int) -> int:
+    """The rows of a prefilled block of ``prompts`` distinct prompts: a power of two, whole rows
+    per data-parallel shard (the padding rows copy the first prompt)."""
+    return -(-bucket(prompts, lo=1) // dp) * dp
+
+
 class Engine:
     """``slots`` rows decoded together over a cache of ``max_length`` positions per row; ``chunk``
     decode steps per host round trip at most. ``prompt_len``: the padded length every prompt is
@@ -172,12 +192,14 @@ class Engine:
     None: each prompt's own bucket (the server: a request's completion then depends on nothing
     but itself). ``refill``: return from a chunk early once this many slots are free and that
     many requests wait (default 1: on 256 Think-shaped rows over 16 slots, slot utilisation 0.94
-    against 0.92 at 2, ``benchmarks/bench_engine.py``). Submit and cancel from any thread;
-    ``step`` from one."""
+    against 0.92 at 2, ``benchmarks/bench_engine.py``). ``prefill_ahead``: a prefill also takes the
+    next waiting prompts of its bucket, up to this many prompts in all (default 4: on those rows,
+    61 prefills of one prompt became 16 of four; 0: only the admitted rows' prompts, the rest of
+    a power-of-two block padded with copies). Submit and cancel from any thread; ``step`` from one."""
 
     def __init__(self, params: Any, cfg: ModelConfig, *, slots: int, max_length: int, mesh: Mesh | None = None,
                  chunk: int = 8, prompt_len: int | None = None, refill: int | None = None,
-                 weights: DecodeWeights | None = None):
+                 weights: DecodeWeights | None = None, prefill_ahead: int = 4):
         self.cfg, self.mesh = cfg, mesh
         self.weights = weights if weights is not None else DecodeWeights(params, cfg, mesh, rows=slots)
         self._lock = threading.Lock()
@@ -185,13 +207,10 @@ class Engine:
         self._waiting_prompts: Counter = Counter()  # prompt key -> requests waiting with it
         self._cancelled: set[int] = set()
         self._next_id = 0
-        readable = self.weights.host_readable
-        self._init = jax.jit(on_mesh(partial(blank_state, cfg=cfg), mesh), static_argnames=("slots", "max_length"))
-        self._prefill = jax.jit(on_mesh(partial(prefill_block, cfg=cfg), mesh), static_argnames=("max_length",))
-        self._insert = jax.jit(on_mesh(partial(admit, cfg=cfg, readable=readable), mesh),
-                               static_argnames=("greedy", "top_n"), donate_argnums=(1,))
-        self._chunk = jax.jit(on_mesh(partial(decode_chunk, cfg=cfg, readable=readable), mesh),
-                              static_argnames=("chunk", "max_length", "greedy", "top_n"), donate_argnums=(1,))
+        self._init, self._prefill, self._insert, self._chunk = programs(cfg, mesh, self.weights.host_readable)
+        if prefill_ahead < 0:
+            raise ValueError(f"prefill_ahead must be >= 0, got {prefill_ahead}")
+        self.prefill_ahead = prefill_ahead
         self.stats = EngineStats()
         self.reset(slots=slots, max_length=max_length, chunk=chunk, prompt_len=prompt_len, refill=refill)
 
@@ -320,8 +339,19 @@ class Engine:
             key = self._key(req.prompt)
             if key not in self._prefilled and key not in fresh.get(key[0], []):
                 fresh.setdefault(key[0], []).append(key)
+        if fresh and self.prefill_ahead:
+            # A block that runs anyway also prefills the next waiting prompts of its bucket, into its
+            # padding rows and up to ``prefill_ahead`` prompts: a small prefill costs about what a
+            # one-prompt one does (it reads every weight once), and their rows find them kept.
+            want = {T: max(block_rows(len(keys), dp), self.prefill_ahead) for T, keys in fresh.items()}
+            with self._lock:
+                upcoming = [self._key(q.prompt) for _, q in islice(self._waiting, 4 * max(want.values()))]
+            for key in upcoming:
+                keys = fresh.get(key[0])
+                if keys is not None and len(keys) < want[key[0]] and key not in self._prefilled and key not in keys:
+                    keys.append(key)
         for T, keys in sorted(fresh.items()):
-            P = -(-bucket(len(keys), lo=1) // dp) * dp
+            P = block_rows(len(keys), dp)
             tokens = np.zeros((P, T), np.int32)
             lengths = np.ones(P, np.int32)
             for r, key in enumerate(keys):
@@ -342,7 +372,7 @@ class Engine:
         for block, group in by_block.items():
             # Rows written at once: a power of two (whole rows per data-parallel shard); the padding
             # rows write nothing. Not every slot: each written row gathers a whole cache row.
-            pad = -(-bucket(len(group), lo=1) // dp) * dp - len(group)
+            pad = block_rows(len(group), dp) - len(group)
             reqs = [g[2] for g in group] + [group[0][2]] * pad
             source = np.asarray([self._prefilled[self._key(q.prompt)][1] for q in reqs], np.int32)
             dest = np.asarray([g[0] for g in group] + [self.slots] * pad, np.int32)  # past the end: dropped

@@ -10,9 +10,10 @@ a training row of ``pack_length`` tokens, instead of a row of its own padded to
 - Rows per mini-batch vary from step to step (``row_plan``): as few micro-batches as keep a
   device's rows per micro-batch within the unpacked update's (``train.max_micro_batch_size``: the
   same memory), each spread evenly over the data-parallel devices, and a device's rows rounded up
-  to a multiple of an eighth of that bound, so that the update compiles at most 8 programs per
-  micro-batch count (the AI2 recipes, one row per device: one per count). The extra rows are
-  empty (no token, no loss, no sequence).
+  to ``ROW_BITS`` significant bits (exact up to 32, then within 1/16 of the rows needed, 1/32 on
+  average), so that the update compiles at most 16 programs per doubling of the row count and
+  micro-batch count (a run's counts stay within a few of each other; the AI2 recipes, one row per
+  device: one per count). The extra rows are empty (no token, no loss, no sequence).
 - Groups that ``rl.filter_zero_std`` dropped (``row_valid`` False) train nothing and are left out.
 
 A packed row carries ``positions`` (from 0 in each document) and ``segment_ids`` (1, 2, ... per
@@ -49,18 +50,24 @@ def first_fit_decreasing(lengths: list[int] | np.ndarray, capacity: int) -> list
     return [sorted(b) for b in bins]
 
 
-BUCKETS = 8  # row counts per micro-batch count: a device's rows a multiple of 1/BUCKETS of its bound
+ROW_BITS = 5  # a device's rows per micro-batch keep this many significant bits (few programs, few empty rows)
+
+
+def round_rows(n: int, bits: int = ROW_BITS) -> int:
+    """``n`` rounded up to ``bits`` significant binary digits: exact below ``2**bits``, then steps
+    of ``2**(n.bit_length() - bits)`` (at most 1/``2**(bits - 1)`` more than ``n``)."""
+    shift = max(0, int(n).bit_length() - bits)
+    return -(-int(n) >> shift) << shift
 
 
 def row_plan(rows: int, data_parallel: int, micro_batch: int) -> tuple[int, int]:
     """``(accum_steps, rows per device per micro-batch)`` for ``rows`` packed rows of a mini-batch:
     the fewest micro-batches with at most ``micro_batch`` rows per device, the rows per device
-    rounded up to a multiple of ``ceil(micro_batch / BUCKETS)``. The mini-batch then has
+    rounded up by ``round_rows`` (never past ``micro_batch``). The mini-batch then has
     ``accum_steps x data_parallel x`` that many rows (>= ``rows``)."""
     accum = max(1, -(-rows // (data_parallel * micro_batch)))
     per = -(-rows // (accum * data_parallel))
-    grain = -(-micro_batch // BUCKETS)
-    return accum, max(1, min(micro_batch, -(-per // grain) * grain))
+    return accum, max(1, min(micro_batch, round_rows(per)))
 
 
 def pack_batch(batch: dict[str, np.ndarray], pack_length: int, mini_batches: int, data_parallel: int = 1,
