@@ -28,7 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from olmax import jsonout
 from olmax.argtypes import fraction, positive_int
@@ -180,7 +180,7 @@ def per_device_gib(abstract: Any) -> float:
     total = 0
     for a in jax.tree.leaves(abstract):
         shape = a.sharding.shard_shape(a.shape) if a.sharding is not None else a.shape
-        total += math.prod(shape) * jnp.dtype(a.dtype).itemsize
+        total += math.prod(shape) * a.dtype.itemsize  # a typed PRNG key's dtype knows its size too
     return total / GiB
 
 
@@ -225,11 +225,11 @@ def cost_summary(cost: dict | None, model_flops: float, peak: float | None) -> d
     per device (as the MFU metric counts them); ``peak``: the device's bf16 FLOP/s."""
     if cost is None:
         return dict.fromkeys(COST_KEYS)
-    secs = cost["seconds"]
+    secs = cost["seconds"] if cost["seconds"] >= 0 else None  # XLA gives -2 s for some programs (a scatter)
     return {"flops_per_device": cost["flops"], "model_flops_per_device": model_flops,
             "recompute_overhead": cost["flops"] / model_flops if model_flops else None,
             "bytes_accessed_per_device": cost["bytes"], "optimal_seconds": secs,
-            "estimated_mfu": model_flops / (secs * peak) if peak and secs > 0 else None}
+            "estimated_mfu": model_flops / (secs * peak) if peak and secs else None}
 
 
 def _abstract_step(cfg: Config, mesh: Mesh) -> tuple[Any, Any, Any, Any]:
@@ -343,17 +343,20 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
     if objective.samples and generate:  # sampling runs between updates: the optimizer state stays resident beside it
         shapes = rl_generation_shapes(cfg, mesh)
         gb = shapes.pop("batch")
+        waiting = shapes.pop("rows") > gb
         g = compile_generate(cfg, topology, gb, shapes["max_length"], prompt_len=shapes["prompt_len"],
-                             prompt_rows=shapes["prompt_rows"], progress=progress, mesh=mesh, cost=cost)
+                             prompt_rows=shapes["prompt_rows"], progress=progress, mesh=mesh, cost=cost,
+                             batching=cfg.rl.batching, waiting=waiting)
         resident = per_device_gib(abstract["opt_state"])
         need = g["per_device_gib"] + resident
-        report["generate"] = {"batch": gb, **shapes, "per_device_gib": need, "resident_gib": resident,
-                              "prefill_gib": g["prefill"]["need"], "decode_gib": g.get("decode", {}).get("need"),
+        programs = [w for w in ("prefill", "admit", "decode") if w in g]
+        report["generate"] = {"batch": gb, **shapes, "batching": g["batching"], "chunk": g["chunk"],
+                              "prefill_rows": g["prefill_rows"], "per_device_gib": need, "resident_gib": resident,
+                              **{f"{w}_gib": g[w].get("with_resident", g[w]["need"]) for w in programs},
                               "cache_gib_total": g["cache_gib_total"],
                               "fits": bool(g["fits"]) and need <= topology.family.hbm_gib,
                               "compile_seconds": g["compile_seconds"],
-                              **{what: {k: g[what].get(k) for k in COST_KEYS}
-                                 for what in ("prefill", "decode") if what in g}}
+                              **{w: {k: g[w].get(k) for k in COST_KEYS} for w in programs}}
         if not report["generate"]["fits"]:
             report["verdict"] += (f"; generation at rl.generation_batch={gb} x {L} tokens does not fit "
                                   f"({need:.1f} GiB with the optimizer state): lower rl.generation_batch")
@@ -364,7 +367,8 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
 def rl_generation_shapes(cfg: Config, mesh: Mesh) -> dict:
     """The shapes an RL run's rollouts decode with on ``mesh``, from ``olmax.engine.shapes``'
     own bucketing applied to one step's rows (``rl.prompts_per_step`` groups of
-    ``rl.group_size`` rows that share a prompt): ``batch``, the rows of each generation batch;
+    ``rl.group_size`` rows that share a prompt): ``batch``, the rows of each generation batch
+    (the continuous engine's slots); ``rows``, the step's rows;
     ``prompt_len``, the bucket of ``rl.max_prompt_length``; ``max_length``, the cache of that
     plus ``rl.max_response_length`` tokens; ``prompt_rows``, the most rows a batch prefills
     (each shard's distinct prompts), None where no batch saves a row."""
@@ -376,96 +380,169 @@ def rl_generation_shapes(cfg: Config, mesh: Mesh) -> dict:
     rows = batch_rows(len(step), r.generation_batch or len(step), dp)
     prefilled = max(len(prefill_rows(step[s:s + rows], rows, dp)[0]) for s in range(0, len(step), rows))
     prompt_len = prompt_bucket(r.max_prompt_length, cfg.model, mesh)
-    return {"batch": rows, "max_length": cache_length(prompt_len, r.max_response_length), "prompt_len": prompt_len,
-            "prompt_rows": prefilled if prefilled < rows else None}
+    return {"batch": rows, "rows": len(step), "max_length": cache_length(prompt_len, r.max_response_length),
+            "prompt_len": prompt_len, "prompt_rows": prefilled if prefilled < rows else None}
 
 
 def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: int, *, prompt_len: int | None = None,
                      prompt_rows: int | None = None, progress: bool = True, mesh: Mesh | None = None,
-                     cost: bool = True) -> dict:
-    """Lower and compile KV-cache decoding of ``cfg``'s model for ``topology``: the prefill of
-    ``batch`` prompts of ``prompt_len`` tokens (default ``max_length``, the longest a cache of
-    that length takes) and one decode step against the full cache, with the parameters sharded
-    as in training and the stacked compute-dtype copy (``decode.prepare``) made once beside
-    them. With ``prompt_rows`` the prefill runs that many distinct prompts and copies their
-    cache to the ``batch`` rows (``decode.expand_rows``, as GRPO's groups share a prompt).
+                     cost: bool = True, batching: str = "continuous", chunk: int | None = None,
+                     waiting: bool = False) -> dict:
+    """Lower and compile KV-cache decoding of ``cfg``'s model for ``topology`` as an engine of
+    ``olmax.engine`` runs it, with the parameters sharded as in training and their stacked
+    compute-dtype copy (``decode.prepare``) made once beside them. ``batch`` rows decode together
+    over a cache of ``max_length`` positions; prompts are padded to ``prompt_len`` (default
+    ``max_length``, the longest a cache of that length takes); ``prompt_rows``: the distinct
+    prompts among them, prefilled once (GRPO's groups share a prompt; default ``batch``).
+
+    - ``continuous`` (``olmax.engine.continuous``, the default): the slots' state (the cache of
+      ``batch`` rows) made once; the prefill of a block of ``prompt_rows`` prompts; the admission
+      that writes ``batch`` rows from it into the slots and samples their first tokens; a decode
+      chunk of ``chunk`` steps in one while loop. The per-device need is the largest of: the
+      prefill beside the resident slots, the admission, the chunk (beside the kept block where
+      ``waiting``: rows of its prompts wait for a slot, and the engine keeps it for them).
+    - ``static`` (``olmax.engine.static``): the prefill (and the copy of each prompt's cache to its
+      rows) and one decode step against the full cache.
+
     ``mesh``: the abstract mesh of ``topology`` when the caller has built it. With ``cost``, each
-    program's cost as XLA estimates it (``COST_KEYS``). Allocates nothing."""
+    program's cost as XLA estimates it (``COST_KEYS``; a chunk's while loop is counted once by
+    XLA: its figures are one decode step's). Allocates nothing."""
     from olmax.checkpoint.state import abstract_train_state, shardings
+    from olmax.engine import DEFAULT_CHUNK
+    from olmax.engine.continuous import KNOBS, MAX_EOS, block_rows, programs
     from olmax.metrics.flops import decode_flops_per_token, device_peak_flops, forward_flops_per_token
     from olmax.model.decode import cache_bytes, decode_step, expand_rows, prefill, prepare
+    from olmax.model.dispatch import decode_layout
 
+    if batching not in ("continuous", "static"):
+        raise ConfigError(f"batching must be continuous or static, got {batching!r}")
     mesh = mesh if mesh is not None else make_mesh(cfg.mesh, abstract_devices(topology))
     m = cfg.model
+    chunk = chunk or DEFAULT_CHUNK
     dp = data_parallel_size(dict(mesh.shape))
     if batch % dp:
         raise ConfigError(f"--batch-size {batch} does not divide over the {dp} data-parallel "
                           f"shards of mesh {dict(mesh.shape)}")
     bshard = batch_sharding(mesh)
     rows = batch_sharding(mesh, 1)
+    replicated = NamedSharding(mesh, PartitionSpec())
     plen = prompt_len or max_length
+    continuous = batching == "continuous"
+    filled = (block_rows(prompt_rows or batch, dp) if continuous else prompt_rows or batch)
     report: dict[str, Any] = {"recipe": cfg.name, "topology": topology.name, "devices": mesh.size,
-                              "mesh": dict(mesh.shape), "batch": batch, "max_length": max_length,
-                              "prompt_len": plen, "prompt_rows": prompt_rows,
+                              "mesh": dict(mesh.shape), "batching": batching, "batch": batch,
+                              "max_length": max_length, "prompt_len": plen, "prompt_rows": prompt_rows,
+                              "prefill_rows": filled, "chunk": chunk if continuous else None,
                               "compute_dtype": m.compute_dtype, "attention": m.attention_impl,
                               "hbm_gib": topology.family.hbm_gib,
                               "cache_gib_total": cache_bytes(m, batch, max_length) / GiB}
+    names = ("prefill", "admit", "decode") if continuous else ("prefill", "decode")
     if progress:
-        print(f"compiling prefill + decode of {cfg.name} for {topology.name} ({mesh.size} devices, mesh "
-              f"{dict(mesh.shape)}), batch {batch} x {max_length} tokens"
-              + (f" ({prompt_rows} distinct prompts of {prompt_len} prefilled once)" if prompt_rows else "") + "...",
+        what = (f"the {batching} engine's prefill, admission and {chunk}-step decode chunk" if continuous
+                else "the static engine's prefill and decode step")
+        print(f"compiling {what} of {cfg.name} for {topology.name} ({mesh.size} devices, mesh "
+              f"{dict(mesh.shape)}), {batch} rows x {max_length} tokens"
+              + (f" ({prompt_rows} distinct prompts of {plen} prefilled once)" if prompt_rows else "") + "...",
               file=sys.stderr, flush=True)
-    programs: dict[Any, tuple[dict, dict | None]] = {}
+    built: dict[Any, dict[str, dict]] = {}
 
-    def build(mc: Any) -> tuple[dict, dict | None]:
-        """The prefill's and the decode step's compiled memory for model config ``mc`` (the
-        decode step is None where the prefill runs out of memory)."""
-        if mc in programs:
-            return programs[mc]
+    def sds(tree: Any, out_shardings: Any) -> Any:
+        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), tree, out_shardings)
+
+    def host(shape: tuple, dtype: Any) -> jax.ShapeDtypeStruct:  # a host array the engine puts on the mesh
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, len(shape)))
+
+    def build(mc: Any) -> dict[str, dict]:
+        """Each program's compiled memory for model config ``mc`` (stopping at the first that
+        runs out of memory); ``resident``: GiB per device of what stays between programs."""
+        if mc in built:
+            return built[mc]
         params = abstract_train_state(dataclasses.replace(cfg, model=mc), mesh)["params"]
-        prep = jax.jit(partial(prepare, cfg=mc), in_shardings=(shardings(params),)).lower(params).compile()
-        prepared = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                                jax.eval_shape(partial(prepare, cfg=mc), params), prep.output_shardings)
-        filled = prompt_rows or batch
+        layout = decode_layout(batch, mc)
+        prep = jax.jit(partial(prepare, cfg=mc, layout=layout), in_shardings=(shardings(params),)).lower(params)
+        prepared = sds(jax.eval_shape(partial(prepare, cfg=mc, layout=layout), params), prep.compile().output_shardings)
         tokens = jax.ShapeDtypeStruct((filled, plen), jnp.int32, sharding=bshard)
         lengths = jax.ShapeDtypeStruct((filled,), jnp.int32, sharding=rows)
-        args = (prepared, tokens, lengths)
-        if prompt_rows:
-            def fill(prepared, tokens, lengths, source):
-                return expand_rows(*prefill(prepared, tokens, lengths, mc, max_length), source)
-            args += (jax.ShapeDtypeStruct((dp, batch // dp), jnp.int32, sharding=bshard),)
-        else:
-            fill = partial(prefill, cfg=mc, max_length=max_length)
-        pre = _compiled_memory(jax.jit(fill).lower(*args))
-        dec = None
-        if "oom" not in pre:
-            cache = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                                 jax.eval_shape(fill, *args)[1], pre["compiled"].output_shardings[1])
-            tok = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
-            dec = _compiled_memory(jax.jit(partial(decode_step, cfg=mc, max_length=max_length),
-                                           donate_argnums=(2,)).lower(prepared, tok, cache))
-        programs[mc] = (pre, dec)
-        return pre, dec
+        out: dict[str, dict] = {}
+        if not continuous:
+            args = (prepared, tokens, lengths)
+            if prompt_rows:
+                def fill(prepared, tokens, lengths, source):
+                    return expand_rows(*prefill(prepared, tokens, lengths, mc, max_length), source)
+                args += (jax.ShapeDtypeStruct((dp, batch // dp), jnp.int32, sharding=bshard),)
+            else:
+                fill = partial(prefill, cfg=mc, max_length=max_length)
+            out["prefill"] = _compiled_memory(jax.jit(fill).lower(*args))
+            if "oom" not in out["prefill"]:
+                cache = sds(jax.eval_shape(fill, *args)[1], out["prefill"]["compiled"].output_shardings[1])
+                tok = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
+                out["decode"] = _compiled_memory(jax.jit(partial(decode_step, cfg=mc, max_length=max_length),
+                                                         donate_argnums=(2,)).lower(prepared, tok, cache))
+            out["resident"] = {}
+            built[mc] = out
+            return out
+        init, prefill_block, admit, decode_chunk = programs(mc, mesh)
+        with activation_mesh(mesh):
+            blank = init.lower(prepared, slots=batch, max_length=max_length).compile()
+            state = sds(jax.eval_shape(lambda p: init(p, slots=batch, max_length=max_length), prepared),
+                        blank.output_shardings)
+            out["prefill"] = _compiled_memory(prefill_block.lower(prepared, tokens, lengths, max_length=max_length))
+            if "oom" in out["prefill"]:
+                built[mc] = out
+                return out
+            block = sds(jax.eval_shape(lambda *a: prefill_block(*a, max_length=max_length), prepared, tokens,
+                                       lengths), out["prefill"]["compiled"].output_shardings)
+            w = block_rows(batch, dp)  # the first round trip writes every slot
+            knobs = {k: host((w,), dt) for k, dt in zip(KNOBS, (jnp.float32, jnp.int32, jnp.float32, jnp.bool_))}
+            out["admit"] = _compiled_memory(admit.lower(
+                prepared, state, *block, host((w,), jnp.int32), host((w,), jnp.int32), host((w,), jnp.uint32),
+                host((w,), jnp.int32), knobs, host((w,), jnp.int32), host((w, MAX_EOS), jnp.int32),
+                greedy=False, top_n=0))
+            if "oom" in out["admit"]:
+                built[mc] = out
+                return out
+            scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+            out["decode"] = _compiled_memory(decode_chunk.lower(
+                prepared, state, host((batch,), jnp.bool_), scalar, scalar, chunk=chunk, max_length=max_length,
+                greedy=False, top_n=0))
+        out["resident"] = {"state": per_device_gib(state), "block": per_device_gib(block)}
+        built[mc] = out
+        return out
 
     t0 = time.perf_counter()
     with activation_mesh(mesh):
-        pre, dec = build(m)
-        if dec is None:
-            report.update(prefill=_without_compiled(pre), compile_seconds=time.perf_counter() - t0,
-                          **memory_verdict(need=pre["need"], hbm=pre["hbm"]))
+        progs = build(m)
+    report["compile_seconds"] = time.perf_counter() - t0
+    resident = progs.pop("resident", {})
+    report["resident_gib"] = resident
+    for what in names:
+        if what not in progs:
+            continue
+        if "oom" in progs[what]:
+            report.update({w: _without_compiled(progs[w]) for w in progs},
+                          **memory_verdict(need=progs[what]["need"], hbm=progs[what]["hbm"]))
             return report
-        report["compile_seconds"] = time.perf_counter() - t0
-        peak = device_peak_flops(jax.tree.leaves(mesh.devices.tolist())[0].device_kind)
-        model_flops = {"prefill": (prompt_rows or batch) * plen * forward_flops_per_token(m, plen) / mesh.size,
-                       "decode": batch * decode_flops_per_token(m, max_length) / mesh.size}
-        for i, what in enumerate(("prefill", "decode")):
-            prog = (pre, dec)[i]
+    # What each program needs beside what stays resident while it runs (its own arguments counted once).
+    need = {"prefill": progs["prefill"]["need"] + resident.get("state", 0.0),
+            "decode": progs["decode"]["need"] + (resident.get("block", 0.0) if waiting else 0.0)}
+    if continuous:
+        need["admit"] = progs["admit"]["need"]
+    peak = device_peak_flops(jax.tree.leaves(mesh.devices.tolist())[0].device_kind)
+    model_flops = {"prefill": filled * plen * forward_flops_per_token(m, plen) / mesh.size, "admit": 0.0,
+                   "decode": batch * decode_flops_per_token(m, max_length) / mesh.size}
+    with activation_mesh(mesh):
+        for what in names:
+            prog = progs[what]
+            prog["with_resident"] = need[what]
             c = None
-            if cost and "oom" not in prog:
-                c = program_cost(m, lambda mc, i=i: build(mc)[i]["compiled"])
+            if cost and what == "admit":
+                c = xla_cost(prog["compiled"])  # no layer loop: XLA counts it whole
+            elif cost:
+                c = program_cost(m, lambda mc, what=what: build(mc)[what]["compiled"])
             prog.update(cost_summary(c, model_flops[what], peak))
-    report["prefill"], report["decode"] = _without_compiled(pre), _without_compiled(dec)
-    report.update(memory_verdict(need=max(pre["need"], dec["need"]), hbm=topology.family.hbm_gib))
+    for what in names:
+        report[what] = _without_compiled(progs[what])
+    report.update(memory_verdict(need=max(need.values()), hbm=topology.family.hbm_gib))
     return report
 
 
@@ -484,9 +561,13 @@ def _cost_line(c: dict) -> str:
     if c.get("flops_per_device") is None:
         return "-"
     mfu = f", est. MFU {c['estimated_mfu']:.1%}" if c.get("estimated_mfu") is not None else ""
-    return (f"{c['flops_per_device'] / 1e12:.2f} TFLOP per device ({c['recompute_overhead']:.2f}x the model's "
-            f"{c['model_flops_per_device'] / 1e12:.2f}), {c['bytes_accessed_per_device'] / GiB:.1f} GiB accessed, "
-            f"est. {c['optimal_seconds']:.3f} s{mfu}")
+    secs = c["optimal_seconds"]
+    est = ("no time estimate from XLA" if secs is None else f"est. {secs:.3f} s" if secs >= 0.1
+           else f"est. {secs * 1e3:.3f} ms")
+    model = (f" ({c['recompute_overhead']:.2f}x the model's {c['model_flops_per_device'] / 1e12:.2f})"
+             if c.get("recompute_overhead") is not None else "")  # a copy (the engine's admission) has no model FLOPs
+    return (f"{c['flops_per_device'] / 1e12:.2f} TFLOP per device{model}, "
+            f"{c['bytes_accessed_per_device'] / GiB:.2f} GiB accessed, {est}{mfu}")
 
 
 # --------------------------------------------------------------------------- --sweep
@@ -598,6 +679,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=positive_int, default=32, help="--step generate: prompts per batch")
     p.add_argument("--max-length", type=positive_int, default=None,
                    help="--step generate: cache length = prompt length (default: data.sequence_length)")
+    p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
+                   help="--step generate: the engine whose programs compile (as olmax generate --batching)")
     p.add_argument("--no-cost", action="store_true",
                    help="memory only: skip XLA's cost estimate (its extra compiles of one and two layer periods)")
     p.add_argument("--sweep", action="store_true",
@@ -657,21 +740,27 @@ def cmd_compile(args: argparse.Namespace) -> int:
         return 0 if s["best"] is not None else 1
     if args.step == "generate":
         r = compile_generate(cfg, topology, args.batch_size, args.max_length or cfg.data.sequence_length,
-                             progress=not args.json, cost=not args.no_cost)
+                             progress=not args.json, cost=not args.no_cost, batching=args.batching)
         if args.json:
             print(jsonout.dumps(r, indent=2))
         else:
             print(f"recipe         {r['recipe']} ({r['compute_dtype']} compute, attention {r['attention']})")
             print(f"topology       {r['topology']}: {r['devices']} devices, mesh {r['mesh']}, "
                   f"{r['hbm_gib']:.2f} GiB HBM each")
-            print(f"cache          {r['cache_gib_total']:.2f} GiB in all at batch {r['batch']} x "
-                  f"{r['max_length']} tokens")
-            for what in ("prefill", "decode"):
+            print(f"engine         {r['batching']}: {r['batch']} rows x {r['max_length']} tokens (KV cache "
+                  f"{r['cache_gib_total']:.2f} GiB in all), prompts of {r['prompt_len']} prefilled "
+                  f"{r['prefill_rows']} at a time"
+                  + (f", {r['chunk']} decode steps per round trip" if r["chunk"] else ""))
+            for what in ("prefill", "admit", "decode"):
                 if what in r:
                     oom = " (XLA: out of memory)" if "oom" in r[what] else ""
-                    print(f"{what:<15}{r[what]['need']:.2f} GiB per device{oom}")
+                    beside = r[what].get("with_resident")
+                    extra = (f" ({beside:.2f} with what stays resident beside it)"
+                             if beside is not None and abs(beside - r[what]["need"]) > 1e-3 else "")
+                    print(f"{what:<15}{r[what]['need']:.2f} GiB per device{oom}{extra}")
                     if not args.no_cost and "oom" not in r[what]:
-                        print(f"{'  cost':<15}{_cost_line(r[what])} (XLA's estimate)")
+                        print(f"{'  cost':<15}{_cost_line(r[what])} (XLA's estimate"
+                              + ("; one decode step" if what == "decode" and r["chunk"] else "") + ")")
             print(f"compile time   {r['compile_seconds']:.1f} s")
             print(f"verdict        {r['verdict']}")
         return 0 if r["fits"] else 1
@@ -696,11 +785,13 @@ def cmd_compile(args: argparse.Namespace) -> int:
             print(f"cost (XLA)     {_cost_line(r)}")
         if "generate" in r:
             g = r["generate"]
-            print(f"generation     {g['per_device_gib']:.2f} GiB per device at {g['batch']} completions x "
-                  f"{g['max_length']} tokens (KV cache {g['cache_gib_total']:.1f} GiB in all; with the optimizer "
-                  f"state that stays resident, {g['resident_gib']:.2f}); prompts of {g['prompt_len']} tokens"
+            print(f"generation     {g['per_device_gib']:.2f} GiB per device, {g['batching']} engine with {g['batch']} "
+                  f"slots x {g['max_length']} tokens (KV cache {g['cache_gib_total']:.1f} GiB in all; with the "
+                  f"optimizer state that stays resident, {g['resident_gib']:.2f}); prompts of {g['prompt_len']} tokens"
                   + (f", {g['prompt_rows']} distinct ones prefilled once" if g["prompt_rows"] else ""))
-            for what in ("prefill", "decode"):
+            print("  " + ", ".join(f"{w} {g[w + '_gib']:.2f}" for w in ("prefill", "admit", "decode")
+                                   if w + "_gib" in g) + " GiB per device (before the optimizer state)")
+            for what in ("prefill", "admit", "decode"):
                 if not args.no_cost and what in g:
                     print(f"  {what + ' cost':<13}{_cost_line(g[what])}")
         if "eval" in r:
