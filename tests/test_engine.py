@@ -50,6 +50,7 @@ def test_continuous_equals_static(params, sampling: Sampling) -> None:
     assert {c.finish_reason for c in static} >= {"stop"}
 
 
+@pytest.mark.integration
 def test_prefilling_ahead_changes_no_completion(params) -> None:
     """With 2 slots and 10 waiting prompts, a prefill also takes the next waiting prompts (up to
     ``prefill_ahead``): fewer prefill calls, the same completions, to the bit."""
