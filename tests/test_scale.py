@@ -555,9 +555,20 @@ def test_compile_generate_for_a_tpu_slice():
     out = json.loads(r.stdout)
     assert out["fits"] is True and out["mesh"] == {"slice": 1, "data": 1, "fsdp": 2, "tensor": 2}
     assert out["prompt_rows"] is None and out["devices"] == 4  # every row prefilled: nothing shared
-    # At least each device's share of the cache comes back in the input's buffers (not a copy).
+    # The continuous engine's programs: the chunk and the admission take the slots' state donated,
+    # so at least each device's share of the cache comes back in the input's buffers (not a copy).
+    assert out["batching"] == "continuous" and out["chunk"] >= 1 and out["prefill_rows"] == 4
     assert out["decode"]["alias"] >= out["cache_gib_total"] / out["devices"]
+    assert out["admit"]["alias"] >= out["cache_gib_total"] / out["devices"]
+    assert out["resident_gib"]["state"] >= out["cache_gib_total"] / out["devices"]
+    assert out["prefill"]["with_resident"] > out["prefill"]["need"]  # the slots' state beside the prefill
     assert out["cache_gib_total"] > 0 and out["prefill"]["need"] < out["hbm_gib"]
+    r = _compile("tiny", "--topology", "v5p:2x2x1", "--step", "generate", "--batch-size", "4", "--max-length", "256",
+                 "--set", "model.compute_dtype=bfloat16", "--set", "mesh.tensor=2", "--batching", "static", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    static = json.loads(r.stdout)
+    assert static["batching"] == "static" and "admit" not in static and static["chunk"] is None
+    assert static["decode"]["alias"] >= static["cache_gib_total"] / static["devices"]
 
 
 @pytest.mark.integration
@@ -576,6 +587,8 @@ def test_compile_an_rl_recipe_counts_generation_beside_the_optimizer_state():
     # what the run's generator decodes with: prompts of up to 48 tokens padded to splash's 128,
     # a cache of 128 + 16 new tokens rounded up to 64, the 4 prompts of the 16 rows prefilled once
     assert g["batch"] == 16 and g["prompt_len"] == 128 and g["max_length"] == 192 and g["prompt_rows"] == 4
+    assert g["batching"] == "continuous" and g["rows"] == 16 and g["prefill_rows"] == 4
+    assert all(g[f"{w}_gib"] > 0 for w in ("prefill", "admit", "decode")) and g["decode"]["flops_per_device"] > 0
     assert g["fits"] is True
     assert g["resident_gib"] > 0 and g["per_device_gib"] > g["resident_gib"]
 

@@ -343,7 +343,7 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
     if objective.samples and generate:  # sampling runs between updates: the optimizer state stays resident beside it
         shapes = rl_generation_shapes(cfg, mesh)
         gb = shapes.pop("batch")
-        waiting = shapes.pop("rows") > gb
+        waiting = shapes["rows"] > gb  # rows of a kept prompt block wait for slots
         g = compile_generate(cfg, topology, gb, shapes["max_length"], prompt_len=shapes["prompt_len"],
                              prompt_rows=shapes["prompt_rows"], progress=progress, mesh=mesh, cost=cost,
                              batching=cfg.rl.batching, waiting=waiting)
