@@ -409,7 +409,9 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
     XLA: its figures are one decode step's). Allocates nothing."""
     from olmax.checkpoint.state import abstract_train_state, shardings
     from olmax.engine import DEFAULT_CHUNK
-    from olmax.engine.continuous import KNOBS, MAX_EOS, block_rows, programs
+    from olmax.engine.continuous import MAX_EOS, block_rows, programs
+    from olmax.engine.sampling import Sampling
+    from olmax.engine.sampling import knobs as sampling_knobs
     from olmax.metrics.flops import decode_flops_per_token, device_peak_flops, forward_flops_per_token
     from olmax.model.decode import cache_bytes, decode_step, expand_rows, prefill, prepare
     from olmax.model.dispatch import decode_layout
@@ -493,7 +495,7 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
             block = sds(jax.eval_shape(lambda *a: prefill_block(*a, max_length=max_length), prepared, tokens,
                                        lengths), out["prefill"]["compiled"].output_shardings)
             w = block_rows(batch, dp)  # the first round trip writes every slot
-            knobs = {k: host((w,), dt) for k, dt in zip(KNOBS, (jnp.float32, jnp.int32, jnp.float32, jnp.bool_))}
+            knobs = {k: host(v.shape, v.dtype) for k, v in sampling_knobs([Sampling(temperature=1.0)] * w).items()}
             out["admit"] = _compiled_memory(admit.lower(
                 prepared, state, *block, host((w,), jnp.int32), host((w,), jnp.int32), host((w,), jnp.uint32),
                 host((w,), jnp.int32), knobs, host((w,), jnp.int32), host((w, MAX_EOS), jnp.int32),
