@@ -160,3 +160,21 @@ def test_sweep_tabulates_policies_and_picks_the_best_that_leaves_headroom():
     assert rows[("none", 2)]["accum_steps"] == 2
     assert s["best"] == max(s["rows"], key=lambda x: x["estimated_mfu"])
     assert "estimate" in s["note"]
+
+
+def test_a_program_xla_does_not_time_has_no_time_and_no_mfu():
+    """XLA's cost model answers -2 s where it has no estimate (every Ironwood program with libtpu
+    0.0.42.1): no step time and no MFU are reported, and no extrapolation turns it into one."""
+    class Compiled:
+        def __init__(self, secs):
+            self.secs = secs
+
+        def cost_analysis(self):
+            return {"flops": 1e12, "bytes accessed": 1e9, "optimal_seconds": self.secs}
+
+    none = xla_cost(Compiled(-1.9997))
+    assert none["flops"] == 1e12 and none["seconds"] != none["seconds"]   # NaN
+    s = cost_summary(none, 0.9e12, 459e12)
+    assert s["optimal_seconds"] is None and s["estimated_mfu"] is None and s["flops_per_device"] == 1e12
+    timed = cost_summary(xla_cost(Compiled(0.01)), 0.9e12, 459e12)
+    assert timed["optimal_seconds"] == 0.01 and timed["estimated_mfu"] == pytest.approx(0.9e12 / (0.01 * 459e12))

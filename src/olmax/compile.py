@@ -195,8 +195,11 @@ def xla_cost(compiled: Any) -> dict:
     ca = compiled.cost_analysis()
     if isinstance(ca, (list, tuple)):  # older jax: one dict per program
         ca = ca[0] if ca else {}
+    secs = float(ca.get("optimal_seconds", 0.0))
+    # XLA's cost model answers -2 s where it has no estimate (any Ironwood program with libtpu
+    # 0.0.42.1; some programs elsewhere): NaN, so that no sum or extrapolation of it looks like one.
     return {"flops": float(ca.get("flops", 0.0)), "bytes": float(ca.get("bytes accessed", 0.0)),
-            "seconds": float(ca.get("optimal_seconds", 0.0))}
+            "seconds": secs if secs >= 0 else math.nan}
 
 
 def program_cost(model: Any, compile_at: Callable[[Any], Any], repeats: int = 1) -> dict:
@@ -225,7 +228,7 @@ def cost_summary(cost: dict | None, model_flops: float, peak: float | None) -> d
     per device (as the MFU metric counts them); ``peak``: the device's bf16 FLOP/s."""
     if cost is None:
         return dict.fromkeys(COST_KEYS)
-    secs = cost["seconds"] if cost["seconds"] >= 0 else None  # XLA gives -2 s for some programs (a scatter)
+    secs = None if math.isnan(cost["seconds"]) else cost["seconds"]  # NaN: XLA gave no estimate
     return {"flops_per_device": cost["flops"], "model_flops_per_device": model_flops,
             "recompute_overhead": cost["flops"] / model_flops if model_flops else None,
             "bytes_accessed_per_device": cost["bytes"], "optimal_seconds": secs,
@@ -430,7 +433,7 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
     replicated = NamedSharding(mesh, PartitionSpec())
     plen = prompt_len or max_length
     continuous = batching == "continuous"
-    filled = (block_rows(prompt_rows or batch, dp) if continuous else prompt_rows or batch)
+    filled = block_rows(prompt_rows or batch, dp) if continuous else prompt_rows or batch
     report: dict[str, Any] = {"recipe": cfg.name, "topology": topology.name, "devices": mesh.size,
                               "mesh": dict(mesh.shape), "batching": batching, "batch": batch,
                               "max_length": max_length, "prompt_len": plen, "prompt_rows": prompt_rows,
