@@ -21,7 +21,10 @@ Sections, in order (each timed; an exception is recorded in the JSON and the exi
    (``olmax.engine.Generator``: its prefill and decode step, the host loop that reads each
    token), greedy, prompts of 128 tokens, at batch 1 and 32: decode tokens/s, and the HBM
    roofline: bytes of the prepared weights one step reads / step time, against the measured copy
-   bandwidth (and the same with the KV cache's bytes added).
+   bandwidth (and the same with the KV cache's bytes added); then the continuous engine
+   (``olmax.engine.Engine``, the same prepared weights) at 1, 8 and 32 decode steps per host
+   round trip (``chunk``): its decode step time, from a run of the new tokens less a run of one
+   (prefill and admission), over the decode steps run, against the same roofline.
 7. ``logprob_gap``: RL's rollout fidelity (``benchmarks/bench_logprob_gap.py``'s model and
    measure) on this device, fp32 and bf16, with the bf16 floors.
 8. ``generate_peer``: the decode section's model and prompts through olmax and through
@@ -295,8 +298,40 @@ class Check:
                 "weights_fraction_of_copy_bw": weight_bytes / step / bw if bw else None,
                 "weights_plus_cache_fraction_of_copy_bw": (weight_bytes + cache) / step / bw if bw else None,
                 "roofline_step_seconds": weight_bytes / bw if bw else None}
+            res["batches"][str(b)]["continuous"] = self._continuous(gen.weights, cfg, prompts, max_length,
+                                                                     weight_bytes, cache, bw)
         del gen
         return res
+
+    def _continuous(self, weights: Any, cfg: Any, prompts: list[list[int]], max_length: int, weight_bytes: int,
+                    cache: int, bw: float | None) -> dict:
+        """The continuous engine on the decode section's prompts, per ``chunk``: the time of a
+        decode step, round trips included, as (a run of the new tokens - a run of one token) /
+        the decode steps the first ran, and its fraction of the copy-bandwidth roofline."""
+        from olmax.engine import Engine, Request
+        N, out = self.shape["new_tokens"], {}
+        for chunk in (1, 8, 32):
+            engine = Engine(None, cfg, slots=len(prompts), max_length=max_length, chunk=chunk, weights=weights,
+                            prompt_len=len(prompts[0]))
+
+            def run(n: int) -> float:
+                reqs = [Request(p, max_new_tokens=n, index=i) for i, p in enumerate(prompts)]
+                t0 = time.perf_counter()
+                engine.run(reqs)
+                return time.perf_counter() - t0
+
+            run(3)  # compiles the engine's programs
+            one = run(1)
+            before = engine.stats.decode_steps
+            whole = run(N)
+            steps = engine.stats.decode_steps - before
+            step = (whole - one) / steps
+            out[str(chunk)] = {"decode_step_seconds": step, "decode_tokens_per_second": len(prompts) / step,
+                               "decode_steps": steps, "seconds_new_tokens": whole, "seconds_one_token": one,
+                               "weights_fraction_of_copy_bw": weight_bytes / step / bw if bw else None,
+                               "weights_plus_cache_fraction_of_copy_bw": (weight_bytes + cache) / step / bw
+                               if bw else None}
+        return out
 
     def logprob_gap(self) -> dict:
         """RL's rollout fidelity on this device (``bench_logprob_gap.measure``: its d512 x 8 model,

@@ -234,6 +234,77 @@ def test_shared_prefill_copies_rows_within_each_shard() -> None:
     assert out == {"collectives": [], "logits": True, "k": True, "v": True, "pos": True, "length": True}
 
 
+def test_admission_writes_rows_in_place_within_each_shard() -> None:
+    """``write_rows`` (the continuous engine's admission) on a 4-device mesh (slots over fsdp), in
+    the CPU's head-major cache and the accelerators' slot-major one: each written slot takes its
+    shard's prefilled row in its first T slots, positions past T become -1 (the previous
+    occupant's keys stay behind, never seen), padding writes nothing, the other slots keep
+    everything; and the compiled write has no collective, works in place and copies one row at a
+    time."""
+    code = textwrap.dedent("""
+        import json, jax, jax.numpy as jnp, numpy as np
+        import olmax.model.dispatch as dispatch
+        from olmax.config import MeshConfig
+        from olmax.model.decode import write_rows
+        from olmax.sharding import activation_mesh, batch_sharding, make_mesh
+        mesh = make_mesh(MeshConfig(fsdp=4))
+        put = lambda a, axis=0: jax.device_put(a, batch_sharding(mesh, a.ndim) if axis == 0 else
+                                               jax.sharding.NamedSharding(
+                                                   mesh, jax.sharding.PartitionSpec(None, ("slice", "data", "fsdp"))))
+        slots, S, fill, T = 8, 64, 8, 12                    # 2 slots and 2 prefilled rows per shard
+        source = np.array([[1, 0], [0, 0], [1, 1], [0, 1]], np.int32)
+        dest = np.array([[0, 1], [1, 2], [2, 0], [1, 1]], np.int32)         # 2: past the shard's slots
+        out = {}
+        for layout, platform in (("head-major", "cpu"), ("slot-major", "gpu")):
+            dispatch.target_platform = lambda platform=platform: platform
+            rng = np.random.default_rng(0)
+            shape = lambda b, n: (1, b, 2, n, 16) if layout == "head-major" else (1, b, n, 2, 16)
+            k = rng.standard_normal(shape(slots, S)).astype(np.float32)
+            pos = rng.integers(0, 99, (slots, S)).astype(np.int32)
+            rk = rng.standard_normal(shape(fill, T)).astype(np.float32)
+            rpos = rng.integers(0, 99, (fill, T)).astype(np.int32)
+            rlen = np.arange(fill, dtype=np.int32) + 3
+            cache = lambda: {"kv": {"groups": [], "rest": [{"k": put(k, 1), "v": put(-k, 1)}]},
+                             "pos": {"full": put(pos)}, "length": put(np.zeros(slots, np.int32))}
+            rows = {"kv": {"groups": [], "rest": [{"k": put(rk, 1), "v": put(-rk, 1)}]},
+                    "pos": {"full": put(rpos)}, "length": put(rlen)}
+            def fn(cache, rows, source, dest):
+                with activation_mesh(mesh):
+                    return write_rows(cache, rows, source, dest)
+            compiled = jax.jit(fn, donate_argnums=0).lower(cache(), rows, put(source), put(dest)).compile()
+            text = compiled.as_text()
+            got = compiled(cache(), rows, put(source), put(dest))
+            wk, wpos, wlen = k.copy(), pos.copy(), np.zeros(slots, np.int32)
+            for d in range(4):
+                for s, r in zip(dest[d], source[d]):
+                    if s < 2:
+                        if layout == "head-major":
+                            wk[:, 2 * d + s, :, :T] = rk[:, 2 * d + r]
+                        else:
+                            wk[:, 2 * d + s, :T] = rk[:, 2 * d + r]
+                        wpos[2 * d + s] = np.r_[rpos[2 * d + r], np.full(S - T, -1)]
+                        wlen[2 * d + s] = rlen[2 * d + r]
+            out[layout] = {
+                "collectives": [c for c in ("all-gather", "all-reduce", "all-to-all", "collective-permute")
+                                if c in text],
+                "k": bool(np.array_equal(np.asarray(got["kv"]["rest"][0]["k"]), wk)),
+                "v": bool(np.array_equal(np.asarray(got["kv"]["rest"][0]["v"]), -wk)),
+                "pos": bool(np.array_equal(np.asarray(got["pos"]["full"]), wpos)),
+                "length": bool(np.array_equal(np.asarray(got["length"]), wlen)),
+                # per device: the keys and values aliased to the output, and less temporary memory
+                # than the shard's written rows at once (they go one at a time)
+                "in place": (compiled.memory_analysis().alias_size_in_bytes >= 2 * k.nbytes // 4
+                             and compiled.memory_analysis().temp_size_in_bytes < 2 * rk.nbytes // 4)}
+        print(json.dumps(out))
+    """)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    want = {"collectives": [], "k": True, "v": True, "pos": True, "length": True, "in place": True}
+    assert out == {"head-major": want, "slot-major": want}
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 40])
 def test_streamed_weights_equal_the_plain_matmul(rows: int) -> None:
     """``OutIn`` (a weight stored [out, in] for the CPU's decode steps) gives x @ w for one row

@@ -5,6 +5,13 @@ bad requests, and the slot utilisation it is for."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+
 import jax
 import numpy as np
 import pytest
@@ -32,11 +39,15 @@ def _same(a, b) -> None:
     assert [c.finish_reason for c in a] == [c.finish_reason for c in b]
 
 
+@pytest.mark.parametrize("window", [8, pytest.param(64, marks=pytest.mark.integration)])
 @pytest.mark.parametrize("sampling", [SETTINGS[0], pytest.param(SETTINGS[1], marks=pytest.mark.integration)],
                          ids=["greedy", "sampled"])
-def test_continuous_equals_static(params, sampling: Sampling) -> None:
+def test_continuous_equals_static(params, sampling: Sampling, window: int) -> None:
     """13 prompts of mixed lengths on 4 slots, EOS ids and a stop rule that ends rows at
-    different lengths: every completion of the continuous engine is the static engine's."""
+    different lengths (slots reused by shorter prompts): every completion of the continuous
+    engine is the static engine's. Sliding windows shorter (8) and longer (64) than the prompt
+    buckets: an admitted prompt's ring of keys is either the window's or the prompt's first slots."""
+    cfg = replace(TINY, sliding_window=window)
     prompts = _prompts(13)
     targets = [5 + (7 * i) % 31 for i in range(len(prompts))]
 
@@ -44,8 +55,8 @@ def test_continuous_equals_static(params, sampling: Sampling) -> None:
         return len(ids) >= targets[i]
 
     kw = dict(max_new_tokens=32, sampling=sampling, eos_ids=[7, 11], batch_size=4, stop=stop)
-    static = generate(params, TINY, prompts, batching="static", **kw)
-    continuous = generate(params, TINY, prompts, batching="continuous", chunk=5, **kw)
+    static = generate(params, cfg, prompts, batching="static", **kw)
+    continuous = generate(params, cfg, prompts, batching="continuous", chunk=5, **kw)
     _same(static, continuous)
     assert {c.finish_reason for c in static} >= {"stop"}
 
@@ -142,6 +153,29 @@ def test_bad_requests_are_refused_before_they_run(params) -> None:
     assert not engine.busy()
     with pytest.raises(ValueError, match="slots"):
         Engine(params, TINY, slots=0, max_length=64)
+    with pytest.raises(ValueError, match="prefill_tokens"):
+        Engine(params, TINY, slots=2, max_length=64, prefill_tokens=0)
+
+
+@pytest.mark.integration
+def test_a_prefill_bound_spreads_prompts_over_round_trips(params) -> None:
+    """``prefill_tokens``: no round trip prefills more prompt tokens than the bound (one prompt of
+    32 tokens, or two of 16, at 32), the prompts past it waiting while admitted rows decode; every
+    completion is the unbounded engine's, to the bit."""
+    prompts = _prompts(10, seed=5)
+    reqs = [Request(p, max_new_tokens=6 + i, index=i, sampling=SETTINGS[1], eos_ids=frozenset({7}))
+            for i, p in enumerate(prompts)]
+    got, trips = {}, {}
+    for bound in (None, 32):
+        engine = Engine(params, TINY, slots=4, max_length=96, chunk=4, prefill_tokens=bound)
+        made: list[list[int]] = []   # per round trip: the tokens of each block it prefilled
+        prefill, step = engine._prefill, engine.step
+        engine._prefill = lambda p, t, n, prefill=prefill, made=made: made[-1].append(t.size) or prefill(p, t, n)
+        engine.step = lambda step=step, made=made: made.append([]) or step()
+        got[bound], trips[bound] = engine.run(reqs), [sum(m) for m in made]
+    _same(got[None], got[32])
+    assert max(trips[None]) > 32 >= max(trips[32]), trips
+    assert sum(t > 0 for t in trips[32]) > sum(t > 0 for t in trips[None])
 
 
 @pytest.mark.integration
@@ -157,3 +191,45 @@ def test_continuous_batching_keeps_the_slots_busy(params) -> None:
                  stop=lambda i, ids: len(ids) >= targets[i])
         stats[batching] = engine.stats.slot_utilisation
     assert stats["static"] < 0.5 < 0.75 < stats["continuous"], stats
+
+
+@pytest.mark.integration
+def test_continuous_engine_on_a_mesh_equals_one_device() -> None:
+    """On 4 CPU devices (slots over fsdp, 2 per shard) with more requests than slots, GRPO-like
+    groups that share a prompt and rows of different lengths (slots refilled on every shard):
+    the completions equal the one-device engine's (tokens; log-probs to the bit where olmax's
+    CPU kernels decode, else to fp32 rounding), with and without prefilling ahead, and a group's
+    prompt is prefilled once per shard its rows land on, not once per row."""
+    code = textwrap.dedent("""
+        import json, jax
+        from olmax.config import MeshConfig
+        from olmax.engine import Engine, Request, Sampling
+        from olmax.kernels import cpu as cpu_kernels
+        from olmax.model.params import init_params
+        from olmax.sharding import make_mesh
+        from test_decode import TINY
+        params = init_params(TINY, jax.random.key(0))
+        prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4], list(range(2, 30)), [9] * 20]
+        reqs = lambda: [Request(prompts[i % 4], max_new_tokens=4 + (5 * i) % 17, index=i,
+                                sampling=Sampling(temperature=1.0, seed=3), eos_ids=frozenset({17}))
+                        for i in range(14)]
+        one = Engine(params, TINY, slots=8, max_length=64, chunk=3).run(reqs())
+        mesh = make_mesh(MeshConfig(fsdp=4))
+        out = {"kernel": cpu_kernels.available()}
+        for ahead in (0, 4):
+            engine = Engine(params, TINY, slots=8, max_length=64, chunk=3, mesh=mesh, prefill_ahead=ahead)
+            got = engine.run(reqs())
+            out[ahead] = {"same": [a.token_ids == b.token_ids for a, b in zip(one, got)],
+                          "lp": max(abs(p - q) for a, b in zip(one, got) for p, q in zip(a.logprobs, b.logprobs)),
+                          "prefills": engine.stats.prefills}
+        print(json.dumps(out))
+    """)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.path.dirname(__file__)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for ahead in ("0", "4"):
+        assert out[ahead]["same"] == [True] * 14, out
+        assert out[ahead]["lp"] == 0.0 if out["kernel"] else out[ahead]["lp"] <= 1e-5, out
+    assert out["0"]["prefills"] < 14, out   # 4 prompts, each on at most a few shards

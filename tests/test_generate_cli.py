@@ -131,6 +131,9 @@ def test_prompt_ids_on_a_random_model(ids_model: Path, tmp_path: Path, capsys: p
     a = jsonl(run(base, capsys)[1])
     b = jsonl(run(base + ["--batch-size", "1"], capsys)[1])
     assert [r["token_ids"] for r in a] == [r["token_ids"] for r in b]
+    # and whether the prompts are prefilled together or one per round trip (a 16-token bound)
+    c = jsonl(run(base + ["--prefill-tokens", "16"], capsys)[1])
+    assert [(r["token_ids"], r["logprobs"]) for r in a] == [(r["token_ids"], r["logprobs"]) for r in c]
     assert [r["token_ids"] for r in a] != [r["token_ids"] for r in res]
 
     # Without --json: one line of token ids per prompt.

@@ -390,7 +390,7 @@ def rl_generation_shapes(cfg: Config, mesh: Mesh) -> dict:
 def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: int, *, prompt_len: int | None = None,
                      prompt_rows: int | None = None, progress: bool = True, mesh: Mesh | None = None,
                      cost: bool = True, batching: str = "continuous", chunk: int | None = None,
-                     waiting: bool = False) -> dict:
+                     waiting: bool = False, prefill_tokens: int | None = None) -> dict:
     """Lower and compile KV-cache decoding of ``cfg``'s model for ``topology`` as an engine of
     ``olmax.engine`` runs it, with the parameters sharded as in training and their stacked
     compute-dtype copy (``decode.prepare``) made once beside them. ``batch`` rows decode together
@@ -404,17 +404,21 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
       chunk of ``chunk`` steps in one while loop. The per-device need is the largest of: the
       prefill beside the resident slots, the admission, the chunk (beside the kept block where
       ``waiting``: rows of its prompts wait for a slot, and the engine keeps it for them).
+      ``prefill_tokens``: the engine's bound on the prompt tokens one round trip prefills
+      (``Engine(prefill_tokens=)``): the block holds that many prompts at most (at least one a
+      shard), and the admission writes their rows.
     - ``static`` (``olmax.engine.static``): the prefill (and the copy of each prompt's cache to its
       rows) and one decode step against the full cache.
 
     ``mesh``: the abstract mesh of ``topology`` when the caller has built it. With ``cost``, each
-    program's cost as XLA estimates it (``COST_KEYS``; a chunk's while loop is counted once by
-    XLA: its figures are one decode step's). Allocates nothing."""
+    program's cost as XLA estimates it (``COST_KEYS``; XLA counts a loop's body once: a chunk's
+    figures are one decode step's, an admission's one written row per shard's). Allocates nothing."""
     from olmax.checkpoint.state import abstract_train_state, shardings
     from olmax.engine import DEFAULT_CHUNK
-    from olmax.engine.continuous import MAX_EOS, block_rows, programs
+    from olmax.engine.continuous import MAX_EOS, bounded_rows, programs
     from olmax.engine.sampling import Sampling
     from olmax.engine.sampling import knobs as sampling_knobs
+    from olmax.engine.shapes import bucket
     from olmax.metrics.flops import decode_flops_per_token, device_peak_flops, forward_flops_per_token
     from olmax.model.decode import cache_bytes, decode_step, expand_rows, prefill, prepare
     from olmax.model.dispatch import decode_layout
@@ -433,11 +437,21 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
     replicated = NamedSharding(mesh, PartitionSpec())
     plen = prompt_len or max_length
     continuous = batching == "continuous"
-    filled = block_rows(prompt_rows or batch, dp) if continuous else prompt_rows or batch
+    if prefill_tokens is not None and not continuous:
+        raise ConfigError("--prefill-tokens bounds the continuous engine's prefills: drop it or --batching static")
+    per_prompt = batch // (prompt_rows or batch)  # rows that share a prompt (a GRPO group)
+    # Prompts a shard's part of the block holds, and the rows a shard writes from it at the first
+    # round trip (every slot, or as many as the bounded block's prompts serve).
+    q = bucket(-(-(prompt_rows or batch) // dp), lo=1)
+    bound = bounded_rows(prefill_tokens, dp, plen)
+    q = q if bound is None else min(q, bound)
+    filled = dp * q if continuous else prompt_rows or batch
+    written = dp * bucket(min(batch // dp, q * per_prompt), lo=1)
     report: dict[str, Any] = {"recipe": cfg.name, "topology": topology.name, "devices": mesh.size,
                               "mesh": dict(mesh.shape), "batching": batching, "batch": batch,
                               "max_length": max_length, "prompt_len": plen, "prompt_rows": prompt_rows,
                               "prefill_rows": filled, "chunk": chunk if continuous else None,
+                              "prefill_tokens": prefill_tokens,
                               "compute_dtype": m.compute_dtype, "attention": m.attention_impl,
                               "hbm_gib": topology.family.hbm_gib,
                               "cache_gib_total": cache_bytes(m, batch, max_length) / GiB}
@@ -491,16 +505,17 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
             blank = init.lower(prepared, slots=batch, max_length=max_length).compile()
             state = sds(jax.eval_shape(lambda p: init(p, slots=batch, max_length=max_length), prepared),
                         blank.output_shardings)
-            out["prefill"] = _compiled_memory(prefill_block.lower(prepared, tokens, lengths, max_length=max_length))
+            out["prefill"] = _compiled_memory(prefill_block.lower(prepared, tokens, lengths))
             if "oom" in out["prefill"]:
                 built[mc] = out
                 return out
-            block = sds(jax.eval_shape(lambda *a: prefill_block(*a, max_length=max_length), prepared, tokens,
-                                       lengths), out["prefill"]["compiled"].output_shardings)
-            w = block_rows(batch, dp)  # the first round trip writes every slot
+            block = sds(jax.eval_shape(prefill_block, prepared, tokens, lengths),
+                        out["prefill"]["compiled"].output_shardings)
+            w = written
             knobs = {k: host(v.shape, v.dtype) for k, v in sampling_knobs([Sampling(temperature=1.0)] * w).items()}
             out["admit"] = _compiled_memory(admit.lower(
-                prepared, state, *block, host((w,), jnp.int32), host((w,), jnp.int32), host((w,), jnp.uint32),
+                prepared, state, *block, host((dp, w // dp), jnp.int32), host((dp, w // dp), jnp.int32),
+                host((w,), jnp.uint32),
                 host((w,), jnp.int32), knobs, host((w,), jnp.int32), host((w, MAX_EOS), jnp.int32),
                 greedy=False, top_n=0))
             if "oom" in out["admit"]:
@@ -541,7 +556,7 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
             prog["with_resident"] = need[what]
             c = None
             if cost and what == "admit":
-                c = xla_cost(prog["compiled"])  # no layer loop: XLA counts it whole
+                c = xla_cost(prog["compiled"])  # no layer loop; its loop over written rows counted once
             elif cost:
                 c = program_cost(m, lambda mc, what=what: build(mc)[what]["compiled"])
             prog.update(cost_summary(c, model_flops[what], peak))
@@ -686,6 +701,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="--step generate: cache length = prompt length (default: data.sequence_length)")
     p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
                    help="--step generate: the engine whose programs compile (as olmax generate --batching)")
+    p.add_argument("--prefill-tokens", type=positive_int, default=None, metavar="N",
+                   help="--step generate: the continuous engine's bound on the prompt tokens one round trip prefills "
+                        "(as olmax generate / serve --prefill-tokens; default: every slot's prompt at once)")
     p.add_argument("--no-cost", action="store_true",
                    help="memory only: skip XLA's cost estimate (its extra compiles of one and two layer periods)")
     p.add_argument("--sweep", action="store_true",
@@ -745,7 +763,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
         return 0 if s["best"] is not None else 1
     if args.step == "generate":
         r = compile_generate(cfg, topology, args.batch_size, args.max_length or cfg.data.sequence_length,
-                             progress=not args.json, cost=not args.no_cost, batching=args.batching)
+                             progress=not args.json, cost=not args.no_cost, batching=args.batching,
+                             prefill_tokens=args.prefill_tokens)
         if args.json:
             print(jsonout.dumps(r, indent=2))
         else:

@@ -31,15 +31,17 @@ __all__ = ["BATCHING", "DEFAULT_CHUNK", "Completion", "Engine", "EngineStats", "
 
 
 def decoder(params: Any, cfg: ModelConfig, batching: str = "continuous", *, rows: int, mesh: Mesh | None = None,
-            sampling: Sampling = Sampling()) -> Engine | Generator:
+            sampling: Sampling = Sampling(), prefill_tokens: int | None = None) -> Engine | Generator:
     """An engine of kind ``batching`` to reuse across ``generate`` calls (its compiled programs and
-    prepared weights; ``load`` new weights into it), built for batches of ``rows``."""
+    prepared weights; ``load`` new weights into it), built for batches of ``rows``.
+    ``prefill_tokens``: the continuous engine's bound on the prompt tokens a round trip prefills."""
     if batching not in BATCHING:
         raise ValueError(f"batching must be one of {', '.join(BATCHING)}, got {batching!r}")
     if batching == "static":
         return Generator(params, cfg, sampling, mesh, rows=rows)
     # Shapes are set by each ``generate`` call (``Engine.reset``); a placeholder until then.
-    return Engine(params, cfg, slots=rows, max_length=64, mesh=mesh, chunk=DEFAULT_CHUNK)
+    return Engine(params, cfg, slots=rows, max_length=64, mesh=mesh, chunk=DEFAULT_CHUNK,
+                  prefill_tokens=prefill_tokens)
 
 
 def generate(params: Any, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,

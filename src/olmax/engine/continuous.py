@@ -39,7 +39,7 @@ from olmax.engine.sampling import MAX_TOP_LOGPROBS, Completion, Sampling, row_ke
 from olmax.engine.sampling import knobs as sampling_knobs
 from olmax.engine.shapes import bucket, mesh_data_parallel, prompt_bucket
 from olmax.engine.weights import DecodeWeights, on_mesh
-from olmax.model.decode import blank_cache, decode_step, layout_of, prefill, write_rows
+from olmax.model.decode import blank_cache, decode_step, layout_of, prefill, shard_put, shard_take, write_rows
 from olmax.model.dispatch import reproduce_decode_bits
 
 MAX_EOS = 8          # end-of-sequence ids a request may name (a fixed-width table on the device)
@@ -98,24 +98,29 @@ def blank_state(prepared: dict, cfg: ModelConfig, slots: int, max_length: int) -
             "knobs": {k: v for k, v in zip(KNOBS, (jnp.ones((slots,), jnp.float32), z,
                                                     jnp.ones((slots,), jnp.float32), jnp.ones((slots,), bool)))}}
 
-def prefill_block(prepared, tokens, lengths, *, cfg, max_length):
-    """The last-token logits and cache rows of a block of distinct prompts (``decode.prefill``)."""
-    return prefill(prepared, tokens, lengths, cfg, max_length)
+def prefill_block(prepared, tokens, lengths, *, cfg):
+    """The last-token logits and cache rows of a block of distinct prompts (``decode.prefill``),
+    a cache as long as the prompts' bucket T, not the slots': ``admit`` writes a row's T slots
+    into its slot's row in place. Its rows are dp consecutive parts, one per data-parallel shard,
+    each holding the prompts of rows admitted to that shard's slots."""
+    return prefill(prepared, tokens, lengths, cfg, tokens.shape[1])
 
 
 def admit(prepared, state, logits, rows, source, dest, seeds, indices, knobs, left, eos, *, cfg, greedy, top_n,
           readable=lambda *a: a):
-    """Write row ``source[i]`` of a prefilled block (``prefill_block``'s ``logits`` and cache
-    ``rows``) into slot ``dest[i]`` and sample that row's first token. ``readable``: makes the
-    outputs the host reads readable on every process (``DecodeWeights.host_readable``)."""
+    """In each data-parallel shard d, write row ``source[d, j]`` of the shard's part of a
+    prefilled block (``prefill_block``'s ``logits`` and cache ``rows``) into the shard's slot
+    ``dest[d, j]`` ([dp, n] each; a ``dest`` past the shard's slots writes nothing) and sample
+    that row's first token; the per-row arguments are [dp * n], shard by shard. No row crosses
+    devices and the slots' cache is written in place (``decode.write_rows``). ``readable``: makes
+    the outputs the host reads readable on every process (``DecodeWeights.host_readable``)."""
     keys = row_keys(seeds, indices)
     with reproduce_decode_bits(layout_of(prepared) == "packed"):
-        tok, lp, logp = sample(jnp.take(logits, source, axis=0), keys, jnp.int32(0), knobs, greedy,
-                               cfg.vocab_size)
+        tok, lp, logp = sample(shard_take(logits, source, 0), keys, jnp.int32(0), knobs, greedy, cfg.vocab_size)
     live = ~jnp.any(tok[:, None] == eos, axis=-1) & (left > 0)
 
     def put(a, v):
-        return a.at[dest].set(v, mode="drop")
+        return shard_put(a, dest, v)
     state = {"tok": put(state["tok"], tok), "cache": write_rows(state["cache"], rows, source, dest),
              "keys": put(state["keys"], keys), "step": put(state["step"], jnp.ones_like(tok)),
              "left": put(state["left"], left), "live": put(state["live"], live), "eos": put(state["eos"], eos),
@@ -168,21 +173,30 @@ def decode_chunk(prepared, state, kill, need, steps, *, cfg, chunk, max_length, 
 
 def programs(cfg: ModelConfig, mesh: Mesh | None, readable: Callable = lambda *a: a) -> tuple[Callable, ...]:
     """The engine's four compiled programs, as ``Engine`` runs them and ``olmax compile`` lowers
-    them: ``blank_state`` (static ``slots``, ``max_length``), ``prefill_block`` (static
-    ``max_length``), ``admit`` (static ``greedy``, ``top_n``; the state donated) and
-    ``decode_chunk`` (static ``chunk``, ``max_length``, ``greedy``, ``top_n``; the state donated)."""
+    them: ``blank_state`` (static ``slots``, ``max_length``), ``prefill_block``, ``admit`` (static
+    ``greedy``, ``top_n``; the state donated) and ``decode_chunk`` (static ``chunk``,
+    ``max_length``, ``greedy``, ``top_n``; the state donated)."""
     return (jax.jit(on_mesh(partial(blank_state, cfg=cfg), mesh), static_argnames=("slots", "max_length")),
-            jax.jit(on_mesh(partial(prefill_block, cfg=cfg), mesh), static_argnames=("max_length",)),
+            jax.jit(on_mesh(partial(prefill_block, cfg=cfg), mesh)),
             jax.jit(on_mesh(partial(admit, cfg=cfg, readable=readable), mesh),
                     static_argnames=("greedy", "top_n"), donate_argnums=(1,)),
             jax.jit(on_mesh(partial(decode_chunk, cfg=cfg, readable=readable), mesh),
                     static_argnames=("chunk", "max_length", "greedy", "top_n"), donate_argnums=(1,)))
 
 
-def block_rows(prompts: int, dp: int) -> int:
-    """The rows of a prefilled block of ``prompts`` distinct prompts: a power of two, whole rows
-    per data-parallel shard (the padding rows copy the first prompt)."""
-    return -(-bucket(prompts, lo=1) // dp) * dp
+def prefill_cost(per_shard: int, dp: int, prompt_len: int) -> int:
+    """Prompt tokens a block costs whose largest shard part holds ``per_shard`` prompts: every
+    shard computes a power of two of rows of ``prompt_len`` tokens."""
+    return dp * bucket(per_shard, lo=1) * prompt_len
+
+
+def bounded_rows(prefill_tokens: int | None, dp: int, prompt_len: int) -> int | None:
+    """The most prompts a shard's part of one block holds under ``prefill_tokens`` (a power of
+    two, at least 1: a round trip always prefills one prompt); None without a bound."""
+    if prefill_tokens is None:
+        return None
+    fit = prefill_tokens // (dp * prompt_len)
+    return 1 << (fit.bit_length() - 1) if fit >= 1 else 1
 
 
 class Engine:
@@ -195,11 +209,17 @@ class Engine:
     against 0.92 at 2, ``benchmarks/bench_engine.py``). ``prefill_ahead``: a prefill also takes the
     next waiting prompts of its bucket, up to this many prompts in all (default 4: on those rows,
     61 prefills of one prompt became 16 of four; 0: only the admitted rows' prompts, the rest of
-    a power-of-two block padded with copies). Submit and cancel from any thread; ``step`` from one."""
+    a power-of-two block padded with copies). ``prefill_tokens``: the most prompt tokens one round
+    trip prefills (``prefill_cost``: every row of its blocks, each shard's padding included, times
+    their prompt bucket), at least one prompt whatever the bound; the requests past it wait for
+    the next round trip. The slots' cache and a prefilled block are held together, so where prompts
+    are nearly as long as the cache a bound keeps the block small (v5p-8, 32 slots of 32,768
+    tokens: 118 GiB a chip unbounded). None: every admitted prompt at once. Submit and cancel
+    from any thread; ``step`` from one."""
 
     def __init__(self, params: Any, cfg: ModelConfig, *, slots: int, max_length: int, mesh: Mesh | None = None,
                  chunk: int = 8, prompt_len: int | None = None, refill: int | None = None,
-                 weights: DecodeWeights | None = None, prefill_ahead: int = 4):
+                 weights: DecodeWeights | None = None, prefill_ahead: int = 4, prefill_tokens: int | None = None):
         self.cfg, self.mesh = cfg, mesh
         self.weights = weights if weights is not None else DecodeWeights(params, cfg, mesh, rows=slots)
         self._lock = threading.Lock()
@@ -210,7 +230,9 @@ class Engine:
         self._init, self._prefill, self._insert, self._chunk = programs(cfg, mesh, self.weights.host_readable)
         if prefill_ahead < 0:
             raise ValueError(f"prefill_ahead must be >= 0, got {prefill_ahead}")
-        self.prefill_ahead = prefill_ahead
+        if prefill_tokens is not None and prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be >= 1 (or None: no bound), got {prefill_tokens}")
+        self.prefill_ahead, self.prefill_tokens = prefill_ahead, prefill_tokens
         self.stats = EngineStats()
         self.reset(slots=slots, max_length=max_length, chunk=chunk, prompt_len=prompt_len, refill=refill)
 
@@ -237,8 +259,9 @@ class Engine:
 
     def _forget_prefills(self) -> None:
         # Prefilled blocks kept while rows of their prompts wait (a GRPO group admitted over
-        # several round trips is prefilled once): prompt key -> (block, row), block -> arrays.
-        self._prefilled: dict[tuple, tuple[int, int]] = {}
+        # several round trips is prefilled once per shard it lands on): (prompt key, data-parallel
+        # shard) -> (block, row within the shard's part), block -> arrays.
+        self._prefilled: dict[tuple[tuple, int], tuple[int, int]] = {}
         self._blocks: dict[int, tuple[Any, Any]] = {}
         self._next_block = 0
 
@@ -300,19 +323,47 @@ class Engine:
 
     # -- one round trip -------------------------------------------------------------------------
 
+    def _shard(self, slot: int) -> int:
+        """The data-parallel shard that holds ``slot``'s row (slots are dp consecutive parts)."""
+        return slot // (self.slots // mesh_data_parallel(self.mesh))
+
     def _admissions(self) -> list[tuple[int, int, Request]]:
-        """(slot, id, request) of the waiting requests that take the free slots, in order."""
+        """(slot, id, request) of the waiting requests that take the free slots, in order. A
+        request takes a free slot on a shard that holds (or is about to prefill) its prompt,
+        else the first free slot of the shard with the most free slots: a GRPO group's rows
+        gather on one shard, whose prefill serves them all (rows copy only within a shard)."""
         free = [s for s, r in enumerate(self._rows) if r is None]
+        held = set(self._prefilled)  # (prompt key, shard)
+        dp = mesh_data_parallel(self.mesh)
+        fresh: dict[int, Counter] = {}  # with a prefill bound: bucket -> prompts to prefill per shard
         out = []
         with self._lock:
             while free and self._waiting:
                 rid, req = self._waiting.popleft()
-                self._waiting_prompts[self._key(req.prompt)] -= 1
+                key = self._key(req.prompt)
+                self._waiting_prompts[key] -= 1
                 if rid in self._cancelled:
                     self._cancelled.discard(rid)
                     self._finish_unstarted(rid, req)
                     continue
-                out.append((free.pop(0), rid, req))
+                slot = next((s for s in free if (key, self._shard(s)) in held), None)
+                if slot is None:
+                    spare = Counter(self._shard(s) for s in free)
+                    most = max(spare.values())
+                    slot = next(s for s in free if spare[self._shard(s)] == most)
+                    if self.prefill_tokens is not None:
+                        more = {T: Counter(c) for T, c in fresh.items()}
+                        more.setdefault(key[0], Counter())[self._shard(slot)] += 1
+                        if fresh and sum(prefill_cost(max(c.values()), dp, T)
+                                         for T, c in more.items()) > self.prefill_tokens:
+                            # Past the bound: this request and those after it wait for the next round trip.
+                            self._waiting.appendleft((rid, req))
+                            self._waiting_prompts[key] += 1
+                            break
+                        fresh = more
+                free.remove(slot)
+                held.add((key, self._shard(slot)))
+                out.append((slot, rid, req))
         return out
 
     def _finish_unstarted(self, rid: int, req: Request) -> None:
@@ -329,73 +380,103 @@ class Engine:
     def _key(self, prompt: list[int]) -> tuple:
         return (self._bucket_of(prompt), *(int(t) for t in prompt))
 
-    def _dispatch_admit(self, prepared: dict, admitted: list[tuple[int, int, Request]]) -> list[tuple[list, Any]]:
-        """Prefill the admitted requests' prompts that no kept block holds (one block per prompt
-        bucket), write every admitted row from its block and sample its first token; forget the
-        blocks no waiting request needs. The (admitted rows, device outputs) of each write."""
+    def _dispatch_admit(self, prepared: dict, admitted: list[tuple[int, int, Request]]
+                        ) -> list[tuple[list[tuple[int, int]], Any]]:
+        """Prefill the admitted requests' prompts that no kept block holds on their slot's shard
+        (one block per prompt bucket, each shard's prompts in its part), write every admitted row
+        from its block and sample its first token; forget the blocks no waiting request needs.
+        The ((row of the write's outputs, slot) of each admitted row, device outputs) of each write."""
         dp = mesh_data_parallel(self.mesh)
-        fresh: dict[int, list[tuple]] = {}
-        for _, _, req in admitted:
-            key = self._key(req.prompt)
-            if key not in self._prefilled and key not in fresh.get(key[0], []):
-                fresh.setdefault(key[0], []).append(key)
+        per = self.slots // dp
+        fresh: dict[int, list[list[tuple]]] = {}  # bucket -> each shard's prompts to prefill
+        for slot, _, req in admitted:
+            key, d = self._key(req.prompt), self._shard(slot)
+            if (key, d) not in self._prefilled:
+                part = fresh.setdefault(key[0], [[] for _ in range(dp)])[d]
+                if key not in part:
+                    part.append(key)
         if fresh and self.prefill_ahead:
             # A block that runs anyway also prefills the next waiting prompts of its bucket, into its
-            # padding rows and up to ``prefill_ahead`` prompts: a small prefill costs about what a
-            # one-prompt one does (it reads every weight once), and their rows find them kept.
-            want = {T: max(block_rows(len(keys), dp), self.prefill_ahead) for T, keys in fresh.items()}
+            # padding rows and up to ``prefill_ahead`` prompts (over the shards, the emptiest part
+            # first): a small prefill costs about what a one-prompt one does (it reads every weight
+            # once), and their rows find them kept where they land on that shard.
+            room = {T: bucket(max(map(len, parts)), lo=1) for T, parts in fresh.items()}
+            spare = None if self.prefill_tokens is None else \
+                self.prefill_tokens - sum(prefill_cost(q, dp, T) for T, q in room.items())
+            for T in sorted(room):
+                # As many more rows as ``prefill_ahead`` asks, a power of two a shard within the bound.
+                want = max(room[T], -(-self.prefill_ahead // dp))
+                while spare is not None and want > room[T] and \
+                        prefill_cost(want, dp, T) - prefill_cost(room[T], dp, T) > spare:
+                    want = max(room[T], bucket(want, lo=1) // 2)
+                if spare is not None:
+                    spare -= prefill_cost(want, dp, T) - prefill_cost(room[T], dp, T)
+                room[T] = want
+            held = {key for key, _ in self._prefilled}
             with self._lock:
-                upcoming = [self._key(q.prompt) for _, q in islice(self._waiting, 4 * max(want.values()))]
+                upcoming = [self._key(q.prompt) for _, q in islice(self._waiting, 4 * dp * max(room.values()))]
             for key in upcoming:
-                keys = fresh.get(key[0])
-                if keys is not None and len(keys) < want[key[0]] and key not in self._prefilled and key not in keys:
-                    keys.append(key)
-        for T, keys in sorted(fresh.items()):
-            P = block_rows(len(keys), dp)
-            tokens = np.zeros((P, T), np.int32)
-            lengths = np.ones(P, np.int32)
-            for r, key in enumerate(keys):
-                tokens[r, :len(key) - 1], lengths[r] = key[1:], len(key) - 1
-            tokens[len(keys):], lengths[len(keys):] = tokens[0], lengths[0]  # padding rows: copies of the first
+                parts = fresh.get(key[0])
+                if parts is None or key in held or any(key in part for part in parts):
+                    continue
+                part = min(parts, key=len)
+                if len(part) < room[key[0]]:
+                    part.append(key)
+        for T, parts in sorted(fresh.items()):
+            q = bucket(max(map(len, parts)), lo=1)
+            tokens = np.zeros((dp * q, T), np.int32)
+            lengths = np.ones(dp * q, np.int32)
+            first = next(key for part in parts for key in part)
+            for d, part in enumerate(parts):
+                for r, key in enumerate(part + [part[0] if part else first] * (q - len(part))):  # padding: copies
+                    tokens[d * q + r, :len(key) - 1], lengths[d * q + r] = key[1:], len(key) - 1
             block = self._next_block
             self._next_block += 1
-            self._blocks[block] = self._prefill(prepared, self.weights.put(tokens), self.weights.put(lengths),
-                                                max_length=self.max_length)
-            self.stats.prefills += len(keys)
-            for r, key in enumerate(keys):
-                self._prefilled[key] = (block, r)
-        by_block: dict[int, list[tuple[int, int, Request]]] = {}
+            self._blocks[block] = self._prefill(prepared, self.weights.put(tokens), self.weights.put(lengths))
+            self.stats.prefills += sum(map(len, parts))
+            for d, part in enumerate(parts):
+                for r, key in enumerate(part):
+                    self._prefilled[(key, d)] = (block, r)
+        by_block: dict[int, list[list[tuple[int, int, Request]]]] = {}
         for a in admitted:
-            by_block.setdefault(self._prefilled[self._key(a[2].prompt)][0], []).append(a)
+            d = self._shard(a[0])
+            block = self._prefilled[(self._key(a[2].prompt), d)][0]
+            by_block.setdefault(block, [[] for _ in range(dp)])[d].append(a)
         pending = []
         put = self.weights.put
-        for block, group in by_block.items():
-            # Rows written at once: a power of two (whole rows per data-parallel shard); the padding
-            # rows write nothing. Not every slot: each written row gathers a whole cache row.
-            pad = block_rows(len(group), dp) - len(group)
-            reqs = [g[2] for g in group] + [group[0][2]] * pad
-            source = np.asarray([self._prefilled[self._key(q.prompt)][1] for q in reqs], np.int32)
-            dest = np.asarray([g[0] for g in group] + [self.slots] * pad, np.int32)  # past the end: dropped
+        for block, parts in by_block.items():
+            # Rows written at once: a power of two per shard, the padding rows writing nothing (a
+            # slot past the shard's). Not every slot: each written row copies a prompt's cache rows.
+            n = bucket(max(map(len, parts)), lo=1)
+            some = next(a for part in parts for a in part)
+            rows = [(part + [(per, -1, some[2])] * (n - len(part))) for part in parts]
+            reqs = [q for part in rows for _, _, q in part]
+            source = np.asarray([[self._prefilled.get((self._key(q.prompt), d), (0, 0))[1] for _, _, q in part]
+                                 for d, part in enumerate(rows)], np.int32)
+            dest = np.asarray([[slot % per if rid >= 0 else per for slot, rid, _ in part] for part in rows], np.int32)
             eos = np.full((len(reqs), MAX_EOS), -1, np.int32)
             for i, q in enumerate(reqs):
                 eos[i, :len(q.eos_ids)] = sorted(q.eos_ids)
             kn = sampling_knobs([q.sampling for q in reqs])
-            logits, rows = self._blocks[block]
+            logits, cache_rows = self._blocks[block]
             self._state, out = self._insert(
-                prepared, self._state, logits, rows, put(source), put(dest),
+                prepared, self._state, logits, cache_rows, put(source), put(dest),
                 put(np.asarray([q.sampling.seed for q in reqs], np.uint32)),
                 put(np.asarray([q.index for q in reqs], np.int32)), {k: put(v) for k, v in kn.items()},
                 put(np.asarray([q.max_new_tokens - 1 for q in reqs], np.int32)), put(eos),
                 greedy=all(q.sampling.greedy for q in reqs),
                 top_n=MAX_TOP_LOGPROBS if any(q.top_logprobs for q in reqs) else 0)
-            pending.append((group, out))
-            for slot, rid, req in group:
-                self._rows[slot] = _Row(rid, req, Completion(top_logprobs=[] if req.top_logprobs else None))
+            written = []
+            for d, part in enumerate(parts):
+                for j, (slot, rid, req) in enumerate(part):
+                    written.append((d * n + j, slot))
+                    self._rows[slot] = _Row(rid, req, Completion(top_logprobs=[] if req.top_logprobs else None))
+            pending.append((written, out))
         with self._lock:
             needed = {k for k, n in self._waiting_prompts.items() if n > 0}
             self._waiting_prompts = Counter({k: n for k, n in self._waiting_prompts.items() if n > 0})
-        for key in [k for k in self._prefilled if k not in needed]:
-            del self._prefilled[key]
+        for kept in [k for k in self._prefilled if k[0] not in needed]:
+            del self._prefilled[kept]
         live_blocks = {b for b, _ in self._prefilled.values()}
         for block in [b for b in self._blocks if b not in live_blocks]:
             del self._blocks[block]
@@ -445,8 +526,8 @@ class Engine:
         occupied = [r is not None for r in self._rows]
         # Rows the host finished (a stop string, a cancel) that the device still decodes.
         kill = self._device_live & ~np.asarray(occupied)
-        for group, _ in pending:
-            kill[[g[0] for g in group]] = False
+        for written, _ in pending:
+            kill[[slot for _, slot in written]] = False
         chunk = None
         if any(occupied):
             with self._lock:
@@ -462,9 +543,9 @@ class Engine:
                                              jnp.int32(steps), chunk=self.chunk, max_length=self.max_length,
                                              greedy=greedy, top_n=top_n)
         # Read: the first tokens of the admitted rows, then the chunk's steps.
-        for group, out in pending:
+        for written, out in pending:
             host = [np.asarray(a) for a in out]
-            for i, (slot, _, _) in enumerate(group):
+            for i, slot in written:
                 top = (host[3][i], host[4][i]) if len(host) > 3 else None
                 self._keep(slot, int(host[0][i]), float(host[1][i]), top)
         if chunk is None:

@@ -66,6 +66,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="continuous: a finished row's slot takes the next prompt at once, several decode steps "
                         "per host round trip (default); static: each batch decodes until its longest row stops "
                         "(the same completions, to compare with)")
+    p.add_argument("--prefill-tokens", type=positive_int, default=None, metavar="N",
+                   help="continuous batching: prefill at most N prompt tokens per host round trip (at least one "
+                        "prompt), so long prompts' prefill is not held beside the whole cache at once (default: "
+                        "every free slot's prompt at once)")
     p.add_argument("--json", action="store_true",
                    help="one JSON object per prompt: token_ids, text, logprobs, finish_reason")
     _common(p, 256)

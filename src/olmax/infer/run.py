@@ -158,10 +158,10 @@ class Model:
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float | None = None,
                  top_p: float | None = None, top_k: int | None = None, seed: int = 0, batch_size: int = 8,
                  stops: list[str] = (), chat: bool = False, stream: TextIO | None = None,
-                 batching: str = "continuous") -> list[dict[str, Any]]:
+                 batching: str = "continuous", prefill_tokens: int | None = None) -> list[dict[str, Any]]:
         """One dict per prompt, in prompt order: ``token_ids``, ``text`` (with a tokenizer),
         ``logprobs``, ``finish_reason`` ("stop": EOS or a stop string; "length")."""
-        from olmax.engine import EngineStats, Sampling, call_rows, decoder, generate
+        from olmax.engine import Engine, EngineStats, Sampling, call_rows, decoder, generate
         stops = [s for s in stops if s] + (self.chat_stops() if chat else [])
         if stops and self.codec is None:
             raise ConfigError("stop strings need a tokenizer: pass --tokenizer")
@@ -175,6 +175,8 @@ class Model:
             self._decoders[batching] = decoder(self.params, self.cfg.model, batching,
                                                rows=call_rows(len(prompts), batch_size))
         engine = self._decoders[batching]
+        if isinstance(engine, Engine):
+            engine.prefill_tokens = prefill_tokens
         before = EngineStats(**vars(engine.stats))
         out = generate(self.params, self.cfg.model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                        eos_ids=self.eos_ids(chat), batch_size=batch_size, stop=stop_fn,
@@ -298,7 +300,7 @@ def cmd_generate(args: Any, stdout: TextIO | None = None, stderr: TextIO | None 
     results = gen.generate(prompts, max_new_tokens=max_new, temperature=args.temperature,
                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, batch_size=args.batch_size,
                            stops=list(args.stop or []), chat=chat, stream=stdout if stream else None,
-                           batching=args.batching)
+                           batching=args.batching, prefill_tokens=args.prefill_tokens)
     dt = time.perf_counter() - t0
     if args.json:
         for r in results:

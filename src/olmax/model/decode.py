@@ -207,25 +207,51 @@ def prefill(prepared: dict, tokens: jax.Array, lengths: jax.Array, cfg: ModelCon
     return logits, {"kv": kv, "pos": pos, "length": lengths}
 
 
+def shard_take(a: jax.Array, source: jax.Array, axis: int) -> jax.Array:
+    """Rows of ``a`` along ``axis`` (its batch axis), taken within each data-parallel shard:
+    ``a``'s rows are dp consecutive blocks, one per shard, and row j of shard d of the result is
+    row ``source[d, j]`` of block d ([dp, n] -> dp * n rows). On a mesh no row crosses devices (a
+    gather from the whole batch would first bring every row to every device)."""
+    dp, n = source.shape
+    shape = a.shape
+    blocks = a.reshape(*shape[:axis], dp, shape[axis] // dp, *shape[axis + 1:])
+    out = jax.vmap(lambda block, idx: jnp.take(block, idx, axis=axis), in_axes=(axis, 0), out_axes=axis)(
+        blocks, source)
+    return out.reshape(*shape[:axis], dp * n, *shape[axis + 1:])
+
+
+def shard_put(a: jax.Array, dest: jax.Array, rows: jax.Array, axis: int = 0,
+              width: tuple[int, int] | None = None) -> jax.Array:
+    """``a`` with, within each data-parallel shard d, row ``dest[d, j]`` (along ``axis``) set to
+    row ``d * n + j`` of ``rows`` ([dp, n]; a ``dest`` past the shard's rows writes nothing),
+    in place where ``a`` is donated and without moving a row across devices. ``width`` (axis,
+    w): only the first w entries of that axis are written (``rows`` holds that many)."""
+    dp, n = dest.shape
+    shape, rs = a.shape, rows.shape
+    blocks = a.reshape(*shape[:axis], dp, shape[axis] // dp, *shape[axis + 1:])
+    new = rows.reshape(*rs[:axis], dp, n, *rs[axis + 1:])
+
+    def one(block: jax.Array, idx: jax.Array, vals: jax.Array) -> jax.Array:
+        at: list[Any] = [slice(None)] * block.ndim
+        at[axis] = idx
+        if width is not None:
+            at[width[0]] = slice(0, width[1])
+        return block.at[tuple(at)].set(vals.astype(block.dtype), mode="drop")
+
+    out = jax.vmap(one, in_axes=(axis, 0, axis), out_axes=axis)(blocks, dest, new)
+    return out.reshape(shape)
+
+
 def expand_rows(logits: jax.Array, cache: dict, source: jax.Array) -> tuple[jax.Array, dict]:
     """A ``prefill``'s last-token logits and cache copied to the rows of a larger batch: a prompt
     that several rows share (GRPO's group of completions of one prompt) is prefilled once and its
     keys, values and positions copied to each of its rows. ``source`` [dp, per]: the prefill's
     rows are dp blocks, one per data-parallel shard, and row j of shard d takes row
-    ``source[d, j]`` of block d. Each shard copies from its own block, so on a mesh no row
-    crosses devices (a gather from the whole batch would gather it onto every device first)."""
-    def take(a: jax.Array, axis: int) -> jax.Array:
-        dp, per = source.shape
-        shape = a.shape
-        blocks = a.reshape(*shape[:axis], dp, shape[axis] // dp, *shape[axis + 1:])
-        out = jax.vmap(lambda block, idx: jnp.take(block, idx, axis=axis), in_axes=(axis, 0), out_axes=axis)(
-            blocks, source)
-        return out.reshape(*shape[:axis], dp * per, *shape[axis + 1:])
-
-    kv = jax.tree.map(lambda a: constrain(take(a, 1), _axes()), cache["kv"])
-    pos = {kind: constrain(take(p, 0), ("batch", "length")) for kind, p in cache["pos"].items()}
-    return (constrain(take(logits, 0), ("batch", "act_vocab")),
-            {"kv": kv, "pos": pos, "length": constrain(take(cache["length"], 0), ("batch",))})
+    ``source[d, j]`` of block d (``shard_take``: no row crosses devices)."""
+    kv = jax.tree.map(lambda a: constrain(shard_take(a, source, 1), _axes()), cache["kv"])
+    pos = {kind: constrain(shard_take(p, source, 0), ("batch", "length")) for kind, p in cache["pos"].items()}
+    return (constrain(shard_take(logits, source, 0), ("batch", "act_vocab")),
+            {"kv": kv, "pos": pos, "length": constrain(shard_take(cache["length"], source, 0), ("batch",))})
 
 
 def blank_cache(cfg: ModelConfig, prepared: dict, batch: int, max_length: int) -> dict:
@@ -239,16 +265,36 @@ def blank_cache(cfg: ModelConfig, prepared: dict, batch: int, max_length: int) -
 
 
 def write_rows(cache: dict, rows: dict, source: jax.Array, dest: jax.Array) -> dict:
-    """``cache`` with row ``dest[i]`` replaced by row ``source[i]`` of the cache ``rows`` (a
-    ``prefill``'s, of the same ``max_length``): keys, values, positions and length, so nothing of
-    the row's previous occupant stays visible. A ``dest`` past the last row writes nothing (the
-    padding of a bucketed admission)."""
-    kv = jax.tree.map(lambda a, r: constrain(a.at[:, dest].set(jnp.take(r, source, axis=1).astype(a.dtype),
-                                                             mode="drop"), _axes()), cache["kv"], rows["kv"])
-    pos = {kind: constrain(p.at[dest].set(jnp.take(rows["pos"][kind], source, axis=0), mode="drop"),
-                           ("batch", "length")) for kind, p in cache["pos"].items()}
-    length = cache["length"].at[dest].set(jnp.take(rows["length"], source, axis=0), mode="drop")
-    return {"kv": kv, "pos": pos, "length": constrain(length, ("batch",))}
+    """``cache`` with, in each data-parallel shard d, row ``dest[d, j]`` given row ``source[d, j]``
+    of the shard's part of ``rows`` (a ``prefill`` of prompts padded to T <= the cache's
+    length, ``prefill_block``), in place and within the shard (``shard_put``). Only the row's first
+    T slots of each layer kind take keys and values (a prompt's slots: position = slot on full
+    layers, and on sliding layers too unless T exceeds the window, when both rings are the
+    window's); every slot's position is set, the rest to -1, so nothing the row's previous occupant
+    wrote is ever attended to (its keys and values stay behind, masked: finite numbers, as a
+    model's keys and values are, weigh exactly 0).
+    A ``dest`` past the shard's rows writes nothing (the padding of a bucketed admission). The
+    keys and values go one row per shard at a time (a loop over j): a copy of one prompt's rows
+    is the only temporary, where all n at once would be n rows of every layer beside the cache."""
+    slot_axis = 3 if head_major_cache() else 2  # [G, b, kv, S, e] or [G, b, S, kv, e]
+
+    def write_kv(j: jax.Array | int, kv_cache: dict) -> dict:
+        src, dst = (jax.lax.dynamic_slice_in_dim(a, j, 1, axis=1) for a in (source, dest))
+        return jax.tree.map(lambda a, r: constrain(shard_put(a, dst, shard_take(r, src, 1), 1,
+                                                             (slot_axis, r.shape[slot_axis])), _axes()),
+                            kv_cache, rows["kv"])
+
+    n = source.shape[1]
+    kv = write_kv(0, cache["kv"]) if n == 1 else jax.lax.fori_loop(0, n, write_kv, cache["kv"])
+
+    def pos(p: jax.Array, r: jax.Array) -> jax.Array:
+        taken = shard_take(r, source, 0)
+        full = jnp.pad(taken, ((0, 0), (0, p.shape[1] - taken.shape[1])), constant_values=-1)
+        return constrain(shard_put(p, dest, full), ("batch", "length"))
+
+    return {"kv": kv,
+            "pos": {kind: pos(p, rows["pos"][kind]) for kind, p in cache["pos"].items()},
+            "length": constrain(shard_put(cache["length"], dest, shard_take(rows["length"], source, 0)), ("batch",))}
 
 
 def decode_step(prepared: dict, tokens: jax.Array, cache: dict, cfg: ModelConfig, max_length: int

@@ -34,6 +34,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-length", type=positive_int, default=None, metavar="L",
                    help=f"prompt + completion tokens per request, the KV cache of each slot (default: the model's "
                         f"positions, at most {DEFAULT_MAX_LENGTH})")
+    p.add_argument("--prefill-tokens", type=positive_int, default=None, metavar="N",
+                   help="prefill at most N prompt tokens per engine round trip (at least one prompt): long prompts "
+                        "arriving together are prefilled over several round trips while the others decode "
+                        "(default: every free slot's prompt at once)")
     p.add_argument("--warmup", type=nonneg_int, nargs="?", const=0, default=None, metavar="TOKENS",
                    help="before listening, compile the engine's prefill programs for prompts up to TOKENS long "
                         "(default: --max-length), 1 to --max-concurrency rows at a time, greedy and sampled, so "

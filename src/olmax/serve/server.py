@@ -49,7 +49,7 @@ def cmd_serve(args: Any) -> int:
         raise ConfigError(f"--max-length {max_length} is past the model's {positions} positions "
                           "(max_position_embeddings)")
     served = ServedModel.from_model(model, args.model_name or args.checkpoint, max_length)
-    engine = build_engine(model, args.max_concurrency, max_length)
+    engine = build_engine(model, args.max_concurrency, max_length, prefill_tokens=args.prefill_tokens)
     if args.warmup is not None:
         warm_up(engine, model.cfg.model, args.warmup or max_length - 1, log)
     worker = EngineWorker(engine, log).start()

@@ -28,9 +28,9 @@ class EngineLike(Protocol):
     def busy(self) -> bool: ...
 
 
-def build_engine(model: Any, slots: int, max_length: int) -> Engine:
+def build_engine(model: Any, slots: int, max_length: int, prefill_tokens: int | None = None) -> Engine:
     """The continuous-batching engine over a checkpoint loaded by ``olmax.infer.run.Model``."""
-    return Engine(model.params, model.cfg.model, slots=slots, max_length=max_length)
+    return Engine(model.params, model.cfg.model, slots=slots, max_length=max_length, prefill_tokens=prefill_tokens)
 
 
 def warm_up(engine: Engine, cfg: Any, upto: int, log: Callable[[str], None]) -> int:
