@@ -46,12 +46,11 @@ from olmax.recipes.tiny import tiny
 PROMPTS_PER_STEP = 64               # --num_unique_prompts_rollout 64
 GROUP_SIZE = 8                      # --num_samples_per_prompt_rollout 8
 MAX_PROMPT = 2048                   # --max_prompt_token_length 2048
-# The 7B recipes sample every row of a step at once (512 slots, at most 512 rows a sampling round),
-# so a continuous engine would never refill a slot; and its admission, which copies a prefilled
-# block of full-length cache rows into the slots beside their own cache, does not fit a v5p-128
-# chip at 512 x 34,816 tokens (`olmax compile`, 2026-12-05: 2,222 GiB per chip, the static
-# engine's programs 50.9). The static engine's programs are the ones that fit.
-ROLLOUT_ENGINE = "static"
+# The rollouts run on the continuous engine (rl.batching's default). The 7B recipes sample every
+# row of a step at once (512 slots), so no slot is refilled within a step, but a round trip runs 8
+# decode steps instead of one and ends when every row has. Its programs fit a v5p-128 chip at 512 x
+# 34,816 tokens (`olmax compile`, 2026-12-06: 50.45 GiB, the static engine's 50.85): the admission
+# writes each prompt's 2,048 prefilled positions into its slot in place.
 
 
 def _rl_optim(lr: float) -> OptimConfig:
@@ -86,9 +85,8 @@ def olmo3_7b_think_rl() -> Config:
                   max_prompt_length=MAX_PROMPT, max_response_length=32768, reward="math", reward_multiplier=10.0,
                   advantage="centered", clip_low=0.2, clip_high=0.272, kl_beta=0.0, aggregation="microbatch_mean",
                   filter_zero_std=True, active_sampling=False, num_mini_batches=1, num_epochs=1, tis_cap=2.0,
-                  mask_truncated=False, generation_batch=None,   # all 512 at once: 50.9 GiB a v5p chip
-                  pack_length=35840,                             # --pack_length 35840
-                  batching=ROLLOUT_ENGINE)
+                  mask_truncated=False, generation_batch=None,   # all 512 at once: 50.5 GiB a v5p chip
+                  pack_length=35840)                             # --pack_length 35840
     return _olmo3_7b_rl("olmo3_7b_think_rl", 32768, rl, steps=1000)
 
 
@@ -98,8 +96,7 @@ def olmo3_7b_instruct_rl() -> Config:
                   reward_multiplier=10.0, advantage="centered", clip_low=0.2, clip_high=0.272, kl_beta=0.0,
                   aggregation="microbatch_mean", filter_zero_std=True, active_sampling=True, max_sampling_rounds=4,
                   retire_pass_rate=0.875, num_mini_batches=4, num_epochs=1, tis_cap=2.0, mask_truncated=False,
-                  generation_batch=512, pack_length=11264,        # --pack_length 11264
-                  batching=ROLLOUT_ENGINE)
+                  generation_batch=512, pack_length=11264)        # --pack_length 11264
     return _olmo3_7b_rl("olmo3_7b_instruct_rl", 8192, rl, steps=1000)
 
 
