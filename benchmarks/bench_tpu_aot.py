@@ -109,7 +109,9 @@ def main() -> int:
     args = ap.parse_args()
     rows, rc, first = [], 0, None
     for remat in args.remat.split(","):
-        out = olmax_compile(args.recipe, args.topology, "--set", f"model.remat={remat}", eval_step=False, cost=True)
+        # The recipe's own micro-batching, not the slice's measured choice: every row at one plan.
+        out = olmax_compile(args.recipe, args.topology, "--no-slice-choice", "--set", f"model.remat={remat}",
+                            eval_step=False, cost=True)
         first = first or out
         row = {"system": "olmax", "remat": remat, **{k: out.get(k) for k in (
             "per_device_gib", "flops_per_device", "model_flops_per_device", "recompute_overhead",

@@ -121,7 +121,10 @@ def main() -> int:
     rows, rc = [], 0
     for recipe, topo in targets:
         try:
-            out = olmax_compile(recipe, topo, eval_step=not args.no_eval)
+            # A row set against MaxText's step compiles the recipe as written (full remat, as MaxText's
+            # default), not the slice's measured choice (olmax.recipes.slices).
+            written = ["--no-slice-choice"] if (recipe, topo) in MAXTEXT_ROWS and not missing else []
+            out = olmax_compile(recipe, topo, *written, eval_step=not args.no_eval)
         except RuntimeError as e:
             print(f"{recipe} on {topo}: {e}", flush=True)
             rc = 1
@@ -147,7 +150,7 @@ def main() -> int:
             print(_line(f"{plan['accum_steps']} micro-batch(es) of {plan['micro_batch']} (the recipe's plan)",
                         out["per_device_gib"], ref), flush=True)
             if (recipe, topo) in UNBATCHED_ROWS and plan["accum_steps"] > 1:
-                whole = olmax_compile(recipe, topo, *UNBATCHED, eval_step=False)
+                whole = olmax_compile(recipe, topo, *UNBATCHED, *written, eval_step=False)
                 wref = maxtext_compile(venv, MAXTEXT_MODEL[recipe], topo, plan["per_device"], 1, seq)
                 out["unbatched"] = {"per_device_gib": whole["per_device_gib"], "maxtext": wref,
                                     "plan": whole["plan"]}

@@ -208,6 +208,38 @@ def test_tpu_prints_the_host_command_and_a_jobset(tmp_path):
     job = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]
     assert job["completions"] == 8 and manifest["spec"]["failurePolicy"]["maxRestarts"] == 3
     assert job["template"]["spec"]["containers"][0]["command"][:4] == ["python3", "-m", "olmax.cli", "train"]
+    # v5p 4x4x4 is a v5p-128, where the sweep chose the stage-1 step's remat and micro-batch: the
+    # run takes them, said once with why; the user's --set lines come after them.
+    host = next(ln for ln in s.splitlines() if ln.startswith("OLMAX_DISTRIBUTED="))
+    assert host.endswith("--set model.remat=save_proj --set train.max_micro_batch_size=2"), host
+    assert "# olmo3_7b_stage1 on v5p-128 runs with --set model.remat=save_proj" in s and "compile-sweep-7b" in s
+
+
+def test_a_slice_takes_its_measured_choice_before_the_users_settings():
+    """``slices.CHOICES``: applied where a recipe meets the slice it was measured on (``olmax
+    compile --topology``, ``olmax launch tpu``), before the user's --set lines, and nowhere else."""
+    from olmax.compile import parse_topology
+    from olmax.launch.tpu import slice_name
+    from olmax.recipes import get_recipe
+    assert parse_topology("v5p:4x4x4").slice_name == "v5p-128" == parse_topology("v5p-128").slice_name
+    assert parse_topology("tpu7x-128").slice_name == "tpu7x-128" and parse_topology("v5p-128", 2).slice_name is None
+    assert slice_name("tpu-v5p-slice", "4x4x4", 1) == "v5p-128" and slice_name("tpu-v6e-slice", "16x16", 1) == "v6e-256"
+    assert slice_name("tpu-v5p-slice", "4x4x4", 2) is None and slice_name("some-gpu", "4x4x4", 1) is None
+    assert get_recipe("olmo3_7b_stage1").model.remat == "full"                       # the recipe as written
+    chosen = get_recipe("olmo3_7b_stage1", slice_name="v5p-128")
+    assert chosen.model.remat == "save_proj" and chosen.train.max_micro_batch_size == 2
+    assert get_recipe("olmo3_7b_stage1", slice_name="v5p-256").model.remat == "full"  # not measured there
+    assert get_recipe("olmo3_7b_stage2", slice_name="v5p-128").model.remat == "save_proj"
+    assert get_recipe("olmo3_7b_stage3", slice_name="v5p-128").model.remat == "full"  # a choice is the recipe's own
+    mine = get_recipe("olmo3_7b_stage1", ["model.remat=minimal"], slice_name="v5p-128")
+    assert mine.model.remat == "minimal" and mine.train.max_micro_batch_size == 2      # the user's line wins
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-m", "olmax.cli", "launch", "tpu", "olmo3_7b_stage1", "--run-dir", "gs://b/r",
+                        "--hosts", "16", "--topology", "4x4x4", "--set", "model.remat=full"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    host = next(ln for ln in r.stdout.splitlines() if ln.startswith("OLMAX_DISTRIBUTED="))
+    assert host.endswith("--set model.remat=save_proj --set train.max_micro_batch_size=2 --set model.remat=full")
 
 
 def test_tpu_num_slices_sets_the_runs_slice_axis(tmp_path):

@@ -35,6 +35,7 @@ from olmax.argtypes import fraction, positive_int
 from olmax.config import Config, ConfigError
 from olmax.extras import require
 from olmax.recipes import add_recipe_args, get_recipe
+from olmax.recipes.slices import slice_choice
 from olmax.sharding import activation_mesh, batch_sharding, data_parallel_size, make_mesh, plan_batch
 
 GiB = 1024 ** 3
@@ -81,6 +82,14 @@ class Topology:
     @property
     def devices(self) -> int:
         return self.chips * self.family.devices_per_chip
+
+    @property
+    def slice_name(self) -> str | None:
+        """One slice as Cloud TPU names its accelerator type (``v5p-128``: cores or chips as the
+        family counts them), None for several slices."""
+        if self.slices != 1:
+            return None
+        return f"{self.family.name}-{self.chips * self.family.cores_per_chip}"
 
 
 def parse_topology(name: str, slices: int = 1) -> Topology:
@@ -715,6 +724,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--attention-blocks", type=_ints, default=None, metavar="N,M",
                    help="--sweep: splash block sizes, queries and keys alike (default: the recipe's)")
     p.add_argument("--headroom", type=fraction, default=0.10, help="--sweep: HBM fraction the best must leave free")
+    p.add_argument("--no-slice-choice", action="store_true",
+                   help="compile the recipe as written, without the settings measured best for this slice "
+                        "(olmax.recipes.slices; e.g. to compare like for like with another system)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (stable keys: docs/cli.md)")
     p.set_defaults(func=cmd_compile)
 
@@ -748,7 +760,13 @@ def _ints(text: str) -> list[int]:
 def cmd_compile(args: argparse.Namespace) -> int:
     topology = parse_topology(args.topology, args.slices)
     quiet_libtpu(topology)
-    cfg = get_recipe(args.recipe, args.overrides)
+    name = None if args.no_slice_choice else topology.slice_name
+    cfg = get_recipe(args.recipe, args.overrides, slice_name=name)
+    choice = slice_choice(args.recipe, name)
+    if choice is not None and not args.json:
+        print(f"slice choice   {args.recipe} on {topology.slice_name}: --set {' --set '.join(choice.overrides)} "
+              f"({choice.why}); your --set lines come after it", file=sys.stderr)
+    chosen = None if choice is None else {"overrides": list(choice.overrides), "why": choice.why}
     if not 0 <= args.headroom < 1:
         raise ConfigError(f"--headroom must be in [0, 1), got {args.headroom}")
     if args.sweep:
@@ -756,6 +774,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
             raise ConfigError("--sweep compiles the train step with its cost: drop --step generate / --no-cost")
         s = sweep(cfg, topology, remats=args.remat, micro_batches=args.micro_batches, blocks=args.attention_blocks,
                   headroom=args.headroom, progress=not args.json)
+        s["slice_choice"] = chosen
         if args.json:
             print(jsonout.dumps(s, indent=2))
         else:
@@ -765,6 +784,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         r = compile_generate(cfg, topology, args.batch_size, args.max_length or cfg.data.sequence_length,
                              progress=not args.json, cost=not args.no_cost, batching=args.batching,
                              prefill_tokens=args.prefill_tokens)
+        r["slice_choice"] = chosen
         if args.json:
             print(jsonout.dumps(r, indent=2))
         else:
@@ -789,6 +809,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
             print(f"verdict        {r['verdict']}")
         return 0 if r["fits"] else 1
     r = compile_for(cfg, topology, eval_step=not args.no_eval, progress=not args.json, cost=not args.no_cost)
+    r["slice_choice"] = chosen
     if args.json:
         print(jsonout.dumps(r, indent=2))
     else:

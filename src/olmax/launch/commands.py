@@ -15,8 +15,9 @@ from olmax.config import ConfigError
 from olmax.launch import latest_checkpoint, train_command
 from olmax.launch.local import supervise
 from olmax.launch.slurm import sbatch_script
-from olmax.launch.tpu import gcloud_command, host_command, jobset_manifest, slice_overrides
+from olmax.launch.tpu import gcloud_command, host_command, jobset_manifest, slice_name, slice_overrides
 from olmax.recipes import add_recipe_args, get_recipe
+from olmax.recipes.slices import slice_choice
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -82,8 +83,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.set_defaults(func=cmd_status)
 
 
-def _resolve(args: argparse.Namespace):
-    overrides = list(args.overrides) + ([f"train.init_from={args.init_from}"] if args.init_from else [])
+def _resolve(args: argparse.Namespace, before: list[str] = ()):
+    overrides = [*before, *args.overrides] + ([f"train.init_from={args.init_from}"] if args.init_from else [])
     cfg = get_recipe(args.recipe, overrides)
     run_dir = args.run_dir or os.path.join("runs", cfg.name)
     if args.max_restarts < 0:
@@ -136,12 +137,18 @@ def cmd_slurm(args: argparse.Namespace) -> int:
 
 
 def cmd_tpu(args: argparse.Namespace) -> int:
-    cfg, run_dir, overrides = _resolve(args)
+    name = slice_name(args.accelerator, args.topology, args.num_slices)
+    choice = slice_choice(args.recipe, name)
+    chosen = list(choice.overrides) if choice is not None else []
+    # The slice's measured choice first, the user's --set lines after it (they win).
+    cfg, run_dir, overrides = _resolve(args, before=chosen)
     if not run_dir.startswith("gs://"):
         print(f"warning: run directory {run_dir} is not gs://; every host must reach it and a new slice must "
               "find the checkpoints", file=sys.stderr)
     cmd = train_command(args.recipe, run_dir, overrides + slice_overrides(cfg.mesh.slice, args.num_slices),
                         python=args.python)
+    if choice is not None:
+        print(f"# {args.recipe} on {name} runs with {' '.join('--set ' + o for o in chosen)}: {choice.why}")
     host = host_command(cmd)
     manifest = jobset_manifest(cmd, name=f"olmax-{cfg.name}".replace("_", "-").lower(), image=args.image,
                                accelerator=args.accelerator, topology=args.topology, hosts=args.hosts,

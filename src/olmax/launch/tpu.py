@@ -28,6 +28,23 @@ def slice_overrides(mesh_slice: int, num_slices: int) -> list[str]:
                       f"number of slices it runs on; pass --num-slices {mesh_slice} or drop mesh.slice")
 
 
+# GKE's TPU accelerator labels (``cloud.google.com/gke-tpu-accelerator``) -> olmax's TPU families.
+ACCELERATOR_FAMILIES = {"tpu-v5p-slice": "v5p", "tpu-v5-lite-podslice": "v5e", "tpu-v6e-slice": "v6e",
+                        "tpu7x": "tpu7x"}
+
+
+def slice_name(accelerator: str, topology: str, num_slices: int) -> str | None:
+    """The accelerator type a launch runs on, as ``olmax compile --topology`` names it
+    (``tpu-v5p-slice`` with ``4x4x4`` -> ``v5p-128``); None for several slices or a label olmax
+    does not know (no measured choice applies then)."""
+    from olmax.compile import parse_topology  # the TPU families and their counting, in one place
+
+    family = ACCELERATOR_FAMILIES.get(accelerator)
+    if family is None or num_slices != 1:
+        return None
+    return parse_topology(f"{family}:{topology}").slice_name
+
+
 def host_command(train_cmd: list[str], env: dict[str, str] | None = None) -> str:
     env = {"OLMAX_DISTRIBUTED": "auto", **(env or {})}
     return " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + " ".join(shlex.quote(c) for c in train_cmd)

@@ -13,6 +13,7 @@ from olmax.recipes.dpo import olmo3_7b_instruct_dpo, olmo3_7b_think_dpo, tiny_dp
 from olmax.recipes.olmo3 import olmo3_7b_stage1, olmo3_7b_stage2, olmo3_7b_stage3, olmo3_32b
 from olmax.recipes.rl import olmo3_7b_instruct_rl, olmo3_7b_think_rl, tiny_rl
 from olmax.recipes.sft import olmo3_7b_instruct_sft, olmo3_7b_think_sft, tiny_sft
+from olmax.recipes.slices import slice_choice
 from olmax.recipes.tiny import tiny
 
 RECIPES: dict[str, Callable[[], Config]] = {
@@ -33,12 +34,17 @@ RECIPES: dict[str, Callable[[], Config]] = {
 }
 
 
-def get_recipe(name: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Resolve a recipe by name (or a YAML file of a resolved config) and apply overrides."""
+def get_recipe(name: str, overrides: list[str] | tuple[str, ...] = (), slice_name: str | None = None) -> Config:
+    """Resolve a recipe by name (or a YAML file of a resolved config) and apply overrides.
+    ``slice_name`` (e.g. ``v5p-128``): the TPU slice it will run on; its measured choice for that
+    slice (``slices.CHOICES``) comes before the overrides, which win."""
     if name.endswith((".yaml", ".yml")):
         cfg = load_yaml(name)
     elif name in RECIPES:
         cfg = RECIPES[name]()
+        choice = slice_choice(name, slice_name)
+        if choice is not None:
+            cfg = cfg.override(list(choice.overrides))
     else:
         close = difflib.get_close_matches(name, list(RECIPES), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""

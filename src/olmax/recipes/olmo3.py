@@ -86,10 +86,10 @@ def olmo3_7b_stage1() -> Config:
         # save_proj in 4 micro-batches of 2 needs 64.07 GiB a chip (33% free) for an estimated
         # 7.93 s a step (est. MFU 83.8%) against full remat's 9.75 s (68.2%, 25.35 GiB); save_proj
         # at 4 a micro-batch does not fit (111.22 GiB: about 24 GiB of activations per sequence).
-        # The recipe keeps full remat: one recipe serves every slice, and save_proj has not been
+        # The recipe keeps full remat, which fits every slice it serves; save_proj has not been
         # compiled for v6e-256 (31.25 GiB: room for one such sequence at most), tpu7x-128 or
-        # stage 3's 65,536 tokens (which inherit this model). On v5p-128:
-        # --set model.remat=save_proj --set train.max_micro_batch_size=2.
+        # stage 3's 65,536 tokens (which inherit this model). On v5p-128 `olmax compile` and
+        # `olmax launch tpu` apply save_proj in micro-batches of 2 (olmax.recipes.slices).
         train=TrainConfig(steps=STAGE1_STEPS, global_batch_size=STAGE1_BATCH, max_micro_batch_size=MAX_MICRO_BATCH),
         checkpoint=CheckpointConfig(interval=1000),        # save_interval=1000
         # In-loop evaluation every 10k steps; 8 batches of 256 x 8192 tokens = 16.8M held-out tokens

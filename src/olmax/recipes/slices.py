@@ -1,0 +1,39 @@
+"""What a recipe runs with on one named TPU slice where a measurement chose it, in one table.
+
+A recipe serves every slice, so its own settings are the ones that fit all of them (the 7B stage 1
+rematerialises every layer: it fits a v6e chip's 31 GiB). Where ``olmax compile --sweep`` found a
+faster choice that fits a slice with the headroom asked for, the table holds it, as the ``--set``
+lines it takes, with the measurement behind it. ``olmax compile --topology`` and ``olmax launch
+tpu`` know the slice and apply its entry before the user's ``--set`` lines (which win); ``olmax
+train`` started by hand does not know its slice and runs the recipe as written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SliceChoice:
+    overrides: tuple[str, ...]   # config lines, as --set takes them
+    why: str                     # the measurement that chose them, with its result file
+
+
+CHOICES: dict[tuple[str, str], SliceChoice] = {
+    ("olmo3_7b_stage1", "v5p-128"): SliceChoice(
+        ("model.remat=save_proj", "train.max_micro_batch_size=2"),
+        "olmax compile --sweep, 2026-12-05 (benchmarks/results/compile-sweep-7b_tpu-aot_2026-12-05.md): "
+        "save_proj in 4 micro-batches of 2 needs 64.07 GiB a chip (33% of the HBM free) for XLA's estimated "
+        "7.93 s a step (est. MFU 83.8%), full remat 25.35 GiB for 9.75 s (68.2%)"),
+    ("olmo3_7b_stage2", "v5p-128"): SliceChoice(
+        ("model.remat=save_proj", "train.max_micro_batch_size=2"),
+        "olmax compile --sweep, 2026-12-06 (benchmarks/results/compile-sweep-stage2_tpu-aot_2026-12-06.md): "
+        "save_proj in 2 micro-batches of 2 needs 64.07 GiB a chip (33% of the HBM free) for XLA's estimated "
+        "3.96 s a step (est. MFU 83.8%), full remat in one of 4 24.54 GiB for 4.87 s (68.2%)"),
+}
+
+
+def slice_choice(recipe: str, slice_name: str | None) -> SliceChoice | None:
+    """The measured choice for ``recipe`` on the slice named ``slice_name`` (e.g. ``v5p-128``, one
+    slice), None where there is none."""
+    return CHOICES.get((recipe, slice_name)) if slice_name else None
