@@ -45,6 +45,7 @@ def _blocked(code: str, tmp_path: Path) -> subprocess.CompletedProcess:
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
+@pytest.mark.integration  # a training run in a child process (17 s of the unit tier on 2026-12-06)
 def test_core_commands_run_without_optional_packages(tmp_path: Path) -> None:
     paths = write_corpus(tmp_path / "data")
     overrides = small_overrides(paths, "train.steps=2", "checkpoint.interval=2")
