@@ -155,6 +155,17 @@ def test_bad_requests_are_refused_before_they_run(params) -> None:
         Engine(params, TINY, slots=0, max_length=64)
     with pytest.raises(ValueError, match="prefill_tokens"):
         Engine(params, TINY, slots=2, max_length=64, prefill_tokens=0)
+    engine = Engine(params, TINY, slots=2, max_length=64, prefill_tokens=64)
+    for bad in (0, -5, 2.5, True, "64"):  # the bound may change between runs, never to nonsense
+        with pytest.raises(ValueError, match="prefill_tokens"):
+            engine.prefill_tokens = bad
+    assert engine.prefill_tokens == 64
+    engine.prefill_tokens = None
+    assert engine.prefill_tokens is None
+    from olmax.config import ConfigError
+    from olmax.engine import decoder
+    with pytest.raises(ConfigError, match="not the static engine's"):  # no such bound: refused, not ignored
+        decoder(params, TINY, "static", rows=2, prefill_tokens=64)
 
 
 @pytest.mark.integration

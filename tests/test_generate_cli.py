@@ -135,6 +135,9 @@ def test_prompt_ids_on_a_random_model(ids_model: Path, tmp_path: Path, capsys: p
     c = jsonl(run(base + ["--prefill-tokens", "16"], capsys)[1])
     assert [(r["token_ids"], r["logprobs"]) for r in a] == [(r["token_ids"], r["logprobs"]) for r in c]
     assert [r["token_ids"] for r in a] != [r["token_ids"] for r in res]
+    # The static engine has no such bound: asking for one is an error, not silently ignored.
+    rc, _, err = run(base + ["--batching", "static", "--prefill-tokens", "16"], capsys)
+    assert rc == 2 and "--prefill-tokens bounds the continuous engine" in err
 
     # Without --json: one line of token ids per prompt.
     rc, out, _ = run(["generate", "--checkpoint", f"hf:{ids_model}", "--prompt-ids", str(f), "--max-new-tokens",

@@ -423,7 +423,7 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
     program's cost as XLA estimates it (``COST_KEYS``; XLA counts a loop's body once: a chunk's
     figures are one decode step's, an admission's one written row per shard's). Allocates nothing."""
     from olmax.checkpoint.state import abstract_train_state, shardings
-    from olmax.engine import DEFAULT_CHUNK
+    from olmax.engine import DEFAULT_CHUNK, check_prefill_bound
     from olmax.engine.continuous import MAX_EOS, bounded_rows, programs
     from olmax.engine.sampling import Sampling
     from olmax.engine.sampling import knobs as sampling_knobs
@@ -446,8 +446,7 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
     replicated = NamedSharding(mesh, PartitionSpec())
     plen = prompt_len or max_length
     continuous = batching == "continuous"
-    if prefill_tokens is not None and not continuous:
-        raise ConfigError("--prefill-tokens bounds the continuous engine's prefills: drop it or --batching static")
+    check_prefill_bound(batching, prefill_tokens)
     per_prompt = batch // (prompt_rows or batch)  # rows that share a prompt (a GRPO group)
     # Prompts a shard's part of the block holds, and the rows a shard writes from it at the first
     # round trip (every slot, or as many as the bounded block's prompts serve).

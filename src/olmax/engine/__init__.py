@@ -17,7 +17,7 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from olmax.config import ModelConfig
+from olmax.config import ConfigError, ModelConfig
 from olmax.engine.continuous import Engine, EngineStats, Request
 from olmax.engine.sampling import MAX_TEMPERATURE, MAX_TOP_LOGPROBS, Completion, Sampling
 from olmax.engine.shapes import cache_length, call_rows, prompt_bucket
@@ -27,7 +27,15 @@ BATCHING = ("continuous", "static")
 DEFAULT_CHUNK = 8  # decode steps per host round trip (benchmarks/bench_engine.py measures the choice)
 
 __all__ = ["BATCHING", "DEFAULT_CHUNK", "Completion", "Engine", "EngineStats", "Generator", "MAX_TEMPERATURE",
-           "MAX_TOP_LOGPROBS", "Request", "Sampling", "decoder", "generate"]
+           "MAX_TOP_LOGPROBS", "Request", "Sampling", "check_prefill_bound", "decoder", "generate"]
+
+
+def check_prefill_bound(batching: str, prefill_tokens: int | None) -> None:
+    """Only the continuous engine bounds the prompt tokens a round trip prefills: a bound asked of
+    the static engine is refused rather than ignored (``olmax generate``, ``olmax compile``)."""
+    if prefill_tokens is not None and batching != "continuous":
+        raise ConfigError(f"--prefill-tokens bounds the continuous engine's prefills, not the {batching} engine's: "
+                          f"drop it, or drop --batching {batching}")
 
 
 def decoder(params: Any, cfg: ModelConfig, batching: str = "continuous", *, rows: int, mesh: Mesh | None = None,
@@ -37,6 +45,7 @@ def decoder(params: Any, cfg: ModelConfig, batching: str = "continuous", *, rows
     ``prefill_tokens``: the continuous engine's bound on the prompt tokens a round trip prefills."""
     if batching not in BATCHING:
         raise ValueError(f"batching must be one of {', '.join(BATCHING)}, got {batching!r}")
+    check_prefill_bound(batching, prefill_tokens)
     if batching == "static":
         return Generator(params, cfg, sampling, mesh, rows=rows)
     # Shapes are set by each ``generate`` call (``Engine.reset``); a placeholder until then.

@@ -230,13 +230,22 @@ class Engine:
         self._init, self._prefill, self._insert, self._chunk = programs(cfg, mesh, self.weights.host_readable)
         if prefill_ahead < 0:
             raise ValueError(f"prefill_ahead must be >= 0, got {prefill_ahead}")
-        if prefill_tokens is not None and prefill_tokens < 1:
-            raise ValueError(f"prefill_tokens must be >= 1 (or None: no bound), got {prefill_tokens}")
         self.prefill_ahead, self.prefill_tokens = prefill_ahead, prefill_tokens
         self.stats = EngineStats()
         self.reset(slots=slots, max_length=max_length, chunk=chunk, prompt_len=prompt_len, refill=refill)
 
     # -- set-up ---------------------------------------------------------------------------------
+
+    @property
+    def prefill_tokens(self) -> int | None:
+        return self._prefill_tokens
+
+    @prefill_tokens.setter
+    def prefill_tokens(self, value: int | None) -> None:
+        """The bound may change between runs (``olmax generate`` reuses an engine across calls)."""
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"prefill_tokens must be an int >= 1 (or None: no bound), got {value!r}")
+        self._prefill_tokens = value
 
     def reset(self, *, slots: int, max_length: int, chunk: int = 8, prompt_len: int | None = None,
               refill: int | None = None) -> None:

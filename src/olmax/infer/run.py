@@ -161,7 +161,8 @@ class Model:
                  batching: str = "continuous", prefill_tokens: int | None = None) -> list[dict[str, Any]]:
         """One dict per prompt, in prompt order: ``token_ids``, ``text`` (with a tokenizer),
         ``logprobs``, ``finish_reason`` ("stop": EOS or a stop string; "length")."""
-        from olmax.engine import Engine, EngineStats, Sampling, call_rows, decoder, generate
+        from olmax.engine import Engine, EngineStats, Sampling, call_rows, check_prefill_bound, decoder, generate
+        check_prefill_bound(batching, prefill_tokens)
         stops = [s for s in stops if s] + (self.chat_stops() if chat else [])
         if stops and self.codec is None:
             raise ConfigError("stop strings need a tokenizer: pass --tokenizer")
