@@ -242,6 +242,24 @@ def test_a_slice_takes_its_measured_choice_before_the_users_settings():
     assert host.endswith("--set model.remat=save_proj --set train.max_micro_batch_size=2 --set model.remat=full")
 
 
+def test_every_slice_choice_names_a_recipe_a_slice_and_its_measurement():
+    """Each ``slices.CHOICES`` entry is a known recipe on a slice ``olmax compile`` can parse, its
+    lines change the recipe (a stale line would fail to apply or change nothing) and its reason
+    points at a result file that exists."""
+    import re
+    from pathlib import Path
+
+    from olmax.compile import parse_topology
+    from olmax.recipes import RECIPES, get_recipe
+    from olmax.recipes.slices import CHOICES
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    for (recipe, name), choice in CHOICES.items():
+        assert recipe in RECIPES and parse_topology(name).slice_name == name, (recipe, name)
+        assert get_recipe(recipe, slice_name=name) != get_recipe(recipe), (recipe, name)
+        files = re.findall(r"benchmarks/results/([\w.-]+\.md)", choice.why)
+        assert files and all((results / f).is_file() for f in files), (recipe, name, choice.why)
+
+
 def test_tpu_num_slices_sets_the_runs_slice_axis(tmp_path):
     """`--num-slices N` puts mesh.slice=N into the command every host runs (the run checks it against
     its devices' slices, as `olmax compile --slices N` compiled it); a conflicting mesh.slice is refused."""

@@ -30,6 +30,12 @@ CHOICES: dict[tuple[str, str], SliceChoice] = {
         "olmax compile --sweep, 2026-12-06 (benchmarks/results/compile-sweep-stage2_tpu-aot_2026-12-06.md): "
         "save_proj in 2 micro-batches of 2 needs 64.07 GiB a chip (33% of the HBM free) for XLA's estimated "
         "3.96 s a step (est. MFU 83.8%), full remat in one of 4 24.54 GiB for 4.87 s (68.2%)"),
+    ("olmo3_7b_think_dpo", "v5p-128"): SliceChoice(
+        ("train.max_micro_batch_size=2",),
+        "olmax compile --sweep, 2026-12-06 (benchmarks/results/compile-sweep-dpo_tpu-aot_2026-12-06.md): "
+        "full remat with both of a chip's pairs in one pass needs 45.93 GiB a chip (52% of the HBM free) for "
+        "XLA's estimated 9.64 s a step (est. MFU 72.2%), in two passes of one 25.74 GiB for 9.74 s (71.5%); "
+        "save_proj does not fit one pair (111.24 GiB)"),
 }
 
 
