@@ -70,11 +70,9 @@ def test_prefilling_ahead_changes_no_completion(params) -> None:
     for ahead in (0, 4):
         engine = decoder(params, TINY, "continuous", rows=2)
         engine.prefill_ahead = ahead
-        real, n = engine._prefill, []
-        engine._prefill = lambda *a, **k: n.append(1) or real(*a, **k)
         got[ahead] = generate(params, TINY, prompts, max_new_tokens=6, batch_size=2, generator=engine,
                               sampling=SETTINGS[1], stop=lambda i, ids: len(ids) >= 2 + i % 5)
-        calls[ahead] = len(n)
+        calls[ahead] = engine.stats.prefill_blocks
     _same(got[0], got[4])
     assert calls[4] < calls[0], calls
 
@@ -179,11 +177,13 @@ def test_a_prefill_bound_spreads_prompts_over_round_trips(params) -> None:
     got, trips = {}, {}
     for bound in (None, 32):
         engine = Engine(params, TINY, slots=4, max_length=96, chunk=4, prefill_tokens=bound)
-        made: list[list[int]] = []   # per round trip: the tokens of each block it prefilled
-        prefill, step = engine._prefill, engine.step
-        engine._prefill = lambda p, t, n, prefill=prefill, made=made: made[-1].append(t.size) or prefill(p, t, n)
-        engine.step = lambda step=step, made=made: made.append([]) or step()
-        got[bound], trips[bound] = engine.run(reqs), [sum(m) for m in made]
+        ids = [engine.submit(r) for r in reqs]
+        done, trips[bound] = {}, []   # per round trip: the token positions it prefilled
+        while engine.busy():
+            before = engine.stats.prefilled_tokens
+            done.update(engine.step())
+            trips[bound].append(engine.stats.prefilled_tokens - before)
+        got[bound] = [done[i] for i in ids]
     _same(got[None], got[32])
     assert max(trips[None]) > 32 >= max(trips[32]), trips
     assert sum(t > 0 for t in trips[32]) > sum(t > 0 for t in trips[None])

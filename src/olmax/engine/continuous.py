@@ -76,11 +76,16 @@ class _Row:
 class EngineStats:
     """``decode_steps``: compiled decode steps run; ``slot_steps``: those times the slots;
     ``decoded``: tokens kept from decode steps (a row's first token comes from its prefill);
-    ``prefills``: prompt rows prefilled; ``round_trips``."""
+    ``prefills``: prompt rows prefilled; ``prefill_blocks``: compiled prefill calls;
+    ``prefilled_tokens``: the token positions those calls ran (their padded [rows, length] blocks,
+    the figure ``prefill_tokens`` bounds per round trip); ``round_trips``. All are counters: the
+    difference of two readings is what happened between them."""
     decode_steps: int = 0
     slot_steps: int = 0
     decoded: int = 0
     prefills: int = 0
+    prefill_blocks: int = 0
+    prefilled_tokens: int = 0
     round_trips: int = 0
 
     @property
@@ -443,6 +448,8 @@ class Engine:
             self._next_block += 1
             self._blocks[block] = self._prefill(prepared, self.weights.put(tokens), self.weights.put(lengths))
             self.stats.prefills += sum(map(len, parts))
+            self.stats.prefill_blocks += 1
+            self.stats.prefilled_tokens += tokens.size
             for d, part in enumerate(parts):
                 for r, key in enumerate(part):
                     self._prefilled[(key, d)] = (block, r)

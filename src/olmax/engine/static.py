@@ -82,6 +82,8 @@ class Generator:
         knobs, greedy = {k: put(v) for k, v in sampling_knobs([sampling] * rows).items()}, sampling.greedy
         prepared = self.weights(rows)
         self.stats.prefills += len(filled)
+        self.stats.prefill_blocks += 1
+        self.stats.prefilled_tokens += tokens.size
         tok, lp, cache, keys = self._prefill(prepared, tokens_d, lengths_d, jnp.uint32(sampling.seed), idx_d,
                                              knobs, max_length=max_length, greedy=greedy, source=source_d)
         out = [Completion() for _ in range(n)]
