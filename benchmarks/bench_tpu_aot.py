@@ -14,7 +14,8 @@ MaxText reproduction names. MaxText prints XLA's cost analysis beside its memory
 olmax, XLA counts a loop's body once, so MaxText's cost is taken the way ``olmax.compile.
 program_cost`` takes olmax's: its program unrolled (``scan_layers=false``) at one and two layer
 periods (``base_num_decoder_layers`` 4 and 8), extrapolated to the model's depth, times the
-accumulation steps; its memory from the real (scanned) program. The estimated MFU of both uses the
+accumulation steps, and compiled without XLA's windowed einsums as olmax's are (their loops too
+are counted once); its memory from the real (scanned) program. The estimated MFU of both uses the
 same model FLOPs (olmax's count, ``olmax.metrics.flops``) and the same peak.
 
 MaxText comes from ``--maxtext-venv`` (default ``.peers/maxtext-venv``, which ``make bench-peers``
@@ -37,6 +38,8 @@ from pathlib import Path
 from compile_targets import MAXTEXT_MODEL, maxtext_available, olmax_compile
 from peers import maxtext_env
 
+from olmax.compile import COST_COMPILER_OPTIONS
+
 REPO = Path(__file__).resolve().parents[1]
 GiB = 1024**3
 _COST = re.compile(r"Cost analysis: (\{.*\})")  # one line; its keys hold braces
@@ -45,9 +48,14 @@ PERIOD = 4  # OLMo 3's layer pattern repeats every 4 layers (3 sliding, 1 full)
 
 
 def maxtext_train_compile(venv: Path, model: str, topology: str, micro_batch: int, accum_steps: int, seq: int,
-                          *extra: str) -> dict:
+                          *extra: str, for_cost: bool = False) -> dict:
     """One MaxText ``train_compile``: XLA's memory (per-chip GiB, counted as olmax counts it) and
-    cost analysis (per device) of its train step, as it prints them."""
+    cost analysis (per device) of its train step, as it prints them. ``for_cost``: compiled as
+    olmax compiles a program for its cost (``olmax.compile.COST_COMPILER_OPTIONS``, as libtpu flags)."""
+    env = maxtext_env()
+    if for_cost:
+        flags = " ".join(f"--{k}={str(v).lower()}" for k, v in COST_COMPILER_OPTIONS["tpu"].items())
+        env["LIBTPU_INIT_ARGS"] = f"{env.get('LIBTPU_INIT_ARGS', '')} {flags}".strip()
     with tempfile.TemporaryDirectory() as out:
         cmd = [str(venv / "bin" / "python"), "-m", "maxtext.trainers.pre_train.train_compile", "run_name=aot",
                f"base_output_directory={out}", f"compile_topology={topology}", "compile_topology_num_slices=1",
@@ -55,7 +63,7 @@ def maxtext_train_compile(venv: Path, model: str, topology: str, micro_batch: in
                f"gradient_accumulation_steps={accum_steps}", f"max_target_length={seq}", "dataset_type=synthetic",
                *extra]
         t0 = time.perf_counter()
-        r = subprocess.run(cmd, capture_output=True, text=True, env=maxtext_env(), cwd=out)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=out)
     text = r.stdout + r.stderr
     m, c = _STATS.search(text), _COST.search(text)
     if r.returncode != 0 or m is None or c is None:
@@ -76,8 +84,8 @@ def maxtext_row(venv: Path, model: str, topology: str, plan: dict, seq: int, lay
     real = maxtext_train_compile(*args)
     # The depth of a named model is fixed unless override_model_config is set.
     unrolled = ("scan_layers=false", "override_model_config=true")
-    one = maxtext_train_compile(*args, *unrolled, f"base_num_decoder_layers={PERIOD}")
-    two = maxtext_train_compile(*args, *unrolled, f"base_num_decoder_layers={2 * PERIOD}")
+    one = maxtext_train_compile(*args, *unrolled, f"base_num_decoder_layers={PERIOD}", for_cost=True)
+    two = maxtext_train_compile(*args, *unrolled, f"base_num_decoder_layers={2 * PERIOD}", for_cost=True)
     cost = {k: plan["accum_steps"] * (one[k] + (layers - PERIOD) / PERIOD * (two[k] - one[k]))
             for k in ("flops", "bytes", "seconds")}
     return {"system": "maxtext 0.2.5", "remat": remat, "per_device_gib": real["per_device_gib"],

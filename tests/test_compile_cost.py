@@ -1,6 +1,6 @@
 """``olmax compile``'s cost beside memory: XLA's cost analysis of the compiled TPU program, per
-device, corrected for the loops XLA counts once (the layer scan, the micro-batches), the stable
-JSON keys, the MFU it implies, and ``--sweep``. The compiles are integration tests."""
+device, corrected for the loops XLA counts once (the layer scan, the micro-batches, its own
+windowed einsums), the stable JSON keys, the MFU it implies, and ``--sweep``. The compiles are integration tests."""
 
 from __future__ import annotations
 
@@ -122,6 +122,39 @@ print(json.dumps([xla_cost(mm.lower(split, whole).compile()), xla_cost(mm.lower(
     assert sharded["flops"] == pytest.approx(2 * 4096 ** 3 / 4, rel=1e-3)
     assert replicated["flops"] == pytest.approx(2 * 4096 ** 3, rel=1e-3)
     assert 0 < sharded["seconds"] < replicated["seconds"]
+
+
+@pytest.mark.integration
+def test_a_windowed_einsum_is_costed_whole():
+    """XLA splits an FSDP matmul over 8 devices of v5p-16 into windowed einsums (loops that
+    overlap the weight's all-gather and its gradient's reduce-scatter with the product) and
+    counts each loop's body once; compiled for its cost (``cost_compile``) the program has no
+    such loop and reports the forward's and the weight gradient's FLOPs, 2 x 2 T D F a device."""
+    code = """
+import json
+from olmax.compile import abstract_devices, cost_compile, parse_topology, quiet_libtpu, xla_cost
+t = parse_topology("v5p-16"); quiet_libtpu(t)
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+mesh = Mesh(np.array(abstract_devices(t)), ("fsdp",))
+rows = NamedSharding(mesh, P("fsdp", None))
+x = jax.ShapeDtypeStruct((mesh.size * 2048, 4096), jnp.bfloat16, sharding=rows)
+w = jax.ShapeDtypeStruct((4096, 11008), jnp.bfloat16, sharding=rows)
+grad = jax.jit(jax.grad(lambda w, x: jnp.sum(jnp.square((x @ w).astype(jnp.float32)))), out_shardings=rows)
+lowered = grad.lower(w, x)
+out = {}
+for name, c in (("as_run", lowered.compile()), ("for_cost", cost_compile(lowered, mesh))):
+    out[name] = dict(xla_cost(c), loops=c.as_text().count("windowed_dot_general_body"))
+print(json.dumps(out))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    expected = 2 * 2 * 2048 * 4096 * 11008
+    assert out["as_run"]["loops"] > 0, "XLA made no windowed einsum here: the test no longer tests the case"
+    assert out["as_run"]["flops"] < 0.75 * expected
+    assert out["for_cost"]["loops"] == 0
+    assert out["for_cost"]["flops"] == pytest.approx(expected, rel=1e-3)
 
 
 @pytest.mark.integration

@@ -10,6 +10,8 @@ FLOPs, bytes accessed and ``optimal_seconds`` per device): an estimate, not a me
 counts a loop's body once, so a program that scans its layers (or its micro-batches) is costed
 from the same program unrolled at one and two layer periods, extrapolated to the model's depth
 (every layer is the same program), and multiplied by the micro-batches (``program_cost``).
+The programs compiled for their cost are compiled without XLA's windowed einsums, loops XLA itself
+adds (``COST_COMPILER_OPTIONS``). A Pallas kernel's work (splash attention) is invisible to XLA.
 """
 
 from __future__ import annotations
@@ -165,22 +167,24 @@ def _parse_oom(msg: str) -> tuple[float, float] | None:
     return float(m.group(1)) * _UNITS[m.group(2)] / GiB, float(m.group(3)) * _UNITS[m.group(4)] / GiB
 
 
-def _compiled_memory(lowered: Any) -> dict:
+def _compiled_memory(lowered: Any, compiler_options: dict | None = None) -> dict:
     """Per-device GiB of a lowered step: XLA's memory analysis by part and in all (``need``), or,
     where XLA runs out of memory, the need and capacity its error names (with ``oom`` set). The
-    compiled executable is under ``compiled`` when there is one."""
+    compiled executable is under ``compiled`` when there is one, the lowered program under
+    ``lowered``."""
     try:
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options=compiler_options)
         ma = compiled.memory_analysis()
     except Exception as e:  # XLA raises a plain XlaRuntimeError/JaxRuntimeError for out-of-memory
         oom = _parse_oom(str(e))
         if oom is None:
             raise
-        return {"need": oom[0], "hbm": oom[1], "oom": str(e).splitlines()[0][:300]}
+        return {"need": oom[0], "hbm": oom[1], "oom": str(e).splitlines()[0][:300], "lowered": lowered}
     m = {"argument": ma.argument_size_in_bytes / GiB, "output": ma.output_size_in_bytes / GiB,
          "alias": ma.alias_size_in_bytes / GiB, "temp": ma.temp_size_in_bytes / GiB,
          "code": getattr(ma, "generated_code_size_in_bytes", 0) / GiB}
-    return {**m, "need": m["argument"] + m["output"] - m["alias"] + m["temp"] + m["code"], "compiled": compiled}
+    return {**m, "need": m["argument"] + m["output"] - m["alias"] + m["temp"] + m["code"], "compiled": compiled,
+            "lowered": lowered}
 
 
 def per_device_gib(abstract: Any) -> float:
@@ -196,6 +200,26 @@ def per_device_gib(abstract: Any) -> float:
 # The cost keys of each program in ``olmax compile --json`` (stable).
 COST_KEYS = ("flops_per_device", "model_flops_per_device", "recompute_overhead", "bytes_accessed_per_device",
              "optimal_seconds", "estimated_mfu")
+
+
+# XLA's SPMD partitioner may split a sharded matmul into a "windowed einsum": a while loop that
+# overlaps each step's all-gather or reduce-scatter with its share of the product. Its cost
+# analysis counts that loop's body once, like any loop's, so such a program's FLOPs come out short
+# by the loop's trip count (checked: the 7B's layers on v5p-64, FSDP over 32, reported 56% of the
+# FLOPs they report on v5p-128, where XLA made no such loop). A program compiled for its cost only
+# is compiled without them (the same dots, whole); the memory comes from the program as it runs.
+COST_COMPILER_OPTIONS = {"tpu": {"xla_tpu_enable_windowed_einsum_for_all_gather": False,
+                                 "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False}}
+
+
+def cost_options(mesh: Mesh) -> dict | None:
+    """The compiler options of a program compiled for its cost on ``mesh``'s platform."""
+    return COST_COMPILER_OPTIONS.get(mesh.devices.flat[0].platform)
+
+
+def cost_compile(lowered: Any, mesh: Mesh) -> Any:
+    """``lowered`` (a program on ``mesh``) compiled for its cost (``COST_COMPILER_OPTIONS``)."""
+    return lowered.compile(compiler_options=cost_options(mesh))
 
 
 def xla_cost(compiled: Any) -> dict:
@@ -218,7 +242,8 @@ def program_cost(model: Any, compile_at: Callable[[Any], Any], repeats: int = 1)
     XLA's cost analysis counts a while loop's body once (checked: a scan over 2 and 4 groups of
     layers reports the FLOPs of one), so a program with more than one scanned layer group is
     costed from the unrolled program at one and two layer periods, whose difference is one
-    period's cost, extrapolated linearly to ``model.n_layers``; a micro-batch loop is counted
+    period's cost, extrapolated linearly to ``model.n_layers`` (``compile_at`` compiles them with
+    ``cost_compile``, without the loops XLA adds itself); a micro-batch loop is counted
     by multiplying by ``repeats`` (the optimizer update, outside that loop, is then counted
     ``repeats`` times: a few FLOPs per parameter against thousands per token)."""
     from olmax.model.olmo3 import layer_groups
@@ -256,12 +281,12 @@ def _abstract_step(cfg: Config, mesh: Mesh) -> tuple[Any, Any, Any, Any]:
     return jitted, abstract["params"], abstract["opt_state"], objective.abstract_batch(mesh, plan)
 
 
-def _train_cost(cfg: Config, mesh: Mesh, compiled: Any, accum_steps: int) -> dict:
+def _train_cost(cfg: Config, mesh: Mesh, lowered: Any, accum_steps: int) -> dict:
     def compile_at(m: Any) -> Any:
         if m == cfg.model:
-            return compiled
+            return cost_compile(lowered, mesh)
         jitted, *args = _abstract_step(dataclasses.replace(cfg, model=m), mesh)
-        return jitted.lower(*args).compile()
+        return cost_compile(jitted.lower(*args), mesh)
     return program_cost(cfg.model, compile_at, accum_steps)
 
 
@@ -320,7 +345,7 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
     model_flops = update_tokens * flops_per_token(cfg.model, L)["total"] / mesh.size
     if cost:
         t1 = time.perf_counter()
-        report.update(cost_summary(_train_cost(cfg, mesh, m["compiled"], plan.accum_steps), model_flops, peak))
+        report.update(cost_summary(_train_cost(cfg, mesh, m["lowered"], plan.accum_steps), model_flops, peak))
         report["cost_seconds"] = time.perf_counter() - t1
     else:
         report.update(cost_summary(None, model_flops, peak))
@@ -345,8 +370,8 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
                           "compile_seconds": time.perf_counter() - t1}
         ev_cost = None
         if cost and "oom" not in em:
-            ev_cost = program_cost(cfg.model, lambda mc: em["compiled"] if mc == cfg.model else lower_eval(
-                dataclasses.replace(cfg, model=mc)).compile())
+            ev_cost = program_cost(cfg.model, lambda mc: cost_compile(
+                em["lowered"] if mc == cfg.model else lower_eval(dataclasses.replace(cfg, model=mc)), mesh))
         report["eval"].update(cost_summary(ev_cost, bs * L * forward_flops_per_token(cfg.model, L) / mesh.size, peak))
         if not report["eval"]["fits"]:
             report["verdict"] += (f"; the eval step at batch {bs} does not fit "
@@ -481,9 +506,11 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
 
     def build(mc: Any) -> dict[str, dict]:
         """Each program's compiled memory for model config ``mc`` (stopping at the first that
-        runs out of memory); ``resident``: GiB per device of what stays between programs."""
+        runs out of memory); ``resident``: GiB per device of what stays between programs. A
+        config other than the recipe's is compiled for its cost only (``cost_compile``)."""
         if mc in built:
             return built[mc]
+        opts = None if mc == m else cost_options(mesh)
         params = abstract_train_state(dataclasses.replace(cfg, model=mc), mesh)["params"]
         layout = decode_layout(batch, mc)
         prep = jax.jit(partial(prepare, cfg=mc, layout=layout), in_shardings=(shardings(params),)).lower(params)
@@ -499,12 +526,12 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
                 args += (jax.ShapeDtypeStruct((dp, batch // dp), jnp.int32, sharding=bshard),)
             else:
                 fill = partial(prefill, cfg=mc, max_length=max_length)
-            out["prefill"] = _compiled_memory(jax.jit(fill).lower(*args))
+            out["prefill"] = _compiled_memory(jax.jit(fill).lower(*args), opts)
             if "oom" not in out["prefill"]:
                 cache = sds(jax.eval_shape(fill, *args)[1], out["prefill"]["compiled"].output_shardings[1])
                 tok = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
                 out["decode"] = _compiled_memory(jax.jit(partial(decode_step, cfg=mc, max_length=max_length),
-                                                         donate_argnums=(2,)).lower(prepared, tok, cache))
+                                                         donate_argnums=(2,)).lower(prepared, tok, cache), opts)
             out["resident"] = {}
             built[mc] = out
             return out
@@ -513,7 +540,7 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
             blank = init.lower(prepared, slots=batch, max_length=max_length).compile()
             state = sds(jax.eval_shape(lambda p: init(p, slots=batch, max_length=max_length), prepared),
                         blank.output_shardings)
-            out["prefill"] = _compiled_memory(prefill_block.lower(prepared, tokens, lengths))
+            out["prefill"] = _compiled_memory(prefill_block.lower(prepared, tokens, lengths), opts)
             if "oom" in out["prefill"]:
                 built[mc] = out
                 return out
@@ -525,14 +552,14 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
                 prepared, state, *block, host((dp, w // dp), jnp.int32), host((dp, w // dp), jnp.int32),
                 host((w,), jnp.uint32),
                 host((w,), jnp.int32), knobs, host((w,), jnp.int32), host((w, MAX_EOS), jnp.int32),
-                greedy=False, top_n=0))
+                greedy=False, top_n=0), opts)
             if "oom" in out["admit"]:
                 built[mc] = out
                 return out
             scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
             out["decode"] = _compiled_memory(decode_chunk.lower(
                 prepared, state, host((batch,), jnp.bool_), scalar, scalar, chunk=chunk, max_length=max_length,
-                greedy=False, top_n=0))
+                greedy=False, top_n=0), opts)
         out["resident"] = {"state": per_device_gib(state), "block": per_device_gib(block)}
         built[mc] = out
         return out
@@ -564,9 +591,10 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
             prog["with_resident"] = need[what]
             c = None
             if cost and what == "admit":
-                c = xla_cost(prog["compiled"])  # no layer loop; its loop over written rows counted once
+                c = xla_cost(cost_compile(prog["lowered"], mesh))  # no layer loop; its loop over rows counted once
             elif cost:
-                c = program_cost(m, lambda mc, what=what: build(mc)[what]["compiled"])
+                c = program_cost(m, lambda mc, what=what, prog=prog: cost_compile(prog["lowered"], mesh) if mc == m
+                                 else build(mc)[what]["compiled"])
             prog.update(cost_summary(c, model_flops[what], peak))
     for what in names:
         report[what] = _without_compiled(progs[what])
@@ -575,7 +603,7 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
 
 
 def _without_compiled(m: dict) -> dict:
-    return {k: v for k, v in m.items() if k != "compiled"}
+    return {k: v for k, v in m.items() if k not in ("compiled", "lowered")}
 
 
 def memory_verdict(need: float, hbm: float) -> dict:
