@@ -36,6 +36,12 @@ CHOICES: dict[tuple[str, str], SliceChoice] = {
         "full remat with both of a chip's pairs in one pass needs 45.93 GiB a chip (52% of the HBM free) for "
         "XLA's estimated 9.64 s a step (est. MFU 72.2%), in two passes of one 25.74 GiB for 9.74 s (71.5%); "
         "save_proj does not fit one pair (111.24 GiB)"),
+    ("olmo3_7b_think_sft", "v5p-128"): SliceChoice(
+        ("model.remat=minimal",),
+        "olmax compile --sweep, 2026-12-06 (benchmarks/results/compile-sweep-sft_tpu-aot_2026-12-06.md): "
+        "minimal needs 84.21 GiB a chip (12% of the HBM free) for XLA's estimated 2.05 s a step against the "
+        "recipe's save_attn_out 2.61 s (35.72 GiB); with the splash kernel's work, which XLA does not see, "
+        "about 2.65 s against 3.06 s; save_proj leaves 8%"),
 }
 
 
