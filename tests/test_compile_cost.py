@@ -50,6 +50,17 @@ def test_program_cost_extrapolates_unrolled_periods_to_the_depth():
     assert seen == [(32, False)]
 
 
+def test_the_share_xla_does_not_see_is_splash_attentions():
+    """On a TPU the attention runs in the splash kernel, whose FLOPs XLA's estimate leaves out:
+    the attention's share of the model's FLOPs at the recipe's length; none where it runs in XLA."""
+    from olmax.compile import attention_unseen_fraction
+    cfg = get_recipe("olmo3_7b_stage1")
+    f = flops_per_token(cfg.model, cfg.data.sequence_length)
+    assert attention_unseen_fraction(cfg) == pytest.approx(f["attention"] / f["total"])
+    assert 0.1 < attention_unseen_fraction(cfg) < attention_unseen_fraction(get_recipe("olmo3_7b_think_sft")) < 0.3
+    assert attention_unseen_fraction(cfg.override(["model.attention_impl=blocked"])) == 0.0
+
+
 def test_cost_summary_keys_overhead_and_mfu():
     s = cost_summary({"flops": 1.5e12, "bytes": 1e9, "seconds": 0.01}, 1.2e12, 459e12)
     assert tuple(s) == COST_KEYS
@@ -192,7 +203,7 @@ def test_sweep_tabulates_policies_and_picks_the_best_that_leaves_headroom():
     assert rows[("full", 4)]["recompute_overhead"] > rows[("none", 4)]["recompute_overhead"]
     assert rows[("none", 2)]["accum_steps"] == 2
     assert s["best"] == max(s["rows"], key=lambda x: x["estimated_mfu"])
-    assert "estimate" in s["note"]
+    assert "estimate" in s["note"] and s["attention_unseen_fraction"] > 0 and "upper bound" in s["note"]
 
 
 def test_a_program_xla_does_not_time_has_no_time_and_no_mfu():
