@@ -61,6 +61,27 @@ def test_the_share_xla_does_not_see_is_splash_attentions():
     assert attention_unseen_fraction(cfg.override(["model.attention_impl=blocked"])) == 0.0
 
 
+def test_the_unseen_attention_is_priced_in_where_it_runs_and_again_where_remat_recomputes_it():
+    """``with_attention`` adds the splash kernel's FLOPs at the given rate to XLA's time (a forward
+    more, 4/3 of them, where the policy keeps no kernel output) and lowers the MFU by as much."""
+    from olmax.compile import with_attention
+    cfg = get_recipe("olmo3_7b_stage3")
+    f = flops_per_token(cfg.model, cfg.data.sequence_length)
+    share = f["attention"] / f["total"]
+    summary = {"model_flops_per_device": 1e15, "optimal_seconds": 2.0, "estimated_mfu": 0.5}
+    kept = with_attention(summary, cfg.override(["model.remat=save_attn_out"]), rate=1e14)
+    redone = with_attention(summary, cfg.override(["model.remat=full"]), rate=1e14)
+    assert kept["attention_kernel_flops_per_device"] == pytest.approx(1e15 * share)
+    assert redone["attention_kernel_flops_per_device"] == pytest.approx(1e15 * share * 4 / 3)
+    assert kept["seconds_with_attention"] == pytest.approx(2.0 + 10 * share)
+    assert kept["estimated_mfu_with_attention"] == pytest.approx(0.5 * 2.0 / (2.0 + 10 * share))
+    assert redone["seconds_with_attention"] > kept["seconds_with_attention"]
+    no_time = with_attention({**summary, "optimal_seconds": None, "estimated_mfu": None}, cfg, rate=1e14)
+    assert no_time["seconds_with_attention"] is None and no_time["estimated_mfu_with_attention"] is None
+    in_xla = with_attention(summary, cfg.override(["model.attention_impl=blocked"]), rate=1e14)
+    assert in_xla["attention_kernel_flops_per_device"] == 0 and in_xla["seconds_with_attention"] == 2.0
+
+
 def test_cost_summary_keys_overhead_and_mfu():
     s = cost_summary({"flops": 1.5e12, "bytes": 1e9, "seconds": 0.01}, 1.2e12, 459e12)
     assert tuple(s) == COST_KEYS
@@ -202,8 +223,12 @@ def test_sweep_tabulates_policies_and_picks_the_best_that_leaves_headroom():
     assert set(rows) == {("none", 2), ("none", 4), ("full", 2), ("full", 4)}
     assert rows[("full", 4)]["recompute_overhead"] > rows[("none", 4)]["recompute_overhead"]
     assert rows[("none", 2)]["accum_steps"] == 2
-    assert s["best"] == max(s["rows"], key=lambda x: x["estimated_mfu"])
+    assert s["best"] == max(s["rows"], key=lambda x: x["estimated_mfu_with_attention"])
     assert "estimate" in s["note"] and s["attention_unseen_fraction"] > 0 and "upper bound" in s["note"]
+    for x in s["rows"]:  # splash's work priced in: slower than XLA alone says, by more where full remat redoes it
+        assert x["seconds_with_attention"] > x["optimal_seconds"]
+    assert (rows[("full", 4)]["attention_kernel_flops_per_device"]
+            == pytest.approx(4 / 3 * rows[("none", 4)]["attention_kernel_flops_per_device"]))
 
 
 def test_a_program_xla_does_not_time_has_no_time_and_no_mfu():

@@ -200,6 +200,8 @@ def per_device_gib(abstract: Any) -> float:
 # The cost keys of each program in ``olmax compile --json`` (stable).
 COST_KEYS = ("flops_per_device", "model_flops_per_device", "recompute_overhead", "bytes_accessed_per_device",
              "optimal_seconds", "estimated_mfu")
+# The train step's, with the splash kernel's work that XLA cannot see priced in (``with_attention``).
+ATTENTION_KEYS = ("attention_kernel_flops_per_device", "seconds_with_attention", "estimated_mfu_with_attention")
 
 
 # XLA's SPMD partitioner may split a sharded matmul into a "windowed einsum": a while loop that
@@ -267,6 +269,32 @@ def attention_unseen_fraction(cfg: Config) -> float:
         return 0.0
     f = flops_per_token(cfg.model, cfg.data.sequence_length)
     return f["attention"] / f["total"]
+
+
+def matmul_rate(mesh: Mesh) -> float | None:
+    """FLOP/s XLA's cost model gives one device of ``mesh`` for a large bf16 matmul (16384 cubed,
+    unsharded): the rate at which the sweep prices work XLA cannot see. None where XLA gives no
+    time (Ironwood with libtpu 0.0.42.1)."""
+    n = 16384
+    a = jax.ShapeDtypeStruct((n, n), jnp.bfloat16, sharding=jax.sharding.SingleDeviceSharding(mesh.devices.flat[0]))
+    c = xla_cost(jax.jit(jnp.matmul).lower(a, a).compile())
+    return c["flops"] / c["seconds"] if c["seconds"] > 0 else None
+
+
+def with_attention(summary: dict, cfg: Config, rate: float | None) -> dict:
+    """The train step's estimate with the splash kernel's work that XLA does not see priced in:
+    the attention's model FLOPs (``attention_unseen_fraction`` of the model's), a forward more
+    where the remat policy recomputes the kernel, at XLA's own ``rate`` for a large matmul
+    (``matmul_rate``). Keys ``attention_kernel_flops_per_device``, ``seconds_with_attention``,
+    ``estimated_mfu_with_attention`` (None without an XLA time)."""
+    from olmax.model.olmo3 import remat_recomputes_attention
+    model, secs = summary.get("model_flops_per_device"), summary.get("optimal_seconds")
+    flops = (model or 0.0) * attention_unseen_fraction(cfg)
+    flops *= 4 / 3 if remat_recomputes_attention(cfg.model.remat) else 1.0  # fwd + 2 x fwd back, + fwd again
+    total = secs + flops / rate if secs is not None and rate else None
+    mfu = summary.get("estimated_mfu")
+    return {"attention_kernel_flops_per_device": flops, "seconds_with_attention": total,
+            "estimated_mfu_with_attention": mfu * secs / total if total and mfu is not None else None}
 
 
 def cost_summary(cost: dict | None, model_flops: float, peak: float | None) -> dict:
@@ -359,6 +387,7 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
     if cost:
         t1 = time.perf_counter()
         report.update(cost_summary(_train_cost(cfg, mesh, m["lowered"], plan.accum_steps), model_flops, peak))
+        report.update(with_attention(report, cfg, matmul_rate(mesh) if report["attention_unseen_fraction"] else None))
         report["cost_seconds"] = time.perf_counter() - t1
     else:
         report.update(cost_summary(None, model_flops, peak))
@@ -695,13 +724,13 @@ def sweep(cfg: Config, topology: Topology, *, remats: list[str] | None = None, m
                        "per_device_gib": r["per_device_gib"], "hbm_gib": r["hbm_gib"], "fits": r["fits"],
                        "headroom": 1 - r["per_device_gib"] / r["hbm_gib"], "verdict": r["verdict"],
                        "compile_seconds": r["compile_seconds"], "cost_seconds": r.get("cost_seconds"),
-                       **{k: r.get(k) for k in COST_KEYS}}
+                       **{k: r.get(k) for k in COST_KEYS + ATTENTION_KEYS}}
                 rows.append(row)
                 if not r["fits"]:
                     oom_at[(remat, blk)] = min(mb, oom_at.get((remat, blk), 1 << 30))
     unseen = attention_unseen_fraction(cfg)
-    ok = [r for r in rows if r.get("fits") and r["headroom"] >= headroom and r.get("estimated_mfu") is not None]
-    best = max(ok, key=lambda r: r["estimated_mfu"]) if ok else None
+    ok = [r for r in rows if r.get("fits") and r["headroom"] >= headroom and _rank(r) is not None]
+    best = max(ok, key=_rank) if ok else None
     return {"recipe": cfg.name, "topology": topology.name, "slices": topology.slices, "headroom": headroom,
             "sequence_length": cfg.data.sequence_length, "global_batch": cfg.train.global_batch_size,
             "recipe_choice": {"remat": cfg.model.remat, "micro_batch": cfg.train.micro_batch_size,
@@ -710,7 +739,15 @@ def sweep(cfg: Config, topology: Topology, *, remats: list[str] | None = None, m
             "rows": rows, "best": best, "attention_unseen_fraction": unseen,
             "note": "cost columns are XLA's estimate for the compiled TPU program, not a measurement"
                     + ("; it leaves out the splash attention kernel's work (attention_unseen_fraction of the "
-                       "model's FLOPs), so the estimated MFU is an upper bound" if unseen else "")}
+                       "model's FLOPs), so the estimated MFU is an upper bound; *_with_attention prices that "
+                       "work at XLA's rate for a large matmul, and the best is chosen by it" if unseen else "")}
+
+
+def _rank(row: dict) -> float | None:
+    """What the sweep ranks by: the estimated MFU with the unseen attention priced in, where the
+    attention runs in splash and XLA gives a time, else XLA's own."""
+    priced = row.get("estimated_mfu_with_attention")
+    return priced if priced is not None else row.get("estimated_mfu")
 
 
 def _unseen_note(fraction: float) -> str:
@@ -723,7 +760,7 @@ def print_sweep(s: dict) -> None:
           f"{s['sequence_length']} tokens; cost columns are XLA's estimate, not a measurement"
           + _unseen_note(s["attention_unseen_fraction"]))
     head = (f"{'remat':14s} {'micro':>5s} {'accum':>5s} {'block':>5s} {'GiB/chip':>9s} {'free':>6s} "
-            f"{'overhead':>8s} {'est. step s':>11s} {'est. MFU':>8s}")
+            f"{'overhead':>8s} {'est. step s':>11s} {'est. MFU':>8s} {'+attn s':>8s} {'+attn MFU':>9s}")
     print(head)
     for r in s["rows"]:
         if "per_device_gib" not in r:
@@ -732,6 +769,8 @@ def print_sweep(s: dict) -> None:
             continue
         cost = (f"{r['recompute_overhead']:7.2f}x {r['optimal_seconds']:11.3f} {r['estimated_mfu']:8.1%}"
                 if r.get("estimated_mfu") is not None else f"{'-':>8s} {'-':>11s} {'-':>8s}")
+        if r.get("estimated_mfu_with_attention") is not None:
+            cost += f" {r['seconds_with_attention']:8.3f} {r['estimated_mfu_with_attention']:9.1%}"
         mark = "  <- best" if r is s["best"] else ""
         print(f"{r['remat']:14s} {r['micro_batch']:5d} {r['accum_steps']:5d} {r['block']:5d} "
               f"{r['per_device_gib']:9.2f} {r['headroom']:6.1%} {cost}{mark}")
@@ -877,6 +916,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
             print(f"per device     {r['per_device_gib']:.2f} GiB (XLA: out of memory)")
         if not args.no_cost:
             print(f"cost (XLA)     {_cost_line(r)}")
+            if r.get("seconds_with_attention") is not None:
+                print(f"  + attention  est. {r['seconds_with_attention']:.3f} s, est. MFU "
+                      f"{r['estimated_mfu_with_attention']:.1%}: the splash kernel's "
+                      f"{r['attention_kernel_flops_per_device'] / 1e12:.2f} TFLOP per device, priced at XLA's rate "
+                      "for a large matmul")
         if "generate" in r:
             g = r["generate"]
             print(f"generation     {g['per_device_gib']:.2f} GiB per device, {g['batching']} engine with {g['batch']} "

@@ -38,6 +38,12 @@ PROJECTION_NAMES = ("query", "key", "value", "attn_out", "attn_proj", "mlp_gate"
 REMAT_NAMES = typing.get_args(typing.get_type_hints(ModelConfig)["remat"])  # the config's Literal, one list
 
 
+def remat_recomputes_attention(name: str) -> bool:
+    """Whether ``model.remat=name`` runs the attention kernel's forward again in the backward pass
+    (it keeps no ``attn_out``): ``full`` and ``minimal`` (the kernel's output has batch dims)."""
+    return name in ("full", "minimal")
+
+
 def remat_policy(name: str) -> Callable | None:
     """``model.remat`` -> a ``jax.checkpoint`` policy (None: no rematerialisation)."""
     cp = jax.checkpoint_policies
