@@ -36,6 +36,12 @@ CHOICES: dict[tuple[str, str], SliceChoice] = {
         "full remat with both of a chip's pairs in one pass needs 45.93 GiB a chip (52% of the HBM free) for "
         "XLA's estimated 9.64 s a step (est. MFU 72.2%), in two passes of one 25.74 GiB for 9.74 s (71.5%); "
         "save_proj does not fit one pair (111.24 GiB)"),
+    ("olmo3_7b_stage3", "v5p-512"): SliceChoice(
+        ("model.remat=save_attn_out",),
+        "olmax compile --sweep, 2026-12-06 (benchmarks/results/compile-sweep-stage3_tpu-aot_2026-12-06.md): "
+        "save_attn_out needs 79.99 GiB a chip (16% of the HBM free) for an estimated 12.66 s a step with the "
+        "splash kernel priced in (est. MFU 66.4%), full remat 41.32 GiB for 13.63 s (61.7%); XLA alone, "
+        "blind to the kernel, costs both 9.73 s"),
     ("olmo3_7b_think_sft", "v5p-128"): SliceChoice(
         ("model.remat=minimal",),
         "olmax compile --sweep, 2026-12-06 (benchmarks/results/compile-sweep-sft_tpu-aot_2026-12-06.md): "
