@@ -274,11 +274,17 @@ def attention_unseen_fraction(cfg: Config) -> float:
 def matmul_rate(mesh: Mesh) -> float | None:
     """FLOP/s XLA's cost model gives one device of ``mesh`` for a large bf16 matmul (16384 cubed,
     unsharded): the rate at which the sweep prices work XLA cannot see. None where XLA gives no
-    time (Ironwood with libtpu 0.0.42.1)."""
-    n = 16384
-    a = jax.ShapeDtypeStruct((n, n), jnp.bfloat16, sharding=jax.sharding.SingleDeviceSharding(mesh.devices.flat[0]))
-    c = xla_cost(jax.jit(jnp.matmul).lower(a, a).compile())
-    return c["flops"] / c["seconds"] if c["seconds"] > 0 else None
+    time (Ironwood with libtpu 0.0.42.1). Compiled once per device kind (a sweep asks per row)."""
+    device = mesh.devices.flat[0]
+    if device.device_kind not in _MATMUL_RATES:
+        n = 16384
+        a = jax.ShapeDtypeStruct((n, n), jnp.bfloat16, sharding=jax.sharding.SingleDeviceSharding(device))
+        c = xla_cost(jax.jit(jnp.matmul).lower(a, a).compile())
+        _MATMUL_RATES[device.device_kind] = c["flops"] / c["seconds"] if c["seconds"] > 0 else None
+    return _MATMUL_RATES[device.device_kind]
+
+
+_MATMUL_RATES: dict[str, float | None] = {}
 
 
 def with_attention(summary: dict, cfg: Config, rate: float | None) -> dict:
