@@ -16,7 +16,11 @@ program_cost`` takes olmax's: its program unrolled (``scan_layers=false``) at on
 periods (``base_num_decoder_layers`` 4 and 8), extrapolated to the model's depth, times the
 accumulation steps, and compiled without XLA's windowed einsums as olmax's are (their loops too
 are counted once); its memory from the real (scanned) program. The estimated MFU of both uses the
-same model FLOPs (olmax's count, ``olmax.metrics.flops``) and the same peak.
+same model FLOPs (olmax's count, ``olmax.metrics.flops``) and the same peak. XLA sees neither side's
+splash attention kernel (a Pallas call declares no cost), so both are also reported with its work
+priced in the same way (``olmax.compile.price_attention``: its model FLOPs at XLA's large-matmul
+rate, a forward more where the remat policy runs the kernel again: MaxText's ``full`` and
+``minimal`` do, ``minimal_with_context`` keeps its output).
 
 MaxText comes from ``--maxtext-venv`` (default ``.peers/maxtext-venv``, which ``make bench-peers``
 installs: Python 3.12, ``maxtext[tpu]==0.2.5``); without it only olmax's rows are written and the
@@ -38,13 +42,20 @@ from pathlib import Path
 from compile_targets import MAXTEXT_MODEL, maxtext_available, olmax_compile
 from peers import maxtext_env
 
-from olmax.compile import COST_COMPILER_OPTIONS
+from olmax.compile import ATTENTION_KEYS, COST_COMPILER_OPTIONS, price_attention
 
 REPO = Path(__file__).resolve().parents[1]
 GiB = 1024**3
 _COST = re.compile(r"Cost analysis: (\{.*\})")  # one line; its keys hold braces
 _STATS = re.compile(r"Memory analysis: CompiledMemoryStats\((.*?)\)")
 PERIOD = 4  # OLMo 3's layer pattern repeats every 4 layers (3 sliding, 1 full)
+# Whether a MaxText remat policy runs the attention kernel's forward again in the backward pass:
+# only the policies that save its output ("context") do not. MaxText's `minimal` keeps every
+# projection but not the context; `minimal_with_context` keeps it too.
+MAXTEXT_RECOMPUTES_ATTENTION = {"full": True, "minimal": True, "minimal_with_context": False,
+                                "save_dot_with_context_except_mlp": False, "save_dot_except_mlp": True,
+                                "save_dot_except_mlpwi": True, "save_qkv_proj": True, "save_out_proj": True,
+                                "qkv_proj_offloaded": True, "minimal_offloaded": True, "none": False}
 
 
 def maxtext_train_compile(venv: Path, model: str, topology: str, micro_batch: int, accum_steps: int, seq: int,
@@ -78,8 +89,13 @@ def maxtext_train_compile(venv: Path, model: str, topology: str, micro_batch: in
 
 
 def maxtext_row(venv: Path, model: str, topology: str, plan: dict, seq: int, layers: int, remat: str,
-                model_flops: float, peak: float | None) -> dict:
-    """MaxText's memory (the real program) and cost (unrolled at one and two periods, extrapolated)."""
+                model_flops: float, peak: float | None, unseen: float = 0.0, rate: float | None = None) -> dict:
+    """MaxText's memory (the real program) and cost (unrolled at one and two periods, extrapolated);
+    its splash kernel's work, which XLA does not see either, priced in as olmax's is (``unseen``:
+    that share of the model FLOPs, ``rate``: XLA's large-matmul FLOP/s on the chip)."""
+    if remat not in MAXTEXT_RECOMPUTES_ATTENTION:
+        raise ValueError(f"MaxText remat policy {remat!r}: not one this benchmark knows "
+                         f"({', '.join(MAXTEXT_RECOMPUTES_ATTENTION)})")
     args = (venv, model, topology, plan["micro_batch"], plan["accum_steps"], seq, f"remat_policy={remat}")
     real = maxtext_train_compile(*args)
     # The depth of a named model is fixed unless override_model_config is set.
@@ -88,11 +104,12 @@ def maxtext_row(venv: Path, model: str, topology: str, plan: dict, seq: int, lay
     two = maxtext_train_compile(*args, *unrolled, f"base_num_decoder_layers={2 * PERIOD}", for_cost=True)
     cost = {k: plan["accum_steps"] * (one[k] + (layers - PERIOD) / PERIOD * (two[k] - one[k]))
             for k in ("flops", "bytes", "seconds")}
-    return {"system": "maxtext 0.2.5", "remat": remat, "per_device_gib": real["per_device_gib"],
-            "flops_per_device": cost["flops"], "model_flops_per_device": model_flops,
-            "recompute_overhead": cost["flops"] / model_flops, "bytes_accessed_per_device": cost["bytes"],
-            "optimal_seconds": cost["seconds"],
-            "estimated_mfu": model_flops / (cost["seconds"] * peak) if peak and cost["seconds"] else None,
+    row = {"system": "maxtext 0.2.5", "remat": remat, "per_device_gib": real["per_device_gib"],
+           "flops_per_device": cost["flops"], "model_flops_per_device": model_flops,
+           "recompute_overhead": cost["flops"] / model_flops, "bytes_accessed_per_device": cost["bytes"],
+           "optimal_seconds": cost["seconds"],
+           "estimated_mfu": model_flops / (cost["seconds"] * peak) if peak and cost["seconds"] else None}
+    return {**row, **price_attention(row, unseen, MAXTEXT_RECOMPUTES_ATTENTION[remat], rate),
             "scanned_program_as_reported": {k: real[k] for k in ("flops", "bytes", "seconds")},
             "wall_seconds": real["wall_seconds"] + one["wall_seconds"] + two["wall_seconds"]}
 
@@ -100,9 +117,13 @@ def maxtext_row(venv: Path, model: str, topology: str, plan: dict, seq: int, lay
 def _print(row: dict, hbm: float) -> None:
     mfu = f"{row['estimated_mfu']:.1%}" if row.get("estimated_mfu") is not None else "-"
     free = 1 - row["per_device_gib"] / hbm
+    priced = ""
+    if row.get("seconds_with_attention") is not None:
+        priced = (f"  + attention {row['seconds_with_attention']:.2f} s, "
+                  f"{row['estimated_mfu_with_attention']:.1%}")
     print(f"{row['system']:14s} {row['remat']:14s} {row['per_device_gib']:7.2f} GiB ({free:.0%} "
           f"free)  {row['flops_per_device'] / 1e12:8.1f} TFLOP  overhead {row['recompute_overhead']:.2f}x  "
-          f"est. {row['optimal_seconds']:.2f} s  est. MFU {mfu}", flush=True)
+          f"est. {row['optimal_seconds']:.2f} s  est. MFU {mfu}{priced}", flush=True)
 
 
 def main() -> int:
@@ -123,7 +144,8 @@ def main() -> int:
         first = first or out
         row = {"system": "olmax", "remat": remat, **{k: out.get(k) for k in (
             "per_device_gib", "flops_per_device", "model_flops_per_device", "recompute_overhead",
-            "bytes_accessed_per_device", "optimal_seconds", "estimated_mfu", "plan", "mesh", "wall_seconds")}}
+            "bytes_accessed_per_device", "optimal_seconds", "estimated_mfu", *ATTENTION_KEYS, "plan", "mesh",
+            "wall_seconds")}}
         rows.append(row)
         if row["flops_per_device"] is None:
             print(f"olmax {remat}: {out['verdict']}", flush=True)
@@ -139,7 +161,8 @@ def main() -> int:
             try:
                 row = maxtext_row(venv, MAXTEXT_MODEL[args.recipe], args.topology, first["plan"],
                                   first["sequence_length"], 32 if args.recipe != "olmo3_32b" else 64, remat,
-                                  first["model_flops_per_device"], first["peak_flops_per_device"])
+                                  first["model_flops_per_device"], first["peak_flops_per_device"],
+                                  first["attention_unseen_fraction"], first.get("matmul_flops_per_second"))
             except RuntimeError as e:
                 print(f"MaxText {remat}: {e}", flush=True)
                 rc = 1
@@ -149,7 +172,11 @@ def main() -> int:
     result = {"recipe": args.recipe, "topology": args.topology, "hbm_gib": first["hbm_gib"],
               "device_kind": first["device_kind"], "peak_flops_per_device": first["peak_flops_per_device"],
               "plan": first["plan"], "sequence_length": first["sequence_length"], "maxtext_missing": missing,
-              "note": "cost columns are XLA's estimate for each compiled TPU program, not a measurement",
+              "attention_unseen_fraction": first["attention_unseen_fraction"],
+              "matmul_flops_per_second": first.get("matmul_flops_per_second"),
+              "note": "cost columns are XLA's estimate for each compiled TPU program, not a measurement; XLA "
+                      "sees neither side's splash attention kernel, and *_with_attention prices its work in "
+                      "for both alike (a forward more where the remat policy recomputes it)",
               "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -64,7 +64,7 @@ def test_the_share_xla_does_not_see_is_splash_attentions():
 def test_the_unseen_attention_is_priced_in_where_it_runs_and_again_where_remat_recomputes_it():
     """``with_attention`` adds the splash kernel's FLOPs at the given rate to XLA's time (a forward
     more, 4/3 of them, where the policy keeps no kernel output) and lowers the MFU by as much."""
-    from olmax.compile import with_attention
+    from olmax.compile import price_attention, with_attention
     cfg = get_recipe("olmo3_7b_stage3")
     f = flops_per_token(cfg.model, cfg.data.sequence_length)
     share = f["attention"] / f["total"]
@@ -76,10 +76,18 @@ def test_the_unseen_attention_is_priced_in_where_it_runs_and_again_where_remat_r
     assert kept["seconds_with_attention"] == pytest.approx(2.0 + 10 * share)
     assert kept["estimated_mfu_with_attention"] == pytest.approx(0.5 * 2.0 / (2.0 + 10 * share))
     assert redone["seconds_with_attention"] > kept["seconds_with_attention"]
+    assert kept["recompute_overhead_with_attention"] is None  # the summary has no compiled FLOPs
+    compiled = {**summary, "flops_per_device": 0.9e15}  # XLA counted the model less its attention
+    assert with_attention(compiled, cfg.override(["model.remat=save_attn_out"]), rate=1e14)[
+        "recompute_overhead_with_attention"] == pytest.approx(0.9 + share)
     no_time = with_attention({**summary, "optimal_seconds": None, "estimated_mfu": None}, cfg, rate=1e14)
     assert no_time["seconds_with_attention"] is None and no_time["estimated_mfu_with_attention"] is None
     in_xla = with_attention(summary, cfg.override(["model.attention_impl=blocked"]), rate=1e14)
     assert in_xla["attention_kernel_flops_per_device"] == 0 and in_xla["seconds_with_attention"] == 2.0
+    # A peer's program (MaxText's, in bench_tpu_aot) is priced by the same arithmetic from its own
+    # remat policy's answer to "does it run the kernel again".
+    assert price_attention(summary, share, True, 1e14) == redone
+    assert price_attention(summary, share, False, 1e14) == kept
 
 
 def test_cost_summary_keys_overhead_and_mfu():
@@ -227,6 +235,7 @@ def test_sweep_tabulates_policies_and_picks_the_best_that_leaves_headroom():
     assert "estimate" in s["note"] and s["attention_unseen_fraction"] > 0 and "upper bound" in s["note"]
     for x in s["rows"]:  # splash's work priced in: slower than XLA alone says, by more where full remat redoes it
         assert x["seconds_with_attention"] > x["optimal_seconds"]
+        assert x["recompute_overhead_with_attention"] > x["recompute_overhead"]
     assert (rows[("full", 4)]["attention_kernel_flops_per_device"]
             == pytest.approx(4 / 3 * rows[("none", 4)]["attention_kernel_flops_per_device"]))
 

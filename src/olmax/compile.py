@@ -201,7 +201,8 @@ def per_device_gib(abstract: Any) -> float:
 COST_KEYS = ("flops_per_device", "model_flops_per_device", "recompute_overhead", "bytes_accessed_per_device",
              "optimal_seconds", "estimated_mfu")
 # The train step's, with the splash kernel's work that XLA cannot see priced in (``with_attention``).
-ATTENTION_KEYS = ("attention_kernel_flops_per_device", "seconds_with_attention", "estimated_mfu_with_attention")
+ATTENTION_KEYS = ("attention_kernel_flops_per_device", "recompute_overhead_with_attention", "seconds_with_attention",
+                  "estimated_mfu_with_attention")
 
 
 # XLA's SPMD partitioner may split a sharded matmul into a "windowed einsum": a while loop that
@@ -291,15 +292,27 @@ def with_attention(summary: dict, cfg: Config, rate: float | None) -> dict:
     """The train step's estimate with the splash kernel's work that XLA does not see priced in:
     the attention's model FLOPs (``attention_unseen_fraction`` of the model's), a forward more
     where the remat policy recomputes the kernel, at XLA's own ``rate`` for a large matmul
-    (``matmul_rate``). Keys ``attention_kernel_flops_per_device``, ``seconds_with_attention``,
-    ``estimated_mfu_with_attention`` (None without an XLA time)."""
+    (``matmul_rate``). Keys ``attention_kernel_flops_per_device``,
+    ``recompute_overhead_with_attention`` (compiled FLOPs and the kernel's over the model's),
+    ``seconds_with_attention``, ``estimated_mfu_with_attention`` (None without an XLA time)."""
     from olmax.model.olmo3 import remat_recomputes_attention
+    return price_attention(summary, attention_unseen_fraction(cfg), remat_recomputes_attention(cfg.model.remat),
+                           rate)
+
+
+def price_attention(summary: dict, fraction: float, recomputes: bool, rate: float | None) -> dict:
+    """``with_attention``'s arithmetic for any program's cost summary, olmax's or a peer's: the
+    unseen ``fraction`` of its model FLOPs (x4/3 where its remat ``recomputes`` the kernel's
+    forward: forward + a backward of two forwards, + the forward again) at ``rate`` FLOP/s."""
     model, secs = summary.get("model_flops_per_device"), summary.get("optimal_seconds")
-    flops = (model or 0.0) * attention_unseen_fraction(cfg)
-    flops *= 4 / 3 if remat_recomputes_attention(cfg.model.remat) else 1.0  # fwd + 2 x fwd back, + fwd again
+    flops = (model or 0.0) * fraction * (4 / 3 if recomputes else 1.0)
+    compiled = summary.get("flops_per_device")
     total = secs + flops / rate if secs is not None and rate else None
     mfu = summary.get("estimated_mfu")
-    return {"attention_kernel_flops_per_device": flops, "seconds_with_attention": total,
+    return {"attention_kernel_flops_per_device": flops,
+            "recompute_overhead_with_attention": (compiled + flops) / model if model and compiled is not None
+            else None,
+            "seconds_with_attention": total,
             "estimated_mfu_with_attention": mfu * secs / total if total and mfu is not None else None}
 
 
@@ -393,7 +406,9 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
     if cost:
         t1 = time.perf_counter()
         report.update(cost_summary(_train_cost(cfg, mesh, m["lowered"], plan.accum_steps), model_flops, peak))
-        report.update(with_attention(report, cfg, matmul_rate(mesh) if report["attention_unseen_fraction"] else None))
+        rate = matmul_rate(mesh) if report["attention_unseen_fraction"] else None
+        report["matmul_flops_per_second"] = rate  # what the unseen attention is priced at
+        report.update(with_attention(report, cfg, rate))
         report["cost_seconds"] = time.perf_counter() - t1
     else:
         report.update(cost_summary(None, model_flops, peak))
@@ -766,7 +781,8 @@ def print_sweep(s: dict) -> None:
           f"{s['sequence_length']} tokens; cost columns are XLA's estimate, not a measurement"
           + _unseen_note(s["attention_unseen_fraction"]))
     head = (f"{'remat':14s} {'micro':>5s} {'accum':>5s} {'block':>5s} {'GiB/chip':>9s} {'free':>6s} "
-            f"{'overhead':>8s} {'est. step s':>11s} {'est. MFU':>8s} {'+attn s':>8s} {'+attn MFU':>9s}")
+            f"{'overhead':>8s} {'est. step s':>11s} {'est. MFU':>8s} {'+attn x':>8s} {'+attn s':>8s} "
+            f"{'+attn MFU':>9s}")
     print(head)
     for r in s["rows"]:
         if "per_device_gib" not in r:
@@ -776,7 +792,8 @@ def print_sweep(s: dict) -> None:
         cost = (f"{r['recompute_overhead']:7.2f}x {r['optimal_seconds']:11.3f} {r['estimated_mfu']:8.1%}"
                 if r.get("estimated_mfu") is not None else f"{'-':>8s} {'-':>11s} {'-':>8s}")
         if r.get("estimated_mfu_with_attention") is not None:
-            cost += f" {r['seconds_with_attention']:8.3f} {r['estimated_mfu_with_attention']:9.1%}"
+            cost += (f" {r['recompute_overhead_with_attention']:7.2f}x {r['seconds_with_attention']:8.3f} "
+                     f"{r['estimated_mfu_with_attention']:9.1%}")
         mark = "  <- best" if r is s["best"] else ""
         print(f"{r['remat']:14s} {r['micro_batch']:5d} {r['accum_steps']:5d} {r['block']:5d} "
               f"{r['per_device_gib']:9.2f} {r['headroom']:6.1%} {cost}{mark}")
@@ -924,9 +941,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
             print(f"cost (XLA)     {_cost_line(r)}")
             if r.get("seconds_with_attention") is not None:
                 print(f"  + attention  est. {r['seconds_with_attention']:.3f} s, est. MFU "
-                      f"{r['estimated_mfu_with_attention']:.1%}: the splash kernel's "
-                      f"{r['attention_kernel_flops_per_device'] / 1e12:.2f} TFLOP per device, priced at XLA's rate "
-                      "for a large matmul")
+                      f"{r['estimated_mfu_with_attention']:.1%}, overhead "
+                      f"{r['recompute_overhead_with_attention']:.2f}x: "
+                      f"the splash kernel's {r['attention_kernel_flops_per_device'] / 1e12:.2f} TFLOP per device, "
+                      "priced at XLA's rate for a large matmul")
         if "generate" in r:
             g = r["generate"]
             print(f"generation     {g['per_device_gib']:.2f} GiB per device, {g['batching']} engine with {g['batch']} "
