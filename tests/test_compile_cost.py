@@ -127,6 +127,30 @@ def test_sweep_refuses_an_unknown_policy():
         sweep_choices(get_recipe("tiny"), parse_topology("v5p:2x2x1"), ["full", "fastest"], None, None)
 
 
+def test_where_xla_times_no_row_the_sweep_picks_the_fewest_flops_and_says_so(monkeypatch):
+    """v6e steps and every Ironwood program get no time from XLA's cost model: the sweep then
+    ranks what fits by recompute overhead (the kernel's work counted) and names that rank."""
+    import olmax.compile as oc
+    overheads = {"full": 1.30, "save_attn_out": 1.22, "none": 1.0}
+    gib = {"full": 10.0, "save_attn_out": 20.0, "none": 31.0}  # none leaves under 10% of 31.25 free
+
+    def fake(cfg, topology, **kw):
+        r = cfg.model.remat
+        return {"per_device_gib": gib[r], "hbm_gib": 31.25, "fits": True, "verdict": "fits",
+                "plan": {"accum_steps": 1}, "compile_seconds": 0.0, **dict.fromkeys(oc.COST_KEYS),
+                "recompute_overhead": overheads[r] - 0.1, "recompute_overhead_with_attention": overheads[r]}
+    monkeypatch.setattr(oc, "compile_for", fake)
+    s = oc.sweep(get_recipe("tiny"), parse_topology("v5p:2x2x1"), remats=list(overheads), micro_batches=[4],
+                 progress=False)
+    assert s["best"]["remat"] == "save_attn_out" and s["best_by"] == "recompute_overhead"
+    timed = {"estimated_mfu": 0.5, "optimal_seconds": 1.0}
+    monkeypatch.setattr(oc, "compile_for", lambda cfg, topology, **kw: {**fake(cfg, topology), **(
+        timed if cfg.model.remat == "full" else {})})
+    s = oc.sweep(get_recipe("tiny"), parse_topology("v5p:2x2x1"), remats=list(overheads), micro_batches=[4],
+                 progress=False)
+    assert s["best"]["remat"] == "full" and s["best_by"] == "estimated_mfu"  # a time, where there is one, wins
+
+
 @pytest.mark.integration  # four CLI processes that load libtpu
 def test_sweep_bad_input_exits_2():
     for args, said in [(["--sweep", "--remat", "fastest"], "fastest"), (["--sweep", "--micro-batches", "3"], "3"),

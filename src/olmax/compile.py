@@ -718,8 +718,9 @@ def sweep(cfg: Config, topology: Topology, *, remats: list[str] | None = None, m
           blocks: list[int] | None = None, headroom: float = 0.10, progress: bool = True) -> dict:
     """Compile ``cfg``'s train step for ``topology`` under each remat policy x micro-batch x splash
     block size; each row has the memory and XLA's cost. ``best``: the row with the highest
-    estimated MFU among those that leave ``headroom`` of the HBM free. A micro-batch that runs out
-    of memory skips the larger ones of the same policy and blocks."""
+    estimated MFU among those that leave ``headroom`` of the HBM free; where XLA times none of
+    them, the one with the lowest recompute overhead (``best_by`` says which). A micro-batch that
+    runs out of memory skips the larger ones of the same policy and blocks."""
     remats, micro, blks = sweep_choices(cfg, topology, remats, micro_batches, blocks)
     rows: list[dict] = []
     oom_at: dict[tuple[str, int], int] = {}
@@ -750,18 +751,31 @@ def sweep(cfg: Config, topology: Topology, *, remats: list[str] | None = None, m
                 if not r["fits"]:
                     oom_at[(remat, blk)] = min(mb, oom_at.get((remat, blk), 1 << 30))
     unseen = attention_unseen_fraction(cfg)
-    ok = [r for r in rows if r.get("fits") and r["headroom"] >= headroom and _rank(r) is not None]
-    best = max(ok, key=_rank) if ok else None
+    room = [r for r in rows if r.get("fits") and r["headroom"] >= headroom]
+    timed = [r for r in room if _rank(r) is not None]
+    if timed:
+        best, best_by = max(timed, key=_rank), "estimated_mfu"
+    elif room:  # XLA gives no time on this chip (v6e steps, Ironwood): the fewest FLOPs, compute-bound
+        best, best_by = min(room, key=_flops_rank), "recompute_overhead"
+    else:
+        best, best_by = None, None
     return {"recipe": cfg.name, "topology": topology.name, "slices": topology.slices, "headroom": headroom,
             "sequence_length": cfg.data.sequence_length, "global_batch": cfg.train.global_batch_size,
             "recipe_choice": {"remat": cfg.model.remat, "micro_batch": cfg.train.micro_batch_size,
                               "max_micro_batch": cfg.train.max_micro_batch_size,
                               "block": cfg.model.attention_block_q},
-            "rows": rows, "best": best, "attention_unseen_fraction": unseen,
+            "rows": rows, "best": best, "best_by": best_by, "attention_unseen_fraction": unseen,
             "note": "cost columns are XLA's estimate for the compiled TPU program, not a measurement"
                     + ("; it leaves out the splash attention kernel's work (attention_unseen_fraction of the "
                        "model's FLOPs), so the estimated MFU is an upper bound; *_with_attention prices that "
                        "work at XLA's rate for a large matmul, and the best is chosen by it" if unseen else "")}
+
+
+def _flops_rank(row: dict) -> float:
+    """The fallback rank where XLA times no row: compiled FLOPs over the model's, the splash
+    kernel's counted where it runs (no FLOPs at all: last)."""
+    x = row.get("recompute_overhead_with_attention") or row.get("recompute_overhead")
+    return math.inf if x is None else x
 
 
 def _rank(row: dict) -> float | None:
@@ -801,6 +815,9 @@ def print_sweep(s: dict) -> None:
         print(f"no configuration leaves {s['headroom']:.0%} of the HBM free")
     else:
         b = s["best"]
+        if s.get("best_by") == "recompute_overhead":
+            print("XLA gives no step time on this chip: the best is the one that computes least (lowest overhead), "
+                  "as if the step were compute-bound")
         print(f"best with >= {s['headroom']:.0%} HBM free: --set model.remat={b['remat']} "
               f"--set train.micro_batch_size={b['micro_batch']} --set model.attention_block_q={b['block']} "
               f"--set model.attention_block_kv={b['block']}")
