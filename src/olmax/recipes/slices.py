@@ -42,6 +42,12 @@ CHOICES: dict[tuple[str, str], SliceChoice] = {
         "save_attn_out needs 79.99 GiB a chip (16% of the HBM free) for an estimated 12.66 s a step with the "
         "splash kernel priced in (est. MFU 66.4%), full remat 41.32 GiB for 13.63 s (61.7%); XLA alone, "
         "blind to the kernel, costs both 9.73 s"),
+    ("olmo3_32b", "v5p-512"): SliceChoice(
+        ("model.remat=save_attn_out",),
+        "olmax compile --sweep, 2026-12-06 (benchmarks/results/compile-sweep-32b_tpu-aot_2026-12-06.md): "
+        "save_attn_out, 2 sequences a pass, needs 45.97 GiB a chip (52% of the HBM free) for an estimated "
+        "11.59 s a step with the splash kernel priced in (est. MFU 62.7%), full remat 25.97 GiB for 11.77 s "
+        "(61.7%); save_proj does not fit one sequence (95.75 GiB)"),
     ("olmo3_7b_think_sft", "v5p-128"): SliceChoice(
         ("model.remat=minimal",),
         "olmax compile --sweep, 2026-12-06 (benchmarks/results/compile-sweep-sft_tpu-aot_2026-12-06.md): "
