@@ -48,6 +48,12 @@ CHOICES: dict[tuple[str, str], SliceChoice] = {
         "save_attn_out, 2 sequences a pass, needs 45.97 GiB a chip (52% of the HBM free) for an estimated "
         "11.59 s a step with the splash kernel priced in (est. MFU 62.7%), full remat 25.97 GiB for 11.77 s "
         "(61.7%); save_proj does not fit one sequence (95.75 GiB)"),
+    ("olmo3_7b_think_rl", "v5p-128"): SliceChoice(
+        ("model.remat=save_attn_out",),
+        "olmax compile --sweep, 2026-12-06 (benchmarks/results/compile-sweep-rl_tpu-aot_2026-12-06.md): the "
+        "GRPO update under save_attn_out needs 43.88 GiB a chip (54% of the HBM free) for an estimated 50.98 s "
+        "with the splash kernel priced in (est. MFU 62.8%), full remat 27.09 GiB for 53.65 s (59.6%); minimal "
+        "does not fit (112.22 GiB); sampling is not affected"),
     ("olmo3_7b_think_sft", "v5p-128"): SliceChoice(
         ("model.remat=minimal",),
         "olmax compile --sweep, 2026-12-06 (benchmarks/results/compile-sweep-sft_tpu-aot_2026-12-06.md): "
