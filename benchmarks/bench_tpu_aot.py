@@ -1,7 +1,7 @@
 """olmax's TPU train step against MaxText's, program for program: memory and XLA's cost estimate
 of each, ahead of time (the libtpu wheel, no TPU).
 
-    python benchmarks/bench_tpu_aot.py [--recipe olmo3_7b_stage1] [--topology v5p-128] [--max-micro-batch N]
+    python benchmarks/bench_tpu_aot.py [--recipe olmo3_7b_stage1] [--topology v5p-128]
         [--remat full,save_proj] [--maxtext-remat full,minimal] [--maxtext-venv DIR | --no-maxtext] [--out FILE.json]
 
 For each olmax remat policy, ``olmax compile RECIPE --topology T --no-eval --json`` (memory, and
@@ -132,8 +132,6 @@ def main() -> int:
     ap.add_argument("--topology", default="v5p-128")
     ap.add_argument("--remat", default="full,save_proj", help="olmax's policies")
     ap.add_argument("--maxtext-remat", default="full,minimal", help="MaxText's policies")
-    ap.add_argument("--max-micro-batch", type=int, default=None,
-                    help="sequences per device per micro-batch, both sides (default: the recipe's)")
     ap.add_argument("--maxtext-venv", default=str(REPO / ".peers" / "maxtext-venv"))
     ap.add_argument("--no-maxtext", action="store_true")
     ap.add_argument("--out", default=None)
@@ -141,8 +139,7 @@ def main() -> int:
     rows, rc, first = [], 0, None
     for remat in args.remat.split(","):
         # The recipe's own micro-batching, not the slice's measured choice: every row at one plan.
-        plan = () if args.max_micro_batch is None else ("--set", f"train.max_micro_batch_size={args.max_micro_batch}")
-        out = olmax_compile(args.recipe, args.topology, "--no-slice-choice", "--set", f"model.remat={remat}", *plan,
+        out = olmax_compile(args.recipe, args.topology, "--no-slice-choice", "--set", f"model.remat={remat}",
                             eval_step=False, cost=True)
         first = first or out
         row = {"system": "olmax", "remat": remat, **{k: out.get(k) for k in (
