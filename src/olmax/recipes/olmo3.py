@@ -81,11 +81,12 @@ def olmo3_7b_stage1() -> Config:
             switch_step=STAGE1_SWITCH, t_max_2=STAGE1_T_MAX_2)),
         # At most 4 x 8192 tokens per device per micro-batch (2 micro-batches of 4 on v5p-128):
         # within MaxText's per-chip memory for the same slice and batch.
-        # Remat by measurement (`olmax compile --sweep`, 2026-12-05, XLA's estimate, not a chip's
-        # clock: benchmarks/results/compile-sweep-7b_tpu-aot_2026-12-05.md): on v5p-128,
-        # save_proj in 4 micro-batches of 2 needs 64.07 GiB a chip (33% free) for an estimated
-        # 7.93 s a step (est. MFU 83.8%) against full remat's 9.75 s (68.2%, 25.35 GiB); save_proj
-        # at 4 a micro-batch does not fit (111.22 GiB: about 24 GiB of activations per sequence).
+        # Remat by measurement (`olmax compile --sweep`, XLA's estimate, not a chip's clock:
+        # benchmarks/results/compile-sweep-stage1_tpu-aot_2026-12-06.md): on v5p-128, save_proj
+        # in 4 micro-batches of 2 needs 64.07 GiB a chip (33% free) for an estimated 8.80 s a step
+        # with the splash kernel priced in (est. MFU 75.6%) against full remat's 10.91 s (60.9%,
+        # 25.35 GiB); save_proj at 4 a micro-batch does not fit (111.22 GiB: about 24 GiB of
+        # activations per sequence, 2026-12-05).
         # The recipe keeps full remat, which fits every slice it serves; save_proj has not been
         # compiled for v6e-256 (31.25 GiB: room for one such sequence at most), tpu7x-128 or
         # stage 3's 65,536 tokens (which inherit this model). On v5p-128 `olmax compile` and

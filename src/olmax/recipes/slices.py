@@ -22,9 +22,10 @@ class SliceChoice:
 CHOICES: dict[tuple[str, str], SliceChoice] = {
     ("olmo3_7b_stage1", "v5p-128"): SliceChoice(
         ("model.remat=save_proj", "train.max_micro_batch_size=2"),
-        "olmax compile --sweep, 2026-12-05 (benchmarks/results/compile-sweep-7b_tpu-aot_2026-12-05.md): "
-        "save_proj in 4 micro-batches of 2 needs 64.07 GiB a chip (33% of the HBM free) for XLA's estimated "
-        "7.93 s a step (est. MFU 83.8%), full remat 25.35 GiB for 9.75 s (68.2%)"),
+        "olmax compile --sweep, 2026-12-06 (benchmarks/results/compile-sweep-stage1_tpu-aot_2026-12-06.md): "
+        "save_proj in 4 micro-batches of 2 needs 64.07 GiB a chip (33% of the HBM free) for an estimated "
+        "8.80 s a step with the splash kernel priced in (est. MFU 75.6%, recompute overhead 1.00x), full remat "
+        "25.35 GiB for 10.91 s (60.9%); XLA alone 7.93 s against 9.75 s"),
     ("olmo3_7b_stage2", "v5p-128"): SliceChoice(
         ("model.remat=save_proj", "train.max_micro_batch_size=2"),
         "olmax compile --sweep, 2026-12-06 (benchmarks/results/compile-sweep-stage2_tpu-aot_2026-12-06.md): "
