@@ -26,6 +26,12 @@ CHOICES: dict[tuple[str, str], SliceChoice] = {
         "save_proj in 4 micro-batches of 2 needs 64.07 GiB a chip (33% of the HBM free) for an estimated "
         "8.80 s a step with the splash kernel priced in (est. MFU 75.6%, recompute overhead 1.00x), full remat "
         "25.35 GiB for 10.91 s (60.9%); XLA alone 7.93 s against 9.75 s"),
+    ("olmo3_7b_stage1", "v6e-256"): SliceChoice(
+        ("model.remat=save_attn_out",),
+        "olmax compile --sweep, 2026-12-06 (benchmarks/results/compile-sweep-stage1-v6e_tpu-aot_2026-12-06.md): "
+        "XLA gives a v6e step no time, so by compiled FLOPs: save_attn_out needs 19.07 GiB a chip (39% of the "
+        "HBM free) for 1.23x the model's FLOPs with the splash kernel counted, full remat 11.66 GiB for 1.27x; "
+        "save_proj does not fit one sequence (31.50 GiB)"),
     ("olmo3_7b_stage2", "v5p-128"): SliceChoice(
         ("model.remat=save_proj", "train.max_micro_batch_size=2"),
         "olmax compile --sweep, 2026-12-06 (benchmarks/results/compile-sweep-stage2_tpu-aot_2026-12-06.md): "
