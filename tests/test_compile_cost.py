@@ -127,7 +127,7 @@ def test_sweep_refuses_an_unknown_policy():
         sweep_choices(get_recipe("tiny"), parse_topology("v5p:2x2x1"), ["full", "fastest"], None, None)
 
 
-def test_where_xla_times_no_row_the_sweep_picks_the_fewest_flops_and_says_so(monkeypatch):
+def test_where_xla_times_no_row_the_sweep_picks_the_fewest_flops_and_says_so(monkeypatch, capsys):
     """v6e steps and every Ironwood program get no time from XLA's cost model: the sweep then
     ranks what fits by recompute overhead (the kernel's work counted) and names that rank."""
     import olmax.compile as oc
@@ -143,6 +143,9 @@ def test_where_xla_times_no_row_the_sweep_picks_the_fewest_flops_and_says_so(mon
     s = oc.sweep(get_recipe("tiny"), parse_topology("v5p:2x2x1"), remats=list(overheads), micro_batches=[4],
                  progress=False)
     assert s["best"]["remat"] == "save_attn_out" and s["best_by"] == "recompute_overhead"
+    oc.print_sweep(s)  # the table shows the figure it ranked by, and says why
+    out = capsys.readouterr().out
+    assert "computes least" in out and "1.22x" in out and "<- best" in out
     timed = {"estimated_mfu": 0.5, "optimal_seconds": 1.0}
     monkeypatch.setattr(oc, "compile_for", lambda cfg, topology, **kw: {**fake(cfg, topology), **(
         timed if cfg.model.remat == "full" else {})})

@@ -803,11 +803,14 @@ def print_sweep(s: dict) -> None:
             why = r.get("verdict") or r.get("error")
             print(f"{r['remat']:14s} {r['micro_batch']:5d} {'':5s} {r['block']:5d} {why}")
             continue
-        cost = (f"{r['recompute_overhead']:7.2f}x {r['optimal_seconds']:11.3f} {r['estimated_mfu']:8.1%}"
-                if r.get("estimated_mfu") is not None else f"{'-':>8s} {'-':>11s} {'-':>8s}")
-        if r.get("estimated_mfu_with_attention") is not None:
-            cost += (f" {r['recompute_overhead_with_attention']:7.2f}x {r['seconds_with_attention']:8.3f} "
-                     f"{r['estimated_mfu_with_attention']:9.1%}")
+        def col(key: str, fmt: str, width: int) -> str:  # a figure, or '-' where there is none (no XLA time)
+            return f"{format(r[key], fmt):>{width}s}" if r.get(key) is not None else f"{'-':>{width}s}"
+        cost = " ".join([col("recompute_overhead", ".2f", 7) + "x", col("optimal_seconds", ".3f", 11),
+                         col("estimated_mfu", ".1%", 8)])
+        if r.get("recompute_overhead_with_attention") is not None:
+            cost += " " + " ".join([col("recompute_overhead_with_attention", ".2f", 7) + "x",
+                                    col("seconds_with_attention", ".3f", 8), col("estimated_mfu_with_attention",
+                                                                                 ".1%", 9)])
         mark = "  <- best" if r is s["best"] else ""
         print(f"{r['remat']:14s} {r['micro_batch']:5d} {r['accum_steps']:5d} {r['block']:5d} "
               f"{r['per_device_gib']:9.2f} {r['headroom']:6.1%} {cost}{mark}")
