@@ -212,7 +212,10 @@ def test_tpu_prints_the_host_command_and_a_jobset(tmp_path):
     # run takes them, said once with why; the user's --set lines come after them.
     host = next(ln for ln in s.splitlines() if ln.startswith("OLMAX_DISTRIBUTED="))
     assert host.endswith("--set model.remat=save_proj --set train.max_micro_batch_size=2"), host
-    assert "# olmo3_7b_stage1 on v5p-128 runs with --set model.remat=save_proj" in s and "compile-sweep-7b" in s
+    from olmax.recipes.slices import slice_choice
+    why = slice_choice("olmo3_7b_stage1", "v5p-128").why  # names the measurement's result file
+    assert "# olmo3_7b_stage1 on v5p-128 runs with --set model.remat=save_proj" in s
+    assert "benchmarks/results/compile-sweep-" in why and why.split("(")[1].split(")")[0] in s
 
 
 def test_a_slice_takes_its_measured_choice_before_the_users_settings():
