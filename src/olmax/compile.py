@@ -790,6 +790,11 @@ def _unseen_note(fraction: float) -> str:
             "is an upper bound)") if fraction else ""
 
 
+def _col(row: dict, key: str, fmt: str, width: int) -> str:
+    """One figure of a sweep row, right-aligned, or '-' where there is none (no time from XLA)."""
+    return f"{format(row[key], fmt):>{width}s}" if row.get(key) is not None else f"{'-':>{width}s}"
+
+
 def print_sweep(s: dict) -> None:
     print(f"recipe {s['recipe']} on {s['topology']} x {s['slices']} slice(s), global batch {s['global_batch']} x "
           f"{s['sequence_length']} tokens; cost columns are XLA's estimate, not a measurement"
@@ -803,14 +808,12 @@ def print_sweep(s: dict) -> None:
             why = r.get("verdict") or r.get("error")
             print(f"{r['remat']:14s} {r['micro_batch']:5d} {'':5s} {r['block']:5d} {why}")
             continue
-        def col(key: str, fmt: str, width: int) -> str:  # a figure, or '-' where there is none (no XLA time)
-            return f"{format(r[key], fmt):>{width}s}" if r.get(key) is not None else f"{'-':>{width}s}"
-        cost = " ".join([col("recompute_overhead", ".2f", 7) + "x", col("optimal_seconds", ".3f", 11),
-                         col("estimated_mfu", ".1%", 8)])
+        cost = " ".join([_col(r, "recompute_overhead", ".2f", 7) + "x", _col(r, "optimal_seconds", ".3f", 11),
+                         _col(r, "estimated_mfu", ".1%", 8)])
         if r.get("recompute_overhead_with_attention") is not None:
-            cost += " " + " ".join([col("recompute_overhead_with_attention", ".2f", 7) + "x",
-                                    col("seconds_with_attention", ".3f", 8), col("estimated_mfu_with_attention",
-                                                                                 ".1%", 9)])
+            cost += " " + " ".join([_col(r, "recompute_overhead_with_attention", ".2f", 7) + "x",
+                                    _col(r, "seconds_with_attention", ".3f", 8),
+                                    _col(r, "estimated_mfu_with_attention", ".1%", 9)])
         mark = "  <- best" if r is s["best"] else ""
         print(f"{r['remat']:14s} {r['micro_batch']:5d} {r['accum_steps']:5d} {r['block']:5d} "
               f"{r['per_device_gib']:9.2f} {r['headroom']:6.1%} {cost}{mark}")
