@@ -263,6 +263,35 @@ def test_every_slice_choice_names_a_recipe_a_slice_and_its_measurement():
         assert files and all((results / f).is_file() for f in files), (recipe, name, choice.why)
 
 
+def test_a_recipe_sharing_its_twins_programs_takes_its_twins_choice():
+    """``slices.SAME_PROGRAMS``: the Instruct SFT and DPO recipes take the Think ones' measured
+    choices, which holds only while the two differ in nothing that shapes a compiled program (the
+    learning rate, the schedule's length, the number of steps); a new difference fails here."""
+    import dataclasses
+
+    from olmax.recipes import get_recipe
+    from olmax.recipes.slices import CHOICES, SAME_PROGRAMS, slice_choice
+
+    def fields(obj, prefix=""):
+        if not dataclasses.is_dataclass(obj):
+            return {prefix[:-1]: obj}
+        return {k: v for f in dataclasses.fields(obj)
+                for k, v in fields(getattr(obj, f.name), prefix + f.name + ".").items()}
+
+    runtime_only = {"name", "optim.lr", "optim.schedule.warmup", "train.steps"}
+    assert SAME_PROGRAMS
+    for recipe, twin in SAME_PROGRAMS.items():
+        mine, theirs = fields(get_recipe(recipe)), fields(get_recipe(twin))
+        assert {k for k in mine if mine[k] != theirs[k]} <= runtime_only, (recipe, twin)
+        slices = [name for (r, name) in CHOICES if r == twin]
+        assert slices, twin
+        for name in slices:
+            choice = slice_choice(recipe, name)
+            assert choice.overrides == CHOICES[twin, name].overrides and choice.why.startswith(f"as {twin}")
+            assert get_recipe(recipe, slice_name=name).model == get_recipe(twin, slice_name=name).model
+    assert slice_choice("olmo3_7b_instruct_rl", "v5p-256") is None
+
+
 def test_tpu_num_slices_sets_the_runs_slice_axis(tmp_path):
     """`--num-slices N` puts mesh.slice=N into the command every host runs (the run checks it against
     its devices' slices, as `olmax compile --slices N` compiled it); a conflicting mesh.slice is refused."""

@@ -70,7 +70,25 @@ CHOICES: dict[tuple[str, str], SliceChoice] = {
 }
 
 
+# Recipes that compile the same programs as another: they differ only in the learning rate, the
+# schedule's length and the number of steps, none of which changes a program's shapes, memory or
+# FLOPs. A measurement of the one holds for the other (tests/test_launch.py checks the difference).
+SAME_PROGRAMS: dict[str, str] = {
+    "olmo3_7b_instruct_sft": "olmo3_7b_think_sft",
+    "olmo3_7b_instruct_dpo": "olmo3_7b_think_dpo",
+}
+
+
 def slice_choice(recipe: str, slice_name: str | None) -> SliceChoice | None:
     """The measured choice for ``recipe`` on the slice named ``slice_name`` (e.g. ``v5p-128``, one
-    slice), None where there is none."""
-    return CHOICES.get((recipe, slice_name)) if slice_name else None
+    slice), None where there is none. A recipe in ``SAME_PROGRAMS`` takes its twin's, saying so."""
+    if not slice_name:
+        return None
+    if (recipe, slice_name) in CHOICES:
+        return CHOICES[recipe, slice_name]
+    twin = SAME_PROGRAMS.get(recipe)
+    choice = CHOICES.get((twin, slice_name)) if twin else None
+    if choice is None:
+        return None
+    return SliceChoice(choice.overrides, f"as {twin}, whose programs it shares (only the learning rate and the "
+                                         f"number of steps differ): {choice.why}")
