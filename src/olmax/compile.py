@@ -748,6 +748,10 @@ def sweep(cfg: Config, topology: Topology, *, remats: list[str] | None = None, m
                        "compile_seconds": r["compile_seconds"], "cost_seconds": r.get("cost_seconds"),
                        **{k: r.get(k) for k in COST_KEYS + ATTENTION_KEYS}}
                 rows.append(row)
+                if progress:
+                    print(f"sweep: {label}: {row['per_device_gib']:.2f} of {row['hbm_gib']:.2f} GiB a chip"
+                          f" ({'fits' if row['fits'] else 'does not fit'}), compiled in {r['compile_seconds']:.0f} s",
+                          file=sys.stderr, flush=True)
                 if not r["fits"]:
                     oom_at[(remat, blk)] = min(mb, oom_at.get((remat, blk), 1 << 30))
     unseen = attention_unseen_fraction(cfg)
@@ -907,7 +911,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         if args.step != "train" or args.no_cost:
             raise ConfigError("--sweep compiles the train step with its cost: drop --step generate / --no-cost")
         s = sweep(cfg, topology, remats=args.remat, micro_batches=args.micro_batches, blocks=args.attention_blocks,
-                  headroom=args.headroom, progress=not args.json)
+                  headroom=args.headroom)
         s["slice_choice"] = chosen
         if args.json:
             print(jsonout.dumps(s, indent=2))
@@ -916,7 +920,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         return 0 if s["best"] is not None else 1
     if args.step == "generate":
         r = compile_generate(cfg, topology, args.batch_size, args.max_length or cfg.data.sequence_length,
-                             progress=not args.json, cost=not args.no_cost, batching=args.batching,
+                             cost=not args.no_cost, batching=args.batching,
                              prefill_tokens=args.prefill_tokens)
         r["slice_choice"] = chosen
         if args.json:
@@ -942,7 +946,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
             print(f"compile time   {r['compile_seconds']:.1f} s")
             print(f"verdict        {r['verdict']}")
         return 0 if r["fits"] else 1
-    r = compile_for(cfg, topology, eval_step=not args.no_eval, progress=not args.json, cost=not args.no_cost)
+    r = compile_for(cfg, topology, eval_step=not args.no_eval, cost=not args.no_cost)
     r["slice_choice"] = chosen
     if args.json:
         print(jsonout.dumps(r, indent=2))
