@@ -61,6 +61,12 @@ CHOICES: dict[tuple[str, str], SliceChoice] = {
         "GRPO update under save_attn_out needs 43.88 GiB a chip (54% of the HBM free) for an estimated 50.98 s "
         "with the splash kernel priced in (est. MFU 62.8%), full remat 27.09 GiB for 53.65 s (59.6%); minimal "
         "does not fit (112.22 GiB); sampling is not affected"),
+    ("olmo3_7b_instruct_rl", "v5p-128"): SliceChoice(
+        ("model.remat=save_proj",),
+        "olmax compile --sweep, 2026-12-07 (benchmarks/results/compile-sweep-instruct-rl_tpu-aot_2026-12-07.md): "
+        "a GRPO mini-batch update under save_proj needs 45.20 GiB a chip (53% of the HBM free) for an estimated "
+        "3.12 s with the splash kernel priced in (est. MFU 67.6%), full remat 11.34 GiB for 3.90 s (53.9%); "
+        "minimal 42.10 GiB for 3.14 s; sampling is not affected"),
     ("olmo3_7b_think_sft", "v5p-128"): SliceChoice(
         ("model.remat=minimal",),
         "olmax compile --sweep, 2026-12-06 (benchmarks/results/compile-sweep-sft_tpu-aot_2026-12-06.md): "
