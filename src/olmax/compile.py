@@ -232,8 +232,10 @@ def xla_cost(compiled: Any) -> dict:
     if isinstance(ca, (list, tuple)):  # older jax: one dict per program
         ca = ca[0] if ca else {}
     secs = float(ca.get("optimal_seconds", 0.0))
-    # XLA's cost model answers -2 s where it has no estimate (any Ironwood program with libtpu
-    # 0.0.42.1; some programs elsewhere): NaN, so that no sum or extrapolation of it looks like one.
+    # XLA's cost model answers -2 s where it has no estimate (with libtpu 0.0.42.1: any Ironwood
+    # program with an all-gather, all-reduce or reduce-scatter, which every sharded step has; and
+    # a v6e 7B step, also with 0.0.50.1, which does cost Ironwood's collectives): NaN, so that no
+    # sum or extrapolation of it looks like one.
     return {"flops": float(ca.get("flops", 0.0)), "bytes": float(ca.get("bytes accessed", 0.0)),
             "seconds": secs if secs >= 0 else math.nan}
 
@@ -275,7 +277,7 @@ def attention_unseen_fraction(cfg: Config) -> float:
 def matmul_rate(mesh: Mesh) -> float | None:
     """FLOP/s XLA's cost model gives one device of ``mesh`` for a large bf16 matmul (16384 cubed,
     unsharded): the rate at which the sweep prices work XLA cannot see. None where XLA gives no
-    time (Ironwood with libtpu 0.0.42.1). Compiled once per device kind (a sweep asks per row)."""
+    time. Compiled once per device kind (a sweep asks per row)."""
     device = mesh.devices.flat[0]
     if device.device_kind not in _MATMUL_RATES:
         n = 16384
@@ -759,7 +761,7 @@ def sweep(cfg: Config, topology: Topology, *, remats: list[str] | None = None, m
     timed = [r for r in room if _rank(r) is not None]
     if timed:
         best, best_by = max(timed, key=_rank), "estimated_mfu"
-    elif room:  # XLA gives no time on this chip (v6e steps, Ironwood): the fewest FLOPs, compute-bound
+    elif room:  # XLA gives no time (a v6e 7B step; Ironwood with libtpu 0.0.42.1): the fewest FLOPs
         best, best_by = min(room, key=_flops_rank), "recompute_overhead"
     else:
         best, best_by = None, None
