@@ -232,10 +232,11 @@ def xla_cost(compiled: Any) -> dict:
     if isinstance(ca, (list, tuple)):  # older jax: one dict per program
         ca = ca[0] if ca else {}
     secs = float(ca.get("optimal_seconds", 0.0))
-    # XLA's cost model answers -2 s where it has no estimate (with libtpu 0.0.42.1: any Ironwood
-    # program with an all-gather, all-reduce or reduce-scatter, which every sharded step has; and
-    # a v6e 7B step, also with 0.0.50.1, which does cost Ironwood's collectives): NaN, so that no
-    # sum or extrapolation of it looks like one.
+    # XLA's cost model answers -2 s where it has no estimate: with libtpu 0.0.42.1 any Ironwood
+    # program with an all-gather, all-reduce or reduce-scatter (every sharded step has them), and
+    # the 7B step on v6e and on Ironwood with 0.0.50.1 too, although that one costs Ironwood's
+    # collectives (a small model's step is timed). NaN, so that no sum or extrapolation of it
+    # looks like one.
     return {"flops": float(ca.get("flops", 0.0)), "bytes": float(ca.get("bytes accessed", 0.0)),
             "seconds": secs if secs >= 0 else math.nan}
 
@@ -761,7 +762,7 @@ def sweep(cfg: Config, topology: Topology, *, remats: list[str] | None = None, m
     timed = [r for r in room if _rank(r) is not None]
     if timed:
         best, best_by = max(timed, key=_rank), "estimated_mfu"
-    elif room:  # XLA gives no time (a v6e 7B step; Ironwood with libtpu 0.0.42.1): the fewest FLOPs
+    elif room:  # XLA gives no time (the 7B step on v6e and Ironwood): the fewest FLOPs, compute-bound
         best, best_by = min(room, key=_flops_rank), "recompute_overhead"
     else:
         best, best_by = None, None
