@@ -32,6 +32,12 @@ CHOICES: dict[tuple[str, str], SliceChoice] = {
         "XLA gives a v6e step no time, so by compiled FLOPs: save_attn_out needs 19.07 GiB a chip (39% of the "
         "HBM free) for 1.23x the model's FLOPs with the splash kernel counted, full remat 11.66 GiB for 1.27x; "
         "save_proj does not fit one sequence (31.50 GiB)"),
+    ("olmo3_7b_stage1", "tpu7x-128"): SliceChoice(
+        ("model.remat=minimal", "train.max_micro_batch_size=2"),
+        "olmax compile --sweep, 2026-12-07 (benchmarks/results/compile-sweep-stage1-ironwood_tpu-aot_2026-12-07.md): "
+        "XLA gives an Ironwood 7B step no time, so by compiled FLOPs: minimal in 2 passes of 2 needs 71.20 GiB a "
+        "device (25% of the HBM free) for 0.99x the model's FLOPs with the splash kernel counted, full remat in "
+        "one pass of 4 41.54 GiB for 1.27x; save_proj is within 1% (1.00x, 72.98 GiB)"),
     ("olmo3_7b_stage2", "v5p-128"): SliceChoice(
         ("model.remat=save_proj", "train.max_micro_batch_size=2"),
         "olmax compile --sweep, 2026-12-06 (benchmarks/results/compile-sweep-stage2_tpu-aot_2026-12-06.md): "
