@@ -143,7 +143,7 @@ def test_where_xla_times_no_row_the_sweep_picks_the_fewest_flops_and_says_so(mon
     s = oc.sweep(get_recipe("tiny"), parse_topology("v5p:2x2x1"), remats=list(overheads), micro_batches=[4])
     assert s["best"]["remat"] == "save_attn_out" and s["best_by"] == "recompute_overhead"
     err = capsys.readouterr().err  # each row says what it found as it finishes, a long sweep's progress
-    assert "sweep: remat=none micro_batch=4 block=" in err and ": 31.00 of 31.25 GiB a chip (fits)" in err
+    assert "sweep: remat=none micro_batch=4 block=" in err and ": 31.00 of 31.25 GiB a device (fits)" in err
     oc.print_sweep(s)  # the table shows the figure it ranked by, and says why
     out = capsys.readouterr().out
     assert "computes least" in out and "1.22x" in out and "<- best" in out

@@ -752,7 +752,7 @@ def sweep(cfg: Config, topology: Topology, *, remats: list[str] | None = None, m
                        **{k: r.get(k) for k in COST_KEYS + ATTENTION_KEYS}}
                 rows.append(row)
                 if progress:
-                    print(f"sweep: {label}: {row['per_device_gib']:.2f} of {row['hbm_gib']:.2f} GiB a chip"
+                    print(f"sweep: {label}: {row['per_device_gib']:.2f} of {row['hbm_gib']:.2f} GiB a device"
                           f" ({'fits' if row['fits'] else 'does not fit'}), compiled in {r['compile_seconds']:.0f} s",
                           file=sys.stderr, flush=True)
                 if not r["fits"]:
@@ -806,7 +806,7 @@ def print_sweep(s: dict) -> None:
     print(f"recipe {s['recipe']} on {s['topology']} x {s['slices']} slice(s), global batch {s['global_batch']} x "
           f"{s['sequence_length']} tokens; cost columns are XLA's estimate, not a measurement"
           + _unseen_note(s["attention_unseen_fraction"]))
-    head = (f"{'remat':14s} {'micro':>5s} {'accum':>5s} {'block':>5s} {'GiB/chip':>9s} {'free':>6s} "
+    head = (f"{'remat':14s} {'micro':>5s} {'accum':>5s} {'block':>5s} {'GiB/dev':>9s} {'free':>6s} "
             f"{'overhead':>8s} {'est. step s':>11s} {'est. MFU':>8s} {'+attn x':>8s} {'+attn s':>8s} "
             f"{'+attn MFU':>9s}")
     print(head)
