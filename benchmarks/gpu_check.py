@@ -16,8 +16,13 @@ Sections, in order (each timed; an exception is recorded in the JSON and the exi
 5. ``train``: 8 layers of the 7B (d 4096, 32 heads x 128, MLP 11008, window 4096 on 3 of 4
    layers), 8192 context, the full vocabulary, the production step (fp32 master weights and
    Adam, bf16 compute, cuDNN, scanned layers, chunked loss): step time, tokens/s, MFU against
-   the measured matmul rate and against the datasheet's 989 TFLOP/s, peak memory.
-6. ``decode``: the same 7B-width slice through olmax's KV-cache generation
+   the measured matmul rate and against the datasheet's 989 TFLOP/s, peak memory; beside it XLA's
+   view of the same compiled program: its memory analysis and its cost (FLOPs, bytes,
+   ``optimal_seconds`` where the GPU compiler gives one; ``olmax.compile.train_step_cost``).
+6. ``train_remat``: the same step under each ``--remat`` policy (default ``minimal,save_proj``, the
+   two the 7B stage-1 sweep on v5p-128 ranked best), each against full remat: measured speed-up
+   beside the one XLA's compiled FLOPs (and ``optimal_seconds``) predicted, and the memory.
+7. ``decode``: the same 7B-width slice through olmax's KV-cache generation
    (``olmax.engine.Generator``: its prefill and decode step, the host loop that reads each
    token), greedy, prompts of 128 tokens, at batch 1 and 32: decode tokens/s, and the HBM
    roofline: bytes of the prepared weights one step reads / step time, against the measured copy
@@ -25,9 +30,9 @@ Sections, in order (each timed; an exception is recorded in the JSON and the exi
    (``olmax.engine.Engine``, the same prepared weights) at 1, 8 and 32 decode steps per host
    round trip (``chunk``): its decode step time, from a run of the new tokens less a run of one
    (prefill and admission), over the decode steps run, against the same roofline.
-7. ``logprob_gap``: RL's rollout fidelity (``benchmarks/bench_logprob_gap.py``'s model and
+8. ``logprob_gap``: RL's rollout fidelity (``benchmarks/bench_logprob_gap.py``'s model and
    measure) on this device, fp32 and bf16, with the bf16 floors.
-8. ``generate_peer``: the decode section's model and prompts through olmax and through
+9. ``generate_peer``: the decode section's model and prompts through olmax and through
    transformers' ``generate`` on the same device (bf16 both; transformers' dynamic cache, and its
    static cache compiled by torch.compile while the deadline allows): decode step times, ratios.
 
@@ -201,34 +206,62 @@ class Check:
                 "attention_impl": self.attention, "dtype": "bfloat16", "kl_mean": float(kl.mean()),
                 "kl_max": float(kl.max()), "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).mean())}
 
-    def config(self, batch: int):
+    def config(self, batch: int, remat: str | None = None):
         from olmax.recipes import get_recipe
         sets = [f"model.n_layers={self.shape['layers']}", f"model.attention_impl={self.attention}",
                 f"data.sequence_length={self.shape['seq_len']}", f"train.global_batch_size={batch}",
-                "train.max_micro_batch_size=null", "mesh.fsdp=-1"]
+                "train.max_micro_batch_size=null", "mesh.fsdp=-1"] + ([f"model.remat={remat}"] if remat else [])
         return get_recipe("olmo3_7b_stage1", sets + (TINY_MODEL if self.args.rehearse else []))
 
     def train(self) -> dict:
+        """The recipe's remat (full): the row every earlier H200 run measured."""
+        return self._train_one(None)
+
+    def train_remat(self) -> dict:
+        """The ``--remat`` policies (default: the two the v5p-128 sweep ranked best), each against
+        the recipe's full remat measured by ``train`` (run in this process before it, or here)."""
+        base = self.out.get("train") or self._train_one(None)
+        rows = {}
+        for remat in self.args.remat.split(","):
+            rows[remat] = self._train_one(remat)
+            rows[remat]["against_full"] = against(rows[remat], base)
+            print(f"[gpu_check] train_remat {remat}: {json.dumps(rows[remat], default=str)}", flush=True)
+            gc.collect()
+        return {"full": {k: base.get(k) for k in ("step_seconds_median", "mfu_vs_989_tflops", "compiled_gib",
+                                                   "xla")}, "policies": rows}
+
+    def _train_one(self, remat: str | None) -> dict:
+        """The production step (fp32 master weights and Adam, bf16 compute, the attention kernel,
+        scanned layers, chunked loss) under ``remat`` (None: the recipe's): measured step time and
+        MFU beside XLA's view of the same compiled program, its memory (``memory_analysis``) and
+        its cost (``olmax.compile.train_step_cost``: FLOPs, bytes, ``optimal_seconds`` where the
+        GPU compiler gives one), so that the estimate's error is a figure of its own."""
         from olmax.checkpoint.state import abstract_train_state, shardings
+        from olmax.compile import compiled_memory, cost_summary, train_step_cost
         from olmax.metrics.flops import device_peak_flops, flops_per_token
         from olmax.model.params import init_params
         from olmax.objectives.lm import jit_lm_step
         from olmax.optim import init_opt_state
         from olmax.sharding import make_mesh, plan_batch
         batch, steps = self.shape["train_batch"], self.shape["train_steps"]
-        cfg = self.config(batch)
+        cfg = self.config(batch, remat)
         mesh = make_mesh(cfg.mesh)
         plan = plan_batch(batch, dict(mesh.shape), None)
         abstract = abstract_train_state(cfg, mesh)
         pshard, oshard = shardings(abstract["params"]), shardings(abstract["opt_state"])
         params = jax.jit(lambda k: init_params(cfg.model, k), out_shardings=pshard)(jax.random.key(0))
         opt = jax.jit(lambda p: init_opt_state(p, optim_cfg=cfg.optim), out_shardings=oshard)(params)
-        step = jit_lm_step(cfg, mesh, plan, pshard, oshard)
         L = cfg.data.sequence_length
         rng = np.random.default_rng(0)
         data = {"input_ids": jnp.asarray(rng.integers(0, cfg.model.vocab_size, (batch, L)), jnp.int32),
                 "label_mask": jnp.ones((batch, L), bool)}
+        peak_before = memory()["memory_peak_gib"]
         t0 = time.perf_counter()
+        lowered = jit_lm_step(cfg, mesh, plan, pshard, oshard).lower(params, opt, data)
+        mem = compiled_memory(lowered)
+        if "oom" in mem:
+            return {"remat": cfg.model.remat, "compiled_gib": {"need": mem["need"]}, "oom": mem["oom"]}
+        step = mem["compiled"]
         params, opt, m = step(params, opt, data)
         jax.block_until_ready(m)
         first = time.perf_counter() - t0
@@ -240,19 +273,31 @@ class Check:
             times.append(time.perf_counter() - t)
         dt = float(np.median(times))
         tps = batch * L / dt / jax.device_count()
-        fl = flops_per_token(cfg.model, L)["total"]
-        achieved = fl * tps
+        fl = flops_per_token(cfg.model, L)
+        achieved = fl["total"] * tps
         kind = jax.devices()[0].device_kind
         ce = float(m["ce_loss"])
         del params, opt, m
+        peak_after = memory()["memory_peak_gib"]
+        t1 = time.perf_counter()
+        xla = cost_summary(train_step_cost(cfg, mesh, lowered, plan.accum_steps),
+                           batch * L * fl["total"] / jax.device_count(), device_peak_flops(kind))
+        xla["seconds_to_cost"] = time.perf_counter() - t1
+        xla["optimal_seconds_over_measured"] = xla["optimal_seconds"] / dt if xla["optimal_seconds"] else None
+        # Attention runs in a fused kernel (cuDNN) whose FLOPs XLA's count may not hold.
+        xla["attention_share_of_model_flops"] = fl["attention"] / fl["total"]
         return {"layers": cfg.model.n_layers, "d_model": cfg.model.d_model, "seq_len": L, "batch": batch,
                 "attention": cfg.model.attention_impl, "remat": cfg.model.remat, "steps_timed": steps,
                 "first_step_seconds": first, "step_seconds_median": dt, "step_seconds": times,
-                "tokens_per_second": tps, "flops_per_token": fl, "tflops_per_second": achieved / 1e12,
+                "tokens_per_second": tps, "flops_per_token": fl["total"], "tflops_per_second": achieved / 1e12,
                 "mfu_vs_measured_matmul": achieved / self.matmul_flops if getattr(self, "matmul_flops", None) else None,
                 "mfu_vs_989_tflops": achieved / (DATASHEET_BF16_TFLOPS * 1e12),
                 "olmax_peak_tflops_for_device": (device_peak_flops(kind) or 0) / 1e12 or None,
-                "ce_loss_last": ce, "finite": bool(np.isfinite(ce)), **memory()}
+                "ce_loss_last": ce, "finite": bool(np.isfinite(ce)),
+                "compiled_gib": {k: mem[k] for k in ("argument", "output", "alias", "temp", "need")},
+                # The device's peak is the process's: it is this program's only where it rose here.
+                "peak_rose_here": bool(peak_after and peak_before is not None and peak_after > peak_before),
+                "xla": xla, **memory()}
 
     def decode(self) -> dict:
         from olmax.engine import Generator, Sampling, cache_length
@@ -460,6 +505,19 @@ def memory() -> dict:
             "memory_limit_gib": stats.get("bytes_limit", 0) / 2 ** 30 if stats else None}
 
 
+def against(row: dict, full: dict) -> dict:
+    """A remat policy's measured step against full remat's, beside what XLA predicted: the ratio
+    of compiled FLOPs (as if compute-bound) and of ``optimal_seconds`` where both have one."""
+    def ratio(a: Any, b: Any) -> float | None:
+        return a / b if a and b else None
+    fx, rx = full.get("xla") or {}, row.get("xla") or {}
+    return {"measured_speedup": ratio(full.get("step_seconds_median"), row.get("step_seconds_median")),
+            "speedup_by_compiled_flops": ratio(fx.get("flops_per_device"), rx.get("flops_per_device")),
+            "speedup_by_optimal_seconds": ratio(fx.get("optimal_seconds"), rx.get("optimal_seconds")),
+            "compiled_gib_more": (row["compiled_gib"]["need"] - full["compiled_gib"]["need"]
+                                  if "compiled_gib" in row and "compiled_gib" in full else None)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rehearse", action="store_true", help="tiny shapes on the CPU, reference attention for cuDNN")
@@ -470,6 +528,9 @@ def main() -> int:
     ap.add_argument("--attention", default=None, choices=["cudnn", "xla", "reference", "blocked"],
                     help="the kernel (default: cudnn; with --rehearse, xla: the same jax.nn.dot_product_attention "
                          "call as cudnn, which the CPU lacks)")
+    ap.add_argument("--remat", default="minimal,save_proj",
+                    help="train_remat: the policies set against full remat (default: the two the 7B stage-1 "
+                         "sweep on v5p-128 ranked best, in ascending memory so each one's peak is its own)")
     args = ap.parse_args()
     backend = jax.default_backend()
     if backend != ("cpu" if args.rehearse else "gpu"):
@@ -483,7 +544,8 @@ def main() -> int:
             warnings.filterwarnings("error", category=DeprecationWarning, module=mod)
         trace_as_gpu()
     c = Check(args)
-    sections = ["env", "matmul", "bandwidth", "parity", "train", "decode", "logprob_gap", "generate_peer"]
+    sections = ["env", "matmul", "bandwidth", "parity", "train", "train_remat", "decode", "logprob_gap",
+                "generate_peer"]
     for name in args.only.split(",") if args.only else sections:
         c.section(name, getattr(c, name))
     c.out["memory_end"] = memory()

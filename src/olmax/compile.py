@@ -167,7 +167,7 @@ def _parse_oom(msg: str) -> tuple[float, float] | None:
     return float(m.group(1)) * _UNITS[m.group(2)] / GiB, float(m.group(3)) * _UNITS[m.group(4)] / GiB
 
 
-def _compiled_memory(lowered: Any, compiler_options: dict | None = None) -> dict:
+def compiled_memory(lowered: Any, compiler_options: dict | None = None) -> dict:
     """Per-device GiB of a lowered step: XLA's memory analysis by part and in all (``need``), or,
     where XLA runs out of memory, the need and capacity its error names (with ``oom`` set). The
     compiled executable is under ``compiled`` when there is one, the lowered program under
@@ -343,7 +343,10 @@ def _abstract_step(cfg: Config, mesh: Mesh) -> tuple[Any, Any, Any, Any]:
     return jitted, abstract["params"], abstract["opt_state"], objective.abstract_batch(mesh, plan)
 
 
-def _train_cost(cfg: Config, mesh: Mesh, lowered: Any, accum_steps: int) -> dict:
+def train_step_cost(cfg: Config, mesh: Mesh, lowered: Any, accum_steps: int) -> dict:
+    """XLA's cost (``xla_cost``'s keys, per device) of ``cfg``'s train step on ``mesh``, whose
+    ``lowered`` program runs ``accum_steps`` micro-batches (``program_cost``): for a TPU topology
+    here, and for the devices a benchmark runs on (the GPU check sets it beside the measured step)."""
     def compile_at(m: Any) -> Any:
         if m == cfg.model:
             return cost_compile(lowered, mesh)
@@ -392,7 +395,7 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
               file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     jitted = objective.jit_update(mesh, plan, pshard, oshard)
-    m = _compiled_memory(jitted.lower(abstract["params"], abstract["opt_state"], batch))
+    m = compiled_memory(jitted.lower(abstract["params"], abstract["opt_state"], batch))
     report["compile_seconds"] = time.perf_counter() - t0
     peak = device_peak_flops(devices[0].device_kind)
     report["peak_flops_per_device"] = peak
@@ -408,7 +411,7 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
     report["attention_unseen_fraction"] = attention_unseen_fraction(cfg)
     if cost:
         t1 = time.perf_counter()
-        report.update(cost_summary(_train_cost(cfg, mesh, m["lowered"], plan.accum_steps), model_flops, peak))
+        report.update(cost_summary(train_step_cost(cfg, mesh, m["lowered"], plan.accum_steps), model_flops, peak))
         rate = matmul_rate(mesh) if report["attention_unseen_fraction"] else None
         report["matmul_flops_per_second"] = rate  # what the unseen attention is priced at
         report.update(with_attention(report, cfg, rate))
@@ -425,7 +428,7 @@ def compile_for(cfg: Config, topology: Topology, *, eval_step: bool = True, prog
         def lower_eval(c: Config) -> Any:
             params = abstract["params"] if c is cfg else abstract_train_state(c, mesh)["params"]
             return jax.jit(make_eval_step(c, mesh), in_shardings=(shardings(params), bshard)).lower(params, ev_batch)
-        em = _compiled_memory(lower_eval(cfg))
+        em = compiled_memory(lower_eval(cfg))
         # The in-loop eval runs between train steps: the optimizer state (Adam's moments) stays
         # resident beside the eval step's own arguments (the parameters), temporaries and outputs.
         resident = per_device_gib(abstract["opt_state"])
@@ -592,11 +595,11 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
                 args += (jax.ShapeDtypeStruct((dp, batch // dp), jnp.int32, sharding=bshard),)
             else:
                 fill = partial(prefill, cfg=mc, max_length=max_length)
-            out["prefill"] = _compiled_memory(jax.jit(fill).lower(*args), opts)
+            out["prefill"] = compiled_memory(jax.jit(fill).lower(*args), opts)
             if "oom" not in out["prefill"]:
                 cache = sds(jax.eval_shape(fill, *args)[1], out["prefill"]["compiled"].output_shardings[1])
                 tok = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)
-                out["decode"] = _compiled_memory(jax.jit(partial(decode_step, cfg=mc, max_length=max_length),
+                out["decode"] = compiled_memory(jax.jit(partial(decode_step, cfg=mc, max_length=max_length),
                                                          donate_argnums=(2,)).lower(prepared, tok, cache), opts)
             out["resident"] = {}
             built[mc] = out
@@ -606,7 +609,7 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
             blank = init.lower(prepared, slots=batch, max_length=max_length).compile()
             state = sds(jax.eval_shape(lambda p: init(p, slots=batch, max_length=max_length), prepared),
                         blank.output_shardings)
-            out["prefill"] = _compiled_memory(prefill_block.lower(prepared, tokens, lengths), opts)
+            out["prefill"] = compiled_memory(prefill_block.lower(prepared, tokens, lengths), opts)
             if "oom" in out["prefill"]:
                 built[mc] = out
                 return out
@@ -614,7 +617,7 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
                         out["prefill"]["compiled"].output_shardings)
             w = written
             knobs = {k: host(v.shape, v.dtype) for k, v in sampling_knobs([Sampling(temperature=1.0)] * w).items()}
-            out["admit"] = _compiled_memory(admit.lower(
+            out["admit"] = compiled_memory(admit.lower(
                 prepared, state, *block, host((dp, w // dp), jnp.int32), host((dp, w // dp), jnp.int32),
                 host((w,), jnp.uint32),
                 host((w,), jnp.int32), knobs, host((w,), jnp.int32), host((w, MAX_EOS), jnp.int32),
@@ -623,7 +626,7 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
                 built[mc] = out
                 return out
             scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-            out["decode"] = _compiled_memory(decode_chunk.lower(
+            out["decode"] = compiled_memory(decode_chunk.lower(
                 prepared, state, host((batch,), jnp.bool_), scalar, scalar, chunk=chunk, max_length=max_length,
                 greedy=False, top_n=0), opts)
         out["resident"] = {"state": per_device_gib(state), "block": per_device_gib(block)}
