@@ -231,7 +231,8 @@ def test_a_slice_takes_its_measured_choice_before_the_users_settings():
     assert get_recipe("olmo3_7b_stage1").model.remat == "full"                       # the recipe as written
     chosen = get_recipe("olmo3_7b_stage1", slice_name="v5p-128")
     assert chosen.model.remat == "save_proj" and chosen.train.max_micro_batch_size == 2
-    assert get_recipe("olmo3_7b_stage1", slice_name="v5p-256").model.remat == "full"  # not measured there
+    assert get_recipe("olmo3_7b_stage1", slice_name="v5p-256").model.remat == "save_proj"
+    assert get_recipe("olmo3_7b_stage1", slice_name="v5p-512").model.remat == "full"  # not measured there
     assert get_recipe("olmo3_7b_stage2", slice_name="v5p-128").model.remat == "save_proj"
     assert get_recipe("olmo3_7b_stage3", slice_name="v5p-128").model.remat == "full"  # a choice is the recipe's own
     mine = get_recipe("olmo3_7b_stage1", ["model.remat=minimal"], slice_name="v5p-128")

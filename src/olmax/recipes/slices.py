@@ -26,6 +26,12 @@ CHOICES: dict[tuple[str, str], SliceChoice] = {
         "save_proj in 4 micro-batches of 2 needs 64.07 GiB a chip (33% of the HBM free) for an estimated "
         "8.80 s a step with the splash kernel priced in (est. MFU 75.6%, recompute overhead 1.00x), full remat "
         "25.35 GiB for 10.91 s (60.9%); XLA alone 7.93 s against 9.75 s"),
+    ("olmo3_7b_stage1", "v5p-256"): SliceChoice(
+        ("model.remat=save_proj", "train.max_micro_batch_size=2"),
+        "olmax compile --sweep, 2026-12-07 (benchmarks/results/compile-sweep-stage1-v5p256_tpu-aot_2026-12-07.md): "
+        "save_proj in 2 micro-batches of 2 needs 62.54 GiB a chip (35% of the HBM free) for an estimated "
+        "4.40 s a step with the splash kernel priced in (est. MFU 75.6%, recompute overhead 1.00x), full remat "
+        "in one pass of 4 23.60 GiB for 5.45 s (60.9%); minimal is within 1% (4.44 s, 58.13 GiB)"),
     ("olmo3_7b_stage1", "v6e-256"): SliceChoice(
         ("model.remat=save_attn_out",),
         "olmax compile --sweep, 2026-12-06 (benchmarks/results/compile-sweep-stage1-v6e_tpu-aot_2026-12-06.md): "
