@@ -46,9 +46,10 @@ CHOICES: dict[tuple[str, str], SliceChoice] = {
         "one pass of 4 41.54 GiB for 1.27x; save_proj is within 1% (1.00x, 72.98 GiB)"),
     ("olmo3_7b_stage2", "v5p-128"): SliceChoice(
         ("model.remat=save_proj", "train.max_micro_batch_size=2"),
-        "olmax compile --sweep, 2026-12-06 (benchmarks/results/compile-sweep-stage2_tpu-aot_2026-12-06.md): "
-        "save_proj in 2 micro-batches of 2 needs 64.07 GiB a chip (33% of the HBM free) for XLA's estimated "
-        "3.96 s a step (est. MFU 83.8%), full remat in one of 4 24.54 GiB for 4.87 s (68.2%)"),
+        "olmax compile --sweep, 2026-12-07 (benchmarks/results/compile-sweep-stage2_tpu-aot_2026-12-07.md): "
+        "save_proj in 2 micro-batches of 2 needs 64.07 GiB a chip (33% of the HBM free) for an estimated "
+        "4.40 s a step with the splash kernel priced in (est. MFU 75.6%, recompute overhead 1.00x), full remat "
+        "in one pass of 4 24.54 GiB for 5.45 s (61.0%); XLA alone 3.96 s against 4.87 s"),
     ("olmo3_7b_think_dpo", "v5p-128"): SliceChoice(
         ("train.max_micro_batch_size=2",),
         "olmax compile --sweep, 2026-12-06 (benchmarks/results/compile-sweep-dpo_tpu-aot_2026-12-06.md): "
