@@ -51,11 +51,12 @@ CHOICES: dict[tuple[str, str], SliceChoice] = {
         "4.40 s a step with the splash kernel priced in (est. MFU 75.6%, recompute overhead 1.00x), full remat "
         "in one pass of 4 24.54 GiB for 5.45 s (61.0%); XLA alone 3.96 s against 4.87 s"),
     ("olmo3_7b_think_dpo", "v5p-128"): SliceChoice(
-        ("train.max_micro_batch_size=2",),
-        "olmax compile --sweep, 2026-12-06 (benchmarks/results/compile-sweep-dpo_tpu-aot_2026-12-06.md): "
-        "full remat with both of a chip's pairs in one pass needs 45.93 GiB a chip (52% of the HBM free) for "
-        "XLA's estimated 9.64 s a step (est. MFU 72.2%), in two passes of one 25.74 GiB for 9.74 s (71.5%); "
-        "save_proj does not fit one pair (111.24 GiB)"),
+        ("model.remat=save_attn_out", "train.max_micro_batch_size=2"),
+        "olmax compile --sweep, 2026-12-07 (benchmarks/results/compile-sweep-dpo_tpu-aot_2026-12-07.md): "
+        "save_attn_out with both of a chip's pairs in one pass needs 78.74 GiB a chip (18% of the HBM free) for "
+        "an estimated 10.89 s a step with the splash kernel priced in (est. MFU 64.0%), full remat in two passes "
+        "(the recipe) 25.74 GiB for 11.39 s (61.1%) and in one 45.93 GiB for 11.30 s; XLA alone, which cannot "
+        "see the kernel, costs all three 9.6 to 9.7 s; minimal does not fit one pair (102.96 GiB)"),
     ("olmo3_7b_stage3", "v5p-512"): SliceChoice(
         ("model.remat=save_attn_out",),
         "olmax compile --sweep, 2026-12-06 (benchmarks/results/compile-sweep-stage3_tpu-aot_2026-12-06.md): "
