@@ -223,7 +223,12 @@ class Check:
         base = self.out.get("train") or self._train_one(None)
         rows = {}
         for remat in self.args.remat.split(","):
-            rows[remat] = self._train_one(remat)
+            try:
+                rows[remat] = self._train_one(remat)
+            except Exception as e:  # one policy's failure (out of memory at run time) keeps the others' rows
+                traceback.print_exc()
+                self.out["errors"][f"train_remat.{remat}"] = rows[remat] = f"{type(e).__name__}: {e}"[:2000]
+                continue
             rows[remat]["against_full"] = against(rows[remat], base)
             print(f"[gpu_check] train_remat {remat}: {json.dumps(rows[remat], default=str)}", flush=True)
             gc.collect()
