@@ -179,10 +179,14 @@ def maxtext_venv(venv: Path) -> Path:
 
 def maxtext_env(base: dict | None = None) -> dict:
     """The environment MaxText runs in, from ``base`` (default this process's): JAX on the CPU, no
-    Google Cloud lookups, and none of olmax's ``PYTHONPATH`` (MaxText has its own venv)."""
+    Google Cloud lookups, and nothing that points into olmax's venv. MaxText has its own: olmax's
+    ``PYTHONPATH`` would shadow its packages, and ``TPU_LIBRARY_PATH`` (which the libtpu package sets
+    when olmax imports it) would make MaxText's newer JAX compile with olmax's older libtpu, which
+    cannot read the Pallas kernels that JAX writes ("unknown attribute code" in the Mosaic module)."""
     env = dict(os.environ if base is None else base, JAX_PLATFORMS="cpu", DECOUPLE_GCLOUD="TRUE",
                PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="1")
-    env.pop("PYTHONPATH", None)
+    for inherited in ("PYTHONPATH", "TPU_LIBRARY_PATH"):
+        env.pop(inherited, None)
     return env
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -88,6 +89,21 @@ def test_the_unseen_attention_is_priced_in_where_it_runs_and_again_where_remat_r
     # remat policy's answer to "does it run the kernel again".
     assert price_attention(summary, share, True, 1e14) == redone
     assert price_attention(summary, share, False, 1e14) == kept
+
+
+def test_maxtext_compiles_with_its_own_libtpu_and_packages():
+    """MaxText runs from its own venv: the environment it gets keeps nothing that points into
+    olmax's. The libtpu package sets ``TPU_LIBRARY_PATH`` when olmax imports it; left in place,
+    MaxText's newer JAX would compile with olmax's older libtpu, which cannot parse its kernels."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from peers import maxtext_env
+
+    ours = {"PYTHONPATH": "olmax/src", "TPU_LIBRARY_PATH": "olmax-venv/libtpu/libtpu.so", "HOME": "home",
+            "JAX_PLATFORMS": "tpu"}
+    env = maxtext_env(ours)
+    assert "PYTHONPATH" not in env and "TPU_LIBRARY_PATH" not in env
+    assert env["HOME"] == "home" and env["JAX_PLATFORMS"] == "cpu" and env["DECOUPLE_GCLOUD"] == "TRUE"
+    assert ours["TPU_LIBRARY_PATH"] == "olmax-venv/libtpu/libtpu.so"  # the caller's own is untouched
 
 
 def test_cost_summary_keys_overhead_and_mfu():
