@@ -2,13 +2,15 @@
 of each, ahead of time (the libtpu wheel, no TPU).
 
     python benchmarks/bench_tpu_aot.py [--recipe olmo3_7b_stage1] [--topology v5p-128]
-        [--remat full,save_proj] [--maxtext-remat full,minimal] [--maxtext-venv DIR | --no-maxtext] [--out FILE.json]
+        [--remat full,save_proj] [--maxtext-remat full,minimal] [--max-micro-batch N]
+        [--maxtext-venv DIR | --no-maxtext] [--out FILE.json]
 
 For each olmax remat policy, ``olmax compile RECIPE --topology T --no-eval --json`` (memory, and
 the cost keys: compiled FLOPs, model FLOPs, overhead, bytes, ``optimal_seconds``, estimated
 MFU). For each MaxText policy, MaxText 0.2.5's own ``train_compile`` for the same model
 (``MAXTEXT_MODEL``), slice and sequence length at olmax's plan (``per_device_batch_size`` =
-olmax's micro-batch, ``gradient_accumulation_steps`` = its accumulation); ``full`` is MaxText's
+olmax's micro-batch, ``gradient_accumulation_steps`` = its accumulation; the recipe's own plan, or
+the one ``--max-micro-batch`` sets for both); ``full`` is MaxText's
 default, ``minimal`` (every projection output kept: attention and MLP) is the policy the published
 MaxText reproduction names. MaxText prints XLA's cost analysis beside its memory analysis; as for
 olmax, XLA counts a loop's body once, so MaxText's cost is taken the way ``olmax.compile.
@@ -30,24 +32,15 @@ reason is named. Every compile runs in its own process; a full-size one takes mi
 from __future__ import annotations
 
 import argparse
-import ast
 import json
-import re
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-from compile_targets import MAXTEXT_MODEL, maxtext_available, olmax_compile
-from peers import maxtext_env
+from compile_targets import MAXTEXT_MODEL, maxtext_available, maxtext_compile, olmax_compile
 
-from olmax.compile import ATTENTION_KEYS, COST_COMPILER_OPTIONS, price_attention
+from olmax.compile import ATTENTION_KEYS, price_attention
 
 REPO = Path(__file__).resolve().parents[1]
-GiB = 1024**3
-_COST = re.compile(r"Cost analysis: (\{.*\})")  # one line; its keys hold braces
-_STATS = re.compile(r"Memory analysis: CompiledMemoryStats\((.*?)\)")
 PERIOD = 4  # OLMo 3's layer pattern repeats every 4 layers (3 sliding, 1 full)
 # Whether a MaxText remat policy runs the attention kernel's forward again in the backward pass:
 # only the policies that save its output ("context") do not. MaxText's `minimal` keeps every
@@ -56,36 +49,6 @@ MAXTEXT_RECOMPUTES_ATTENTION = {"full": True, "minimal": True, "minimal_with_con
                                 "save_dot_with_context_except_mlp": False, "save_dot_except_mlp": True,
                                 "save_dot_except_mlpwi": True, "save_qkv_proj": True, "save_out_proj": True,
                                 "qkv_proj_offloaded": True, "minimal_offloaded": True, "none": False}
-
-
-def maxtext_train_compile(venv: Path, model: str, topology: str, micro_batch: int, accum_steps: int, seq: int,
-                          *extra: str, for_cost: bool = False) -> dict:
-    """One MaxText ``train_compile``: XLA's memory (per-chip GiB, counted as olmax counts it) and
-    cost analysis (per device) of its train step, as it prints them. ``for_cost``: compiled as
-    olmax compiles a program for its cost (``olmax.compile.COST_COMPILER_OPTIONS``, as libtpu flags)."""
-    env = maxtext_env()
-    if for_cost:
-        flags = " ".join(f"--{k}={str(v).lower()}" for k, v in COST_COMPILER_OPTIONS["tpu"].items())
-        env["LIBTPU_INIT_ARGS"] = f"{env.get('LIBTPU_INIT_ARGS', '')} {flags}".strip()
-    with tempfile.TemporaryDirectory() as out:
-        cmd = [str(venv / "bin" / "python"), "-m", "maxtext.trainers.pre_train.train_compile", "run_name=aot",
-               f"base_output_directory={out}", f"compile_topology={topology}", "compile_topology_num_slices=1",
-               f"model_name={model}", f"per_device_batch_size={micro_batch}",
-               f"gradient_accumulation_steps={accum_steps}", f"max_target_length={seq}", "dataset_type=synthetic",
-               *extra]
-        t0 = time.perf_counter()
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=out)
-    text = r.stdout + r.stderr
-    m, c = _STATS.search(text), _COST.search(text)
-    if r.returncode != 0 or m is None or c is None:
-        raise RuntimeError(f"MaxText train_compile {' '.join(cmd[3:])} failed (exit {r.returncode})\n{text[-3000:]}")
-    b = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(1))}
-    need = (b["argument_size_in_bytes"] + b["output_size_in_bytes"] - b["alias_size_in_bytes"]
-            + b["temp_size_in_bytes"] + b.get("generated_code_size_in_bytes", 0))
-    cost = ast.literal_eval(c.group(1))
-    return {"per_device_gib": need / GiB, "flops": float(cost.get("flops", 0.0)),
-            "bytes": float(cost.get("bytes accessed", 0.0)), "seconds": float(cost.get("optimal_seconds", 0.0)),
-            "wall_seconds": time.perf_counter() - t0}
 
 
 def maxtext_row(venv: Path, model: str, topology: str, plan: dict, seq: int, layers: int, remat: str,
@@ -97,11 +60,14 @@ def maxtext_row(venv: Path, model: str, topology: str, plan: dict, seq: int, lay
         raise ValueError(f"MaxText remat policy {remat!r}: not one this benchmark knows "
                          f"({', '.join(MAXTEXT_RECOMPUTES_ATTENTION)})")
     args = (venv, model, topology, plan["micro_batch"], plan["accum_steps"], seq, f"remat_policy={remat}")
-    real = maxtext_train_compile(*args)
+    real = maxtext_compile(*args)
     # The depth of a named model is fixed unless override_model_config is set.
     unrolled = ("scan_layers=false", "override_model_config=true")
-    one = maxtext_train_compile(*args, *unrolled, f"base_num_decoder_layers={PERIOD}", for_cost=True)
-    two = maxtext_train_compile(*args, *unrolled, f"base_num_decoder_layers={2 * PERIOD}", for_cost=True)
+    one = maxtext_compile(*args, *unrolled, f"base_num_decoder_layers={PERIOD}", for_cost=True)
+    two = maxtext_compile(*args, *unrolled, f"base_num_decoder_layers={2 * PERIOD}", for_cost=True)
+    if any(r[k] is None for r in (one, two) for k in ("flops", "bytes", "seconds")):
+        raise RuntimeError(f"MaxText train_compile ({model}, {topology}, remat {remat}) printed no cost "
+                           f"analysis of its unrolled program (layers {PERIOD} and {2 * PERIOD}): {one}, {two}")
     cost = {k: plan["accum_steps"] * (one[k] + (layers - PERIOD) / PERIOD * (two[k] - one[k]))
             for k in ("flops", "bytes", "seconds")}
     row = {"system": "maxtext 0.2.5", "remat": remat, "per_device_gib": real["per_device_gib"],
@@ -132,15 +98,22 @@ def main() -> int:
     ap.add_argument("--topology", default="v5p-128")
     ap.add_argument("--remat", default="full,save_proj", help="olmax's policies")
     ap.add_argument("--maxtext-remat", default="full,minimal", help="MaxText's policies")
+    ap.add_argument("--max-micro-batch", type=int, default=None, metavar="N",
+                    help="at most N sequences a device per micro-batch (train.max_micro_batch_size), for "
+                         "both systems; default: the recipe's own plan")
     ap.add_argument("--maxtext-venv", default=str(REPO / ".peers" / "maxtext-venv"))
     ap.add_argument("--no-maxtext", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.max_micro_batch is not None and args.max_micro_batch < 1:
+        ap.error(f"--max-micro-batch {args.max_micro_batch}: must be at least 1")
+    plan = [] if args.max_micro_batch is None else ["--set", f"train.max_micro_batch_size={args.max_micro_batch}"]
     rows, rc, first = [], 0, None
     for remat in args.remat.split(","):
-        # The recipe's own micro-batching, not the slice's measured choice: every row at one plan.
+        # One plan for every row (the recipe's own micro-batching, or --max-micro-batch's), not the
+        # slice's measured choice; MaxText's rows take the plan of olmax's first.
         out = olmax_compile(args.recipe, args.topology, "--no-slice-choice", "--set", f"model.remat={remat}",
-                            eval_step=False, cost=True)
+                            *plan, eval_step=False, cost=True)
         first = first or out
         row = {"system": "olmax", "remat": remat, **{k: out.get(k) for k in (
             "per_device_gib", "flops_per_device", "model_flops_per_device", "recompute_overhead",

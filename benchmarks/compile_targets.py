@@ -20,6 +20,7 @@ are left out and named as missing.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import re
 import subprocess
@@ -29,6 +30,8 @@ import time
 from pathlib import Path
 
 from peers import maxtext_env
+
+from olmax.compile import COST_COMPILER_OPTIONS
 
 REPO = Path(__file__).resolve().parents[1]
 GiB = 1024**3
@@ -44,6 +47,7 @@ MAXTEXT_ROWS = [("olmo3_7b_stage1", "v5p-128"), ("olmo3_32b", "v5p-512")]
 UNBATCHED_ROWS = [("olmo3_7b_stage1", "v5p-128")]
 UNBATCHED = ["--set", "train.micro_batch_size=null", "--set", "train.max_micro_batch_size=null"]
 _STATS = re.compile(r"Memory analysis: CompiledMemoryStats\((.*?)\)")
+_COST = re.compile(r"Cost analysis: (\{.*\})")  # one line; its keys hold braces
 
 
 def olmax_compile(recipe: str, topology: str, *extra: str, eval_step: bool = True, cost: bool = False) -> dict:
@@ -66,27 +70,40 @@ def olmax_compile(recipe: str, topology: str, *extra: str, eval_step: bool = Tru
 
 
 def maxtext_compile(venv: Path, model: str, topology: str, micro_batch: int, accum_steps: int,
-                    seq: int) -> dict:
+                    seq: int, *extra: str, for_cost: bool = False) -> dict:
     """MaxText's own ``train_compile`` for ``model`` on ``topology`` at ``micro_batch`` sequences of
-    ``seq`` tokens per chip in ``accum_steps`` micro-batches (its defaults otherwise: remat full,
-    scanned layers, bf16 compute); per-chip GiB from XLA's memory analysis, counted as olmax's."""
+    ``seq`` tokens per chip in ``accum_steps`` micro-batches, with MaxText's defaults (remat full,
+    scanned layers, bf16 compute) unless ``extra`` overrides them (``key=value`` as its command
+    line takes them). Per-chip GiB from XLA's memory analysis, counted as olmax's; XLA's cost
+    analysis of the step as MaxText prints it (per device: ``flops``, ``bytes``, ``seconds``).
+    ``for_cost``: compiled as olmax compiles a program for its cost
+    (``olmax.compile.COST_COMPILER_OPTIONS``, given to libtpu as flags)."""
+    env = maxtext_env()
+    if for_cost:
+        flags = " ".join(f"--{k}={str(v).lower()}" for k, v in COST_COMPILER_OPTIONS["tpu"].items())
+        env["LIBTPU_INIT_ARGS"] = f"{env.get('LIBTPU_INIT_ARGS', '')} {flags}".strip()
     with tempfile.TemporaryDirectory() as out:
-        cmd = [str(venv / "bin" / "python"), "-m", "maxtext.trainers.pre_train.train_compile", "run_name=aot",
+        # MaxText runs in a scratch directory: a venv named relative to ours is resolved first.
+        cmd = [str(venv.resolve() / "bin" / "python"), "-m", "maxtext.trainers.pre_train.train_compile", "run_name=aot",
                f"base_output_directory={out}", f"compile_topology={topology}", "compile_topology_num_slices=1",
                f"model_name={model}", f"per_device_batch_size={micro_batch}",
-               f"gradient_accumulation_steps={accum_steps}", f"max_target_length={seq}", "dataset_type=synthetic"]
+               f"gradient_accumulation_steps={accum_steps}", f"max_target_length={seq}", "dataset_type=synthetic",
+               *extra]
         t0 = time.perf_counter()
-        r = subprocess.run(cmd, capture_output=True, text=True, env=maxtext_env(), cwd=out)
-    m = _STATS.search(r.stdout + r.stderr)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=out)
+    text = r.stdout + r.stderr
+    m, c = _STATS.search(text), _COST.search(text)
     if r.returncode != 0 or m is None:
-        raise RuntimeError(f"MaxText train_compile {model} {topology} per_device_batch_size={micro_batch} "
-                           f"gradient_accumulation_steps={accum_steps} failed (exit {r.returncode})\n"
-                           f"{(r.stdout + r.stderr)[-3000:]}")
+        raise RuntimeError(f"MaxText train_compile {' '.join(cmd[3:])} failed (exit {r.returncode})\n{text[-3000:]}")
     b = {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m.group(1))}
     need = (b["argument_size_in_bytes"] + b["output_size_in_bytes"] - b["alias_size_in_bytes"]
             + b["temp_size_in_bytes"] + b.get("generated_code_size_in_bytes", 0))
+    cost = ast.literal_eval(c.group(1)) if c else {}
     return {"per_device_gib": need / GiB, "argument_gib": b["argument_size_in_bytes"] / GiB,
             "temp_gib": b["temp_size_in_bytes"] / GiB, "micro_batch": micro_batch, "accum_steps": accum_steps,
+            "flops": float(cost["flops"]) if "flops" in cost else None,
+            "bytes": float(cost["bytes accessed"]) if "bytes accessed" in cost else None,
+            "seconds": float(cost["optimal_seconds"]) if "optimal_seconds" in cost else None,
             "wall_seconds": time.perf_counter() - t0}
 
 
