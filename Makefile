@@ -52,10 +52,14 @@ bench-peers: $(STAMP)
 	$(VENV)/bin/python benchmarks/peers.py
 
 # olmax's 7B stage-1 train step on v5p-128 against MaxText 0.2.5's, compiled ahead of time (no TPU):
-# per-chip memory and XLA's cost estimate (FLOPs, optimal_seconds, estimated MFU) of each, at the
-# same plan; MaxText from .peers/maxtext-venv (make bench-peers). Each compile takes minutes.
+# per-chip memory and XLA's cost estimate (FLOPs, optimal_seconds, estimated MFU) of each, at one
+# plan per run: the slice's choice (micro-batches of 2; each side's selective policies and full
+# remat), then the recipe as written (full remat). MaxText from .peers/maxtext-venv (make
+# bench-peers). About 25 minutes on 2 cores.
 bench-tpu-aot: $(STAMP)
-	$(VENV)/bin/python benchmarks/bench_tpu_aot.py
+	$(VENV)/bin/python benchmarks/bench_tpu_aot.py --max-micro-batch 2 --remat save_proj,full \
+		--maxtext-remat minimal_with_context,minimal,full
+	$(VENV)/bin/python benchmarks/bench_tpu_aot.py --remat full --maxtext-remat full
 
 # Decode tokens/s of olmax's KV-cache generate against transformers' generate on the same random
 # OLMo 3 (batch 1 and 8), compile time apart, and the cache's bytes against the formula.

@@ -106,6 +106,18 @@ def test_maxtext_compiles_with_its_own_libtpu_and_packages():
     assert ours["TPU_LIBRARY_PATH"] == "olmax-venv/libtpu/libtpu.so"  # the caller's own is untouched
 
 
+def test_bench_tpu_aot_refuses_a_plan_of_no_sequences(monkeypatch, capsys):
+    """A micro-batch of no sequences is refused by name before any compile starts."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_tpu_aot
+
+    monkeypatch.setattr(bench_tpu_aot, "olmax_compile", lambda *a, **k: pytest.fail("compiled anyway"))
+    monkeypatch.setattr(sys, "argv", ["bench_tpu_aot.py", "--max-micro-batch", "0", "--no-maxtext"])
+    with pytest.raises(SystemExit) as e:
+        bench_tpu_aot.main()
+    assert e.value.code == 2 and "--max-micro-batch 0" in capsys.readouterr().err
+
+
 def test_cost_summary_keys_overhead_and_mfu():
     s = cost_summary({"flops": 1.5e12, "bytes": 1e9, "seconds": 0.01}, 1.2e12, 459e12)
     assert tuple(s) == COST_KEYS
