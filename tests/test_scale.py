@@ -273,6 +273,33 @@ def test_remat_policies_keep_the_gradients():
             _assert_same(_grads(replace(cfg, model=replace(cfg.model, remat=remat)), params, ids, mask), base, remat)
 
 
+def _saved_names(remat: str) -> set[str]:
+    """The tensors one layer keeps for its backward pass under ``model.remat=remat``, by name
+    (from JAX's own account of them, ``print_saved_residuals``)."""
+    import contextlib
+    import io
+    import re
+
+    cfg = _cfg(remat=remat).model
+    p = init_params(cfg, jax.random.key(0))["layers"][cfg.full_attention_every - 1]
+    cos, sin = layers.rope_cos_sin(cfg, np.arange(64), True)
+    x = jnp.ones((1, 64, cfg.d_model), jnp.float32)
+    fn = olmo3._layer_fn(cfg, None)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(lambda p, x: fn(p, x, cos, sin).sum(), p, x)
+    return set(re.findall(r"named '(\w+)'", out.getvalue()))
+
+
+def test_save_proj_except_out_keeps_save_projs_tensors_but_the_output_projections():
+    """It keeps the attention kernel's output (the kernel does not run again) and every projection
+    output save_proj keeps but attention's o and the MLP's down, which run again."""
+    proj, except_out = _saved_names("save_proj"), _saved_names("save_proj_except_out")
+    assert {"query", "key", "value", "attn_out", "attn_proj", "mlp_out"} <= proj
+    assert proj - except_out == {"attn_proj", "mlp_out"} and except_out < proj
+    assert not olmo3.remat_recomputes_attention("save_proj_except_out")
+
+
 def test_offload_remat_is_refused_on_cpu():
     cfg = _cfg(remat="offload_proj")
     params = init_params(cfg.model, jax.random.key(3))

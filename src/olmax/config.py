@@ -84,8 +84,11 @@ class ModelConfig:
     # Rematerialisation per layer (olmax.model.olmo3.REMAT_POLICIES): none; full (keep only the
     # layer input); minimal (keep every matmul output); save_attn_out (keep the attention
     # kernel's output, recompute the rest); save_proj (keep q/k/v, attention output and the
-    # projection outputs); offload_proj (those same tensors, offloaded to host memory: TPU/GPU).
-    remat: Literal["none", "full", "minimal", "save_attn_out", "save_proj", "offload_proj"] = "none"
+    # projection outputs); save_proj_except_out (save_proj less the two output projections'
+    # outputs, attention's o and the MLP's down, which run again); offload_proj (save_proj's
+    # tensors, offloaded to host memory: TPU/GPU).
+    remat: Literal["none", "full", "minimal", "save_attn_out", "save_proj", "save_proj_except_out",
+                   "offload_proj"] = "none"
     # Run the layers under jax.lax.scan over groups of ``full_attention_every`` layers (3 sliding
     # + 1 full for OLMo 3), so the program and its compile time do not grow with depth. The
     # parameter tree and every file format keep one entry per layer either way.

@@ -53,6 +53,7 @@ def memory_estimate(cfg: Config, n_devices: int) -> dict[str, float]:
         "full": d,
         "save_attn_out": d + HE,
         "save_proj": 3 * d + 2 * HE + 2 * KE + 2 * F,
+        "save_proj_except_out": d + 2 * HE + 2 * KE + 2 * F,
         "offload_proj": d,
     }[m.remat]
     act = tokens * m.n_layers * per_tok_layer * cbytes

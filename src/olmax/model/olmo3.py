@@ -35,6 +35,9 @@ from olmax.sharding import constrain
 
 # Tensors a remat policy may keep (names given with ``checkpoint_name`` below).
 PROJECTION_NAMES = ("query", "key", "value", "attn_out", "attn_proj", "mlp_gate", "mlp_up", "mlp_gate_up", "mlp_out")
+# The outputs of the two output projections (attention's o, the MLP's down): one d_model vector
+# each per token, and the cheapest projections to run again from what save_proj keeps beside them.
+OUTPUT_PROJECTION_NAMES = ("attn_proj", "mlp_out")
 REMAT_NAMES = typing.get_args(typing.get_type_hints(ModelConfig)["remat"])  # the config's Literal, one list
 
 
@@ -57,6 +60,8 @@ def remat_policy(name: str) -> Callable | None:
         return cp.save_only_these_names("attn_out")
     if name == "save_proj":
         return cp.save_only_these_names(*PROJECTION_NAMES)
+    if name == "save_proj_except_out":  # 2 d_model vectors a token and layer less, for two matmuls more
+        return cp.save_only_these_names(*(n for n in PROJECTION_NAMES if n not in OUTPUT_PROJECTION_NAMES))
     if name == "offload_proj":  # the same tensors, in host memory between forward and backward
         if not dispatch.host_offload_available():
             raise ConfigError("model.remat=offload_proj offloads to host memory, which only TPUs and GPUs have; "
