@@ -90,7 +90,8 @@ def olmo3_7b_stage1() -> Config:
         # The recipe keeps full remat, which fits every slice it serves; save_proj does not fit
         # v6e-256 even at one sequence a pass (31.50 of 31.25 GiB, 2026-12-06). On v5p-128 and
         # v5p-256 `olmax compile` and `olmax launch tpu` apply save_proj in micro-batches of 2, on
-        # v6e-256 save_attn_out, on tpu7x-128 minimal in micro-batches of 2 (olmax.recipes.slices).
+        # v6e-256 save_proj_except_out one sequence a pass, on tpu7x-128 minimal in micro-batches of 2
+        # (olmax.recipes.slices).
         train=TrainConfig(steps=STAGE1_STEPS, global_batch_size=STAGE1_BATCH, max_micro_batch_size=MAX_MICRO_BATCH),
         checkpoint=CheckpointConfig(interval=1000),        # save_interval=1000
         # In-loop evaluation every 10k steps; 8 batches of 256 x 8192 tokens = 16.8M held-out tokens

@@ -33,11 +33,11 @@ CHOICES: dict[tuple[str, str], SliceChoice] = {
         "4.40 s a step with the splash kernel priced in (est. MFU 75.6%, recompute overhead 1.00x), full remat "
         "in one pass of 4 23.60 GiB for 5.45 s (60.9%); minimal is within 1% (4.44 s, 58.13 GiB)"),
     ("olmo3_7b_stage1", "v6e-256"): SliceChoice(
-        ("model.remat=save_attn_out",),
-        "olmax compile --sweep, 2026-12-06 (benchmarks/results/compile-sweep-stage1-v6e_tpu-aot_2026-12-06.md): "
-        "XLA gives a v6e step no time, so by compiled FLOPs: save_attn_out needs 19.07 GiB a chip (39% of the "
-        "HBM free) for 1.23x the model's FLOPs with the splash kernel counted, full remat 11.66 GiB for 1.27x; "
-        "save_proj does not fit one sequence (31.50 GiB)"),
+        ("model.remat=save_proj_except_out", "train.max_micro_batch_size=1"),
+        "olmax compile --sweep, 2026-12-07 (benchmarks/results/compile-sweep-stage1-v6e_tpu-aot_2026-12-07.md): "
+        "XLA gives a v6e step no time, so by compiled FLOPs: save_proj_except_out in 2 passes of 1 needs 27.37 GiB "
+        "a chip (12% of the HBM free) for 1.09x the model's FLOPs with the splash kernel counted, save_attn_out "
+        "19.07 GiB for 1.23x, full remat 11.66 GiB for 1.27x; save_proj does not fit one sequence (31.50 GiB)"),
     ("olmo3_7b_stage1", "tpu7x-128"): SliceChoice(
         ("model.remat=minimal", "train.max_micro_batch_size=2"),
         "olmax compile --sweep, 2026-12-07 (benchmarks/results/compile-sweep-stage1-ironwood_tpu-aot_2026-12-07.md): "
