@@ -64,11 +64,12 @@ CHOICES: dict[tuple[str, str], SliceChoice] = {
         "splash kernel priced in (est. MFU 66.4%), full remat 41.32 GiB for 13.63 s (61.7%); XLA alone, "
         "blind to the kernel, costs both 9.73 s"),
     ("olmo3_32b", "v5p-512"): SliceChoice(
-        ("model.remat=save_attn_out",),
-        "olmax compile --sweep, 2026-12-06 (benchmarks/results/compile-sweep-32b_tpu-aot_2026-12-06.md): "
-        "save_attn_out, 2 sequences a pass, needs 45.97 GiB a chip (52% of the HBM free) for an estimated "
-        "11.59 s a step with the splash kernel priced in (est. MFU 62.7%), full remat 25.97 GiB for 11.77 s "
-        "(61.7%); save_proj does not fit one sequence (95.75 GiB)"),
+        ("model.remat=save_proj_except_out", "train.max_micro_batch_size=1"),
+        "olmax compile --sweep, 2026-12-07 (benchmarks/results/compile-sweep-32b_tpu-aot_2026-12-07.md): "
+        "save_proj_except_out, one sequence a pass, needs 85.49 GiB a chip (10.7% of the HBM free) for an "
+        "estimated 10.33 s a step with the splash kernel priced in (est. MFU 70.3%), save_attn_out 2 a pass "
+        "45.97 GiB for 11.59 s (62.7%), full remat 25.97 GiB for 11.77 s (61.7%); save_proj does not fit one "
+        "sequence (95.75 GiB)"),
     ("olmo3_7b_think_rl", "v5p-128"): SliceChoice(
         ("model.remat=save_attn_out",),
         "olmax compile --sweep, 2026-12-06 (benchmarks/results/compile-sweep-rl_tpu-aot_2026-12-06.md): the "
