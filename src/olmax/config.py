@@ -81,7 +81,7 @@ class ModelConfig:
     # Splash attention tile sizes (query block, key/value block), forward and backward.
     attention_block_q: int = 512
     attention_block_kv: int = 512
-    # Rematerialisation per layer (olmax.model.olmo3.REMAT_POLICIES): none; full (keep only the
+    # Rematerialisation per layer (olmax.model.olmo3.remat_policy): none; full (keep only the
     # layer input); minimal (keep every matmul output); save_attn_out (keep the attention
     # kernel's output, recompute the rest); save_proj (keep q/k/v, attention output and the
     # projection outputs); save_proj_except_out (save_proj less the two output projections'
