@@ -288,6 +288,17 @@ def test_suite_arguments(hf_dir: Path) -> None:
         suite.cmd_lm_eval(parse(["--checkpoint", "hf:no/such/dir"]))
 
 
+def test_a_remote_checkpoint_is_not_looked_up_locally_and_needs_a_tokenizer(hf_dir: Path) -> None:
+    # Remote run directories load where they lie (checkpoint.load); only their tokenizer is not
+    # searched for there, so the arguments name --tokenizer instead of calling the bucket missing.
+    tok = str(hf_dir / "tokenizer.json")
+    assert suite.check_args(parse(["--checkpoint", "s3://bucket/run", "--tasks", "x", "--tokenizer", tok])) is None
+    assert suite.check_args(parse(["--checkpoint", "gs://bucket/run/checkpoints/4", "--tasks", "x",
+                                   "--tokenizer", tok])) is None
+    with pytest.raises(ConfigError, match="s3://bucket/run: a remote checkpoint's tokenizer .* pass --tokenizer"):
+        suite.check_args(parse(["--checkpoint", "s3://bucket/run", "--tasks", "x"]))
+
+
 @pytest.fixture
 def empty_hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Offline, with nothing cached (whatever this machine's real HF cache holds)."""

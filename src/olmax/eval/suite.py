@@ -30,6 +30,7 @@ from olmax.argtypes import positive_int
 from olmax.chat.template import BUILTIN_TEMPLATES
 from olmax.config import ConfigError
 from olmax.extras import require
+from olmax.io import is_remote
 
 
 @dataclass(frozen=True)
@@ -277,7 +278,11 @@ def parse_entries(args: argparse.Namespace) -> list[tuple[str, int | None]]:
 def check_args(args: argparse.Namespace) -> int | float | None:
     """Fail on bad arguments before anything is indexed, loaded or compiled; returns the limit."""
     ckpt = args.checkpoint[3:] if args.checkpoint.startswith("hf:") else args.checkpoint
-    if not Path(ckpt).exists():
+    if is_remote(ckpt):  # read where it lies; its tokenizer is not looked up there
+        if args.tokenizer is None:
+            raise ConfigError(f"--checkpoint {args.checkpoint}: a remote checkpoint's tokenizer is not looked up; "
+                              "pass --tokenizer")
+    elif not Path(ckpt).exists():
         raise ConfigError(f"--checkpoint {args.checkpoint}: {ckpt} does not exist")
     if args.tokenizer is not None and not Path(args.tokenizer).exists():
         raise ConfigError(f"--tokenizer {args.tokenizer} does not exist")
