@@ -244,3 +244,11 @@ def test_continuous_engine_on_a_mesh_equals_one_device() -> None:
         assert out[ahead]["same"] == [True] * 14, out
         assert out[ahead]["lp"] == 0.0 if out["kernel"] else out[ahead]["lp"] <= 1e-5, out
     assert out["0"]["prefills"] < 14, out   # 4 prompts, each on at most a few shards
+
+
+def test_slot_utilisation_counts_kept_tokens_per_slot_step_and_is_1_before_any_step() -> None:
+    """The engine's figure and the RL rollout's agree where nothing was decoded (a call of
+    --max-new-tokens 1 ends at prefill): no slot idled, so 1, not 0."""
+    from olmax.engine.continuous import EngineStats
+    assert EngineStats().slot_utilisation == 1.0
+    assert EngineStats(decode_steps=10, slot_steps=40, decoded=30).slot_utilisation == 0.75

@@ -90,8 +90,9 @@ class EngineStats:
 
     @property
     def slot_utilisation(self) -> float:
-        """Kept tokens per slot and decode step (1: no slot ever idle or wasted)."""
-        return self.decoded / self.slot_steps if self.slot_steps else 0.0
+        """Kept tokens per slot and decode step (1: no slot ever idle or wasted; also 1 when no
+        decode step ran, as the RL rollout's ``rl/slot_utilisation`` counts it)."""
+        return self.decoded / self.slot_steps if self.slot_steps else 1.0
 
 
 def blank_state(prepared: dict, cfg: ModelConfig, slots: int, max_length: int) -> dict:
