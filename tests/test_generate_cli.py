@@ -258,6 +258,12 @@ def test_chat_loop(text_model: Path, chat_tokenizer: Path) -> None:
     assert [len(s) for s in seen] == [1, 3, 1]
     assert seen[1][:2] == [{"role": "user", "content": "cat"}, {"role": "assistant", "content": replies[0]}]
     assert "/reset" in err.getvalue() and "new conversation" in err.getvalue()
+    # Turn n draws with --seed + n, wrapped into the seeds' range: the largest seed keeps chatting.
+    seeds: list[int] = []
+    m.generate = lambda *a, **k: (seeds.append(k["seed"]), generate(*a, **k))[1]
+    assert run_chat(m, max_new_tokens=3, seed=2**32 - 1, stdin=io.StringIO("cat\nsky\n"), stdout=io.StringIO(),
+                    stderr=io.StringIO()) == 0
+    assert seeds == [2**32 - 1, 0]
 
 
 # --------------------------------------------------------------------------- errors

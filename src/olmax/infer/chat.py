@@ -101,7 +101,7 @@ def run_chat(gen: Model, *, system: str | None = None, max_new_tokens: int = 512
             continue
         turn += 1
         (reply,) = gen.generate([ids], max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                top_k=top_k, seed=seed + turn, batch_size=1, stops=list(stops), chat=True,
+                                top_k=top_k, seed=(seed + turn) % 2**32, batch_size=1, stops=list(stops), chat=True,
                                 stream=stdout)
         stdout.write("\n")
         stdout.flush()
