@@ -17,6 +17,15 @@ from olmax.config import ConfigError
 _initialised = False
 
 
+def _env_int(name: str) -> int:
+    """An integer environment variable; anything else is an error that names it."""
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r}: expected an integer") from None
+
+
 def initialise(coordinator: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, local_device_count: int | None = None) -> tuple[int, int]:
     """Initialise once; returns (process_index, process_count)."""
@@ -24,10 +33,10 @@ def initialise(coordinator: str | None = None, num_processes: int | None = None,
     env = os.environ
     coordinator = coordinator or env.get("OLMAX_COORDINATOR")
     if num_processes is None and "OLMAX_NUM_PROCESSES" in env:
-        num_processes = int(env["OLMAX_NUM_PROCESSES"])
+        num_processes = _env_int("OLMAX_NUM_PROCESSES")
     if process_id is None and "OLMAX_PROCESS_ID" in env:
-        process_id = int(env["OLMAX_PROCESS_ID"])
-    slurm = "SLURM_NTASKS" in env and int(env.get("SLURM_NTASKS", "1")) > 1
+        process_id = _env_int("OLMAX_PROCESS_ID")
+    slurm = "SLURM_NTASKS" in env and _env_int("SLURM_NTASKS") > 1
     if _initialised:
         return jax.process_index(), jax.process_count()
     if coordinator or (num_processes and num_processes > 1):
