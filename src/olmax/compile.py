@@ -848,7 +848,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="number of slices (multi-slice data parallelism over DCN)")
     p.add_argument("--no-eval", action="store_true", help="compile the train step only")
     p.add_argument("--step", choices=("train", "generate"), default="train",
-                   help="train (default): the train and eval steps; generate: KV-cache prefill + one decode step")
+                   help="train (default): the train and eval steps; generate: the generation engine's programs "
+                        "(continuous: prefill, admission and a decode chunk; static: prefill and one decode step)")
     p.add_argument("--batch-size", type=positive_int, default=32, help="--step generate: prompts per batch")
     p.add_argument("--max-length", type=positive_int, default=None,
                    help="--step generate: cache length = prompt length (default: data.sequence_length)")

@@ -305,7 +305,7 @@ def format_report(rep: dict[str, Any]) -> str:
 
 
 def register(vs: argparse._SubParsersAction) -> None:
-    p = vs.add_parser("trl", help="DPO parity with TRL 1.16's DPOTrainer(loss_type='sigmoid_norm')")
+    p = vs.add_parser("trl", help="DPO (--dpo) or GRPO (--grpo) training parity with TRL 1.16's trainers")
     p.add_argument("--dpo", action="store_true", required=True, help="check DPO (the only check so far)")
     p.add_argument("--steps", type=positive_int, default=20, help="updates compared (default 20)")
     p.add_argument("--seed", type=seed_flag, default=0, help="seed of the model and data (default 0)")
