@@ -40,6 +40,18 @@ def test_instances_and_fingerprint_equal_olmo_core(tmp_path: Path, dtype: str) -
     assert TokenDataset(paths[::-1], sequence_length=32, dtype=dtype, **KW).fingerprint != ours.fingerprint
 
 
+def test_patterns_in_data_paths_stand_for_the_files_they_match(tmp_path: Path) -> None:
+    """data.paths takes local * / ? patterns (expanded and sorted), as packed data and
+    data.label_mask_paths do; a pattern that matches nothing names itself and the field."""
+    paths = random_files(tmp_path)
+    listed = TokenDataset(sorted(paths), sequence_length=32, dtype="uint16", **KW)
+    pattern = TokenDataset([str(tmp_path / "*.npy")], sequence_length=32, dtype="uint16", **KW)
+    assert [f.path for f in pattern.files] == sorted(paths)
+    assert pattern.fingerprint == listed.fingerprint
+    with pytest.raises(DataError, match=r"nothing-\*\.npy \(data.paths\): the pattern matches no file"):
+        TokenDataset([str(tmp_path / "nothing-*.npy")], sequence_length=32, **KW)
+
+
 def test_mix_file(tmp_path: Path) -> None:
     paths = random_files(tmp_path / "root" / "tok")
     mix = tmp_path / "mix.txt"

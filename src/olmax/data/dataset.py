@@ -121,11 +121,12 @@ def resolve_paths(paths: Sequence[str], mix_root: str | None = None, *, dtype: s
     """Expand ``data.paths`` into ``(token file, label)`` pairs, in order.
 
     Each entry is a token file, an OLMo-core mix file (``.txt``), or a folder / ``manifest.json``
-    written by ``olmax tokenize`` (whose dtype and eos id are checked against the config).
+    written by ``olmax tokenize`` (whose dtype and eos id are checked against the config); a local
+    ``*``/``?`` pattern stands for the files it matches, sorted.
     ``field`` is what errors name as the source of ``paths`` (``eval.heldout_paths``, ``--data``).
     """
     out: list[tuple[str, str | None]] = []
-    for p in paths:
+    for p in expand_globs(paths, field):
         if p.endswith(".txt"):
             out += [(path, label) for label, path in read_mix(p, mix_root, mix_tokenizer, field)]
         elif io.is_remote(p) and (p.endswith("/") or p.endswith(".json")):
@@ -177,15 +178,15 @@ def chat_label_masks(paths: Sequence[str]) -> list[str]:
     return out
 
 
-def expand_globs(paths: Sequence[str]) -> list[str]:
+def expand_globs(paths: Sequence[str], field: str = "data.paths") -> list[str]:
     """Local ``*``/``?`` patterns expanded (sorted); anything else kept. A pattern matching nothing
-    is an error naming it."""
+    is an error naming it and ``field``."""
     out: list[str] = []
     for p in paths:
         if not io.is_remote(p) and any(c in p for c in "*?["):
             hits = sorted(glob.glob(p))
             if not hits:
-                raise DataError(f"{p}: the pattern matches no file")
+                raise DataError(f"{p} ({field}): the pattern matches no file")
             out += hits
         else:
             out.append(p)
@@ -195,7 +196,7 @@ def expand_globs(paths: Sequence[str]) -> list[str]:
 def label_mask_files(token_paths: Sequence[str], mask_paths: Sequence[str]) -> list[str]:
     """``data.label_mask_paths`` matched one to one with the resolved token files (globs expanded);
     a missing file, a different count or a different length is an error naming the file."""
-    masks = expand_globs(mask_paths)
+    masks = expand_globs(mask_paths, "data.label_mask_paths")
     if len(masks) != len(token_paths):
         raise DataError(f"data.label_mask_paths gives {len(masks)} label-mask files for {len(token_paths)} token "
                         "files (data.paths); they pair up one to one, in order")

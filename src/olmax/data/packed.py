@@ -147,7 +147,7 @@ class PackedDataset:
         self.eos_token_id, self.pad_token_id, self.bos_token_id = eos_token_id, pad_token_id, bos_token_id
         self.dtype, self.long_doc_strategy = np.dtype(dtype), long_doc_strategy
         self.remote_cache_dir = remote_cache_dir
-        resolved = [p for p, _ in resolve_paths(expand_globs(paths), mix_root, dtype=self.dtype.name,
+        resolved = [p for p, _ in resolve_paths(paths, mix_root, dtype=self.dtype.name,
                                                 eos_token_id=eos_token_id, vocab_size=vocab_size,
                                                 mix_tokenizer=mix_tokenizer)]
         sizes = file_sizes(resolved)
