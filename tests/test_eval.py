@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -334,6 +336,22 @@ def test_old_param_dtype_spelling_still_parses(capsys):
             parser.parse_args(argv + ["--help"])
         shown = capsys.readouterr().out
         assert "--dtype" in shown and "--param-dtype" not in shown
+
+
+def test_the_runs_heldout_mix_file_resolves_as_its_training_data_does(cfg, data, tmp_path):
+    """eval.heldout_paths is read like data.paths: {root} and {TOKENIZER} in a mix file take the
+    run's data.mix_root and data.mix_tokenizer."""
+    _, held, d = data
+    mix = tmp_path / "heldout.txt"
+    mix.write_text("chain,{root}/chain.npy\ncycles,{root}/{TOKENIZER}/cycles.npy\n")
+    (d / "tok").mkdir(exist_ok=True)
+    shutil.copy(held["cycles"], d / "tok" / "cycles.npy")
+    run = replace(cfg, data=replace(cfg.data, mix_root=str(d), mix_tokenizer="tok"),
+                  eval=replace(cfg.eval, heldout_paths=(str(mix),)))
+    ev = HeldoutEvaluator(run, make_mesh(run.mesh))
+    assert ev.files[""] == [str(d / "chain.npy"), str(d / "tok" / "cycles.npy")]
+    with pytest.raises(ValueError, match=r"heldout.txt:1: .*data.mix_root is not set"):
+        HeldoutEvaluator(replace(run, data=cfg.data), make_mesh(run.mesh))
 
 
 def test_bad_inputs_fail_clearly(cfg, data, tmp_path, monkeypatch, capsys):

@@ -149,7 +149,11 @@ class HeldoutEvaluator:
         self.masks: dict[str, np.ndarray] = {}
         for name, p in (sets or {"": paths or cfg.eval.heldout_paths}).items():
             field = f"--domain {name}" if sets else ("--data" if paths else "eval.heldout_paths")
-            self.files[name] = [f for f, _ in resolve_paths(list(p), dtype=self.dtype, field=field)]
+            # The run's own held-out files are data paths of its config, read as data.paths are
+            # ({root} and {TOKENIZER} in a mix file); files named on the command line stand alone.
+            own = field == "eval.heldout_paths"
+            mix = {"mix_root": cfg.data.mix_root, "mix_tokenizer": cfg.data.mix_tokenizer} if own else {}
+            self.files[name] = [f for f, _ in resolve_paths(list(p), dtype=self.dtype, field=field, **mix)]
             n = self.max_batches * self.batch_size or None
             what = f"held-out files of {name!r}" if name else "held-out files"
             # The run's own held-out set (not files given to `olmax eval loss --data`): built as
