@@ -1,5 +1,6 @@
 """The OLMo 3 model: parameter specs (params), building blocks (layers, attention), forward
-(olmo3), decoding (decode, generate), the loss (loss), and the safetensors weights directory
+(olmo3), the KV-cache prefill and decode step (decode; the engine that schedules them is
+``olmax.engine``), the loss (loss), and the safetensors weights directory
 (weights_io). Which implementation runs an operation on the platform the program targets is
 decided in one module (dispatch), the only one that asks which platform that is and the only door
 to the platform kernels (``olmax.kernels``). Pure functions over a parameter pytree; imports

@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-fingerprint-mismatch", action="store_true",
                    help="resume even though the dataset fingerprint changed (the data order may differ)")
     p.add_argument("--no-progress", action="store_true",
-                   help="no progress bar (a plain line every 10 steps still goes to a log that is no terminal)")
+                   help="no progress output (by default a bar on a terminal, else a plain line every 10 steps); "
+                        "metrics.jsonl is written either way")
     p.add_argument("--max-steps-this-run", type=positive_int, default=None,
                    help="stop (after a checkpoint) once this many updates ran in this process")
     add_distributed_args(p)
