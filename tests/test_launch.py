@@ -128,6 +128,8 @@ def test_children_killed_at_random_points_finish_with_the_uninterrupted_metrics(
     assert report["ok"] and report["last_checkpoint"] == STEPS
     sigs = [a["signal"] for a in report["attempts"]]
     assert sigs.count("SIGKILL") == len(kills) == 2 and sigs[-1] is None
+    # The children report progress into the launcher's log (no terminal: plain lines), to the end.
+    assert f"step {STEPS}/{STEPS} (100.0%)" in err, err[-2000:]
     a, b = read_metrics(tmp_path / "ref"), read_metrics(run)
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
     for step in a:

@@ -36,8 +36,9 @@ def latest_checkpoint(run_dir: str) -> int | None:
 
 def train_command(recipe: str, run_dir: str, overrides: list[str], python: str = "python",
                   extra: list[str] | None = None) -> list[str]:
-    """The ``olmax train`` command line every launcher runs."""
-    cmd = [python, "-m", "olmax.cli", "train", recipe, "--run-dir", run_dir, "--no-progress"]
+    """The ``olmax train`` command line every launcher runs. Its main process reports progress: a
+    bar on a terminal (``launch local``), a plain line every 10 steps in a job's log."""
+    cmd = [python, "-m", "olmax.cli", "train", recipe, "--run-dir", run_dir]
     for o in overrides:
         cmd += ["--set", o]
     return cmd + list(extra or [])
