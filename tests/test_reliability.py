@@ -226,6 +226,50 @@ def test_debug_shows_the_traceback_and_bugs_keep_theirs(tmp_path, monkeypatch, o
         cli.main(["print-config", "tiny"])
 
 
+def test_config_keys_that_are_not_names_are_unknown_keys(tmp_path, olmax_main):
+    """YAML reads `1:`, `true:` and `null:` as a number, a boolean and None: still an unknown key."""
+    bad = tmp_path / "e.yaml"
+    bad.write_text("name: tiny\n1: 2\n")
+    assert_one_line_error(olmax_main("print-config", str(bad)), str(bad), "unknown config key '1'")
+    assert_one_line_error(olmax_main("print-config", "tiny", "--set", "model={1: 2}"), "unknown config key 'model.1'")
+    assert_one_line_error(olmax_main("inspect", "tiny", "--set", "optim.schedule={true: 1}"),
+                          "unknown config key 'optim.schedule.True'")
+
+
+def test_a_failed_rename_names_the_file_the_user_named():
+    # os.replace(tmp, target) fails with both names; the one to report is the target.
+    e = OSError(21, "Is a directory", ".out.tmp123", None, "out")
+    assert cli._user_error_message(e) == "Is a directory: out (renaming .out.tmp123 to it)"
+    assert cli._user_error_message(FileNotFoundError(2, "No such file or directory", "x.npy")) == \
+        "No such file or directory: x.npy"
+
+
+def test_launch_output_files_are_checked_and_a_users_file_is_never_replaced(tmp_path, olmax_main):
+    data = tmp_path / "tok.bin"
+    data.write_bytes(b"\1\0" * 1000)
+    run = ["--run-dir", str(tmp_path / "run")]
+    # launch local: a status file that cannot be written fails before any trainer starts.
+    r = olmax_main("launch", "local", "tiny", *run, "--status-file", str(tmp_path))
+    assert_one_line_error(r, f"--status-file {tmp_path}: is a directory")
+    r = olmax_main("launch", "local", "tiny", *run, "--status-file", str(tmp_path / "no" / "s.json"))
+    assert_one_line_error(r, "--status-file", "does not exist")
+    assert_one_line_error(olmax_main("launch", "local", "tiny", *run, "--status-file", str(data)),
+                          "not written by olmax launch")
+    assert not (tmp_path / "run").exists()
+    # launch tpu --manifest: never over a file olmax did not write; its own manifest is rewritten.
+    assert_one_line_error(olmax_main("launch", "tpu", "tiny", *run, "--manifest", str(data)),
+                          f"--manifest {data}", "not written by olmax launch")
+    assert data.read_bytes() == b"\1\0" * 1000
+    manifest = tmp_path / "jobset.yaml"
+    for hosts in ("2", "4"):
+        assert olmax_main("launch", "tpu", "tiny", *run, "--hosts", hosts, "--manifest", str(manifest)).returncode == 0
+    assert "4 hosts" in manifest.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["jobset.yaml", "tok.bin"]  # no temporary file left
+    # launch slurm --out: the same rule (checked before sbatch is looked for).
+    assert_one_line_error(olmax_main("launch", "slurm", "tiny", *run, "--nodes", "1", "--gpus-per-node", "0",
+                                     "--out", str(data)), f"--out {data}", "not written by olmax launch")
+
+
 def test_json_errors(tmp_path, olmax_main):
     r = olmax_main("eval", "loss", "--checkpoint", str(tmp_path / "nope"), "--data", str(tmp_path / "x.npy"), "--json")
     assert r.returncode == 2 and "Traceback" not in r.stderr

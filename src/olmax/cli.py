@@ -60,6 +60,8 @@ def _user_error_message(e: BaseException) -> str:
     """One line for a user's error (bad config, data, checkpoint, disk); OSError names the path."""
     if isinstance(e, OSError) and not isinstance(e, (ConfigError,)) and e.strerror:
         where = f": {e.filename}" if e.filename else ""
+        if e.filename2:  # a rename (an atomic write's last step): the target is the file the user named
+            where = f": {e.filename2} (renaming {e.filename} to it)"
         return f"{e.strerror}{where}"
     msg = str(e) or type(e).__name__
     return " ".join(msg.split()) if "\n" in msg else msg

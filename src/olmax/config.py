@@ -707,7 +707,8 @@ def _to_plain(obj: Any) -> Any:
     return obj
 
 
-def _unknown_key(path: str, key: str, valid: list[str]) -> ConfigError:
+def _unknown_key(path: str, key: Any, valid: list[str]) -> ConfigError:
+    key = str(key)  # YAML keys may be numbers, booleans or null; config keys are names
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     hint = f"; did you mean {(path + close[0])!r}?" if close else f"; valid keys: {', '.join(valid)}"
     return ConfigError(f"unknown config key {(path + key)!r}{hint}")

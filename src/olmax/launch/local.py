@@ -94,7 +94,12 @@ def supervise(cmd: list[str], run_dir: str, total_steps: int, *, max_restarts: i
                               len(attempts) - 1 if attempts else 0, attempts)
             t0 = time.monotonic()
             child = subprocess.Popen(cmd)
-            _status(status_file, {"pid": child.pid, "attempt": len(attempts) + 1, "checkpoint": before})
+            try:
+                _status(status_file, {"pid": child.pid, "attempt": len(attempts) + 1, "checkpoint": before})
+            except BaseException:  # no trainer runs on unsupervised once the launcher fails
+                child.kill()
+                child.wait()
+                raise
             print(f"olmax launch: attempt {len(attempts) + 1}, pid {child.pid}, from checkpoint {before}",
                   file=log, flush=True)
             rc = child.wait()
@@ -143,6 +148,11 @@ def _sleep(seconds: float, stop: dict) -> bool:
 def _status(path: str | None, values: dict) -> None:
     if path:
         tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(values, f)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(values, f)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.isfile(tmp):
+                os.remove(tmp)
+            raise

@@ -34,6 +34,8 @@ def initialise(coordinator: str | None = None, num_processes: int | None = None,
     coordinator = coordinator or env.get("OLMAX_COORDINATOR")
     if num_processes is None and "OLMAX_NUM_PROCESSES" in env:
         num_processes = _env_int("OLMAX_NUM_PROCESSES")
+        if num_processes < 1:
+            raise ConfigError(f"OLMAX_NUM_PROCESSES={num_processes}: must be >= 1")
     if process_id is None and "OLMAX_PROCESS_ID" in env:
         process_id = _env_int("OLMAX_PROCESS_ID")
     slurm = "SLURM_NTASKS" in env and _env_int("SLURM_NTASKS") > 1
@@ -59,6 +61,11 @@ def initialise(coordinator: str | None = None, num_processes: int | None = None,
         # JAX's cluster detection fills in the rest (Slurm variables; TPU VM / GKE metadata for
         # `olmax launch tpu`, which sets OLMAX_DISTRIBUTED=auto). gloo: CPU-only Slurm jobs.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize()
+        why = f"SLURM_NTASKS={env['SLURM_NTASKS']}" if slurm else "OLMAX_DISTRIBUTED=auto"
+        try:
+            jax.distributed.initialize()
+        except ValueError as e:  # JAX found no cluster to join (e.g. no coordinator address)
+            raise ConfigError(f"{why} asks for a multi-process run, but JAX's cluster detection failed: {e} "
+                              "(outside a Slurm step or a TPU slice, unset it)") from None
         _initialised = True
     return jax.process_index(), jax.process_count()
