@@ -68,6 +68,9 @@ def test_validation_errors_name_fields():
     for bad in ("0", "-1"):  # no signal to learn from, or a reward turned into a penalty
         with pytest.raises(ConfigError, match="rl.reward_multiplier must be > 0"):
             get_recipe("tiny_rl", [f"rl.reward_multiplier={bad}"])
+    # Held-out label masks without held-out files would be ignored: an error instead.
+    with pytest.raises(ConfigError, match="eval.heldout_label_mask_paths .* eval.heldout_paths, which is empty"):
+        get_recipe("tiny", ["eval.heldout_label_mask_paths=[m.npy]"])
 
 
 def test_unknown_recipe_suggests():

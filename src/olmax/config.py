@@ -514,6 +514,9 @@ def validate(cfg: Config) -> Config:
     if t.loss_ranks > 1 and cfg.data.repetition_filter:
         raise ConfigError("train.loss_ranks > 1 (OLMo-core's per-rank SFT loss) does not count the rows "
                           "data.repetition_filter masks as OLMo-core's pre-training does: use train.loss_ranks=1")
+    if cfg.eval.heldout_label_mask_paths and not cfg.eval.heldout_paths:
+        raise ConfigError("eval.heldout_label_mask_paths are the label masks of eval.heldout_paths, which is empty: "
+                          "set both, or neither")
     if cfg.data.label_mask_paths and cfg.data.repetition_filter:
         raise ConfigError("data.repetition_filter masks whole instances and data.label_mask_paths masks labels: "
                           "use one (OLMo-core's SFT runs have no repetition filter)")
