@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -206,6 +207,36 @@ def test_jinja_template_agrees_with_builtin(tok, tok_file: Path, tmp_path: Path,
         b = chat.encode_conversation(msgs, tok, builtin, tools=tools)
         np.testing.assert_array_equal(a[0], b[0])
         np.testing.assert_array_equal(a[1], b[1])
+
+
+def test_unreadable_templates_and_configs_name_the_file(tmp_path: Path) -> None:
+    """A template or tokenizer_config.json that is not UTF-8, a config that is not an object and a
+    chat_template that is not a string are errors naming the file (and field), not tracebacks."""
+    from olmax.chat.template import read_template, tokenizer_template
+    from olmax.config import ConfigError
+    jinja = tmp_path / "bad.jinja"
+    jinja.write_bytes(b"\xff{{ messages }}")
+    with pytest.raises(ConfigError, match=rf"chat template {re.escape(str(jinja))}: not UTF-8"):
+        load_template(str(jinja))
+    d = tmp_path / "tok"
+    d.mkdir()
+    (d / "chat_template.jinja").write_bytes(b"\xff{{ messages }}")
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(d / 'chat_template.jinja'))}: not UTF-8"):
+        load_template(str(d))
+    (d / "chat_template.jinja").unlink()
+    cfg = d / "tokenizer_config.json"
+    cfg.write_bytes(b'\xff{"eos_token": "<|endoftext|>"}')
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(cfg))}: not UTF-8"):
+        tokenizer_template(d)
+    cfg.write_text("[]")
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(cfg))}: expected a JSON object, got list"):
+        read_template(d)
+    cfg.write_text(json.dumps({"chat_template": 5}))
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(cfg))}: chat_template must be a string"):
+        read_template(d)
+    # A .jinja file beside a tokenizer_config.json whose chat_template it replaces is read as before.
+    (d / "my.jinja").write_text("{{ messages[0]['content'] }}")
+    assert load_template(str(d / "my.jinja")).render([{"role": "user", "content": "hi"}], False) == "hi"
 
 
 def _dataset(path: Path, n: int = 40, seed: int = 0) -> list[dict]:

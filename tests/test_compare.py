@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -113,6 +114,30 @@ def test_headerless_tsv_multi_run_csv_and_bad_inputs(tmp_path):
 
 
 # --------------------------------------------------------------------------- gaps and deltas
+
+
+def test_unreadable_tables_and_out_of_range_steps_name_the_file(tmp_path):
+    """A CSV that is not UTF-8 names the file; a step past int64 names the file and line."""
+    bad = tmp_path / "bad.csv"
+    bad.write_bytes(b"\xffstep,train/CE loss\n1,2.0\n")
+    with pytest.raises(ValueError, match=rf"{re.escape(str(bad))}: not a CSV or TSV text file"):
+        read_runs(bad)
+    big = tmp_path / "big.jsonl"
+    big.write_text('{"step": 1, "train/CE loss": 3.0}\n{"step": 9223372036854775808, "train/CE loss": 2.0}\n')
+    with pytest.raises(ValueError, match=rf"{re.escape(str(big))}:2: step 9223372036854775808 is out of range"):
+        read_run(big)
+    big.write_text('{"step": 1, "train/CE loss": 3.0}\n{"step": 1e300, "train/CE loss": 2.0}\n')
+    with pytest.raises(ValueError, match=rf"{re.escape(str(big))}:2: step .* is out of range"):
+        read_run(big)
+    big.write_text('{"step": 9223372036854775807, "train/CE loss": 2.0}\n')  # the largest step is kept exactly
+    assert read_run(big).steps.tolist() == [2**63 - 1]
+    table = tmp_path / "big.csv"
+    table.write_text("step,train/CE loss\n1,2.0\n\n99999999999999999999,1.0\n")
+    with pytest.raises(ValueError, match=rf"{re.escape(str(table))}:4: step .* is out of range"):
+        read_run(table)
+    (tmp_path / "big.tsv").write_text("1\t2.0\n1e30\t1.0\n")
+    with pytest.raises(ValueError, match=r"big.tsv:2: step .* is out of range"):
+        read_run(tmp_path / "big.tsv")
 
 
 def test_bins_window_and_paired_deltas_on_known_inputs():

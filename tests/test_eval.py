@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import shutil
 from dataclasses import replace
 from functools import partial
@@ -193,6 +194,13 @@ def test_domain_specs(tmp_path):
 
 
 # --------------------------------------------------------------------------- KL
+
+
+def test_domain_file_not_utf8_names_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"\xffnews: {paths: [a.npy], bytes: 42}\n")
+    with pytest.raises(ConfigError, match=rf"--domain {re.escape(str(bad))}: not UTF-8"):
+        load_domains([str(bad)])
 
 
 def test_kl_self_is_zero(cfg):

@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from olmax.chat import template as chat_template
 from olmax.compat.hf import random_hf_model
 from olmax.config import Config, DataConfig
 from olmax.infer.chat import run_chat
-from olmax.infer.run import Model, first_stop, unsafe_tail
+from olmax.infer.run import Model, first_stop, read_prompt_ids, read_prompts, unsafe_tail
 
 SPECIALS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
 MODEL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -323,6 +324,15 @@ def test_stop_string_helpers() -> None:
     assert first_stop("abc", ["x", ""]) is None
     assert unsafe_tail("hello wor", ["world"]) == 3 and unsafe_tail("hello", ["xyz"]) == 0
     assert unsafe_tail("ab<|im", ["<|im_end|>", "b<"]) == 4
+
+
+def test_prompt_files_not_utf8_name_the_flag_and_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'\xff"a prompt"\n')
+    with pytest.raises(ValueError, match=rf"--prompt-ids {re.escape(str(bad))}: not UTF-8"):
+        read_prompt_ids(str(bad))
+    with pytest.raises(ValueError, match=rf"--prompts {re.escape(str(bad))}: not UTF-8"):
+        read_prompts(str(bad))
 
 
 def test_tokenizer_beside_the_training_data(tmp_path: Path, text_model: Path) -> None:

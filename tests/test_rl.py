@@ -5,6 +5,7 @@ step, and parity with TRL 1.16's GRPOTrainer (a short run here; 20 steps in the 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -18,8 +19,19 @@ from olmax.objectives.grpo import jit_grpo_step, make_grpo_step
 from olmax.recipes import get_recipe
 from olmax.rl import grpo
 from olmax.rl.rewards import RewardFn, extract_math_answer, get_reward
+from olmax.rl.rollout import PromptDataError, read_prompts
 
 # --------------------------------------------------------------------------- rewards
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def test_prompt_file_not_utf8_names_the_file(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'\xff{"prompt": "a cat", "ground_truth": "e"}\n')
+    with pytest.raises(PromptDataError, match=rf"rl.prompts_path {re.escape(str(bad))}: not UTF-8"):
+        read_prompts(str(bad), None, 16)
 
 
 def test_math_answer_extraction():

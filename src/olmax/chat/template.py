@@ -68,20 +68,41 @@ def special_tokens(conf: dict) -> dict[str, str | None]:
     return {r: _token_text(conf.get(r)) for r in SPECIAL_ROLES}
 
 
+def _read_text(path: Path, what: str = "") -> str:
+    """A template or tokenizer_config.json as text; a file that is not UTF-8 is named."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what}{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _tokenizer_config(folder: Path) -> dict:
+    """The JSON object of a tokenizer folder's tokenizer_config.json; {} when it has none."""
+    cpath = folder / TOKENIZER_CONFIG
+    if not cpath.is_file():
+        return {}
+    text = _read_text(cpath)
+    try:
+        conf = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"{cpath} is not valid JSON: {e}") from None
+    if not isinstance(conf, dict):
+        raise ConfigError(f"{cpath}: expected a JSON object, got {type(conf).__name__}")
+    return conf
+
+
 def read_template(folder: Path) -> tuple[str | None, str | None, dict]:
     """(template source, where it came from, tokenizer_config.json) of a tokenizer folder: its
     ``chat_template.jinja``, else tokenizer_config.json's ``chat_template``; (None, None, conf)
     when it has neither."""
-    conf: dict = {}
+    conf = _tokenizer_config(folder)
     cpath = folder / TOKENIZER_CONFIG
-    if cpath.is_file():
-        try:
-            conf = json.loads(cpath.read_text())
-        except ValueError as e:
-            raise ConfigError(f"{cpath} is not valid JSON: {e}") from None
     if (folder / TEMPLATE_FILE).is_file():
-        return (folder / TEMPLATE_FILE).read_text(), str(folder / TEMPLATE_FILE), conf
+        return _read_text(folder / TEMPLATE_FILE, "chat template "), str(folder / TEMPLATE_FILE), conf
     t = conf.get("chat_template")
+    if t is not None and not isinstance(t, (str, list)):
+        raise ConfigError(f"{cpath}: chat_template must be a string (or a list of {{\"name\", \"template\"}} "
+                          f"objects), got {type(t).__name__}")
     if isinstance(t, list):  # named templates: [{"name": "default", "template": "..."}, ...]
         t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
     return (t, str(cpath), conf) if isinstance(t, str) and t else (None, None, conf)
@@ -269,9 +290,8 @@ def load_template(spec: str | ChatTemplate = "olmo3", tokenizer_file: str | Path
         p = Path(spec)
     conf: dict = {}
     if p.is_file():
-        source, where = p.read_text(), str(p)
-        if (p.parent / TOKENIZER_CONFIG).is_file():
-            _, _, conf = read_template(p.parent)
+        source, where = _read_text(p, "chat template "), str(p)
+        conf = _tokenizer_config(p.parent)
     elif p.is_dir():
         source, where, conf = read_template(p)
         if source is None:

@@ -69,9 +69,10 @@ def _manifest_text_bytes(path: str) -> int | None:
     if m.suffix != ".json" or not m.is_file():
         return None
     try:
-        tb = json.loads(m.read_text()).get("text_bytes")
+        manifest = json.loads(m.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+    tb = manifest.get("text_bytes") if isinstance(manifest, dict) else None
     return int(tb) if isinstance(tb, (int, float)) else None
 
 
@@ -111,7 +112,9 @@ def load_domain_file(path: str | os.PathLike) -> list[Domain]:
     if not p.is_file():
         raise FileNotFoundError(f"domain file {p} does not exist")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--domain {p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML ({e})") from None
     if not isinstance(data, dict) or not data:

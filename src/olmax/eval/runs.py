@@ -9,6 +9,7 @@ Names are OLMo-core's: the MaxText reproduction's own names for two of its metri
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import re
@@ -57,6 +58,26 @@ def _num(x: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
+def _step(x: Any, where: str) -> int | None:
+    """A row's step (an integer, or a number or numeric text read as one); None where it is no
+    finite number. A step outside int64 is an error naming ``where`` (the file and line)."""
+    if isinstance(x, str):
+        try:
+            x = int(x.strip())
+        except ValueError:
+            pass
+    if isinstance(x, int) and not isinstance(x, bool):
+        step = x
+    else:
+        v = _num(x)
+        if v is None:
+            return None
+        step = int(v)
+    if not -2**63 <= step < 2**63:
+        raise ValueError(f"{where}: step {x} is out of range (steps are 64-bit integers)")
+    return step
+
+
 def _is_loss_name(name: str) -> bool:
     n = name.split(" - ")[-1]
     if n.endswith(_WANDB_SUFFIX) or "eval/" in n:
@@ -96,6 +117,11 @@ def metric_rows(path: str | Path) -> list[dict[str, Any]]:
 
     The one tolerance: a last line without its newline that does not parse is a crashed writer's
     partial row and is dropped; any other unparsable line is an error naming the file and line."""
+    return [row for _, row in _numbered_rows(path)]
+
+
+def _numbered_rows(path: str | Path) -> list[tuple[int, dict[str, Any]]]:
+    """``metric_rows`` with each row's 1-based line number."""
     rows = []
     try:
         with open(path, encoding="utf-8") as f:
@@ -107,7 +133,7 @@ def metric_rows(path: str | Path) -> list[dict[str, Any]]:
                         break
                     raise ValueError(f"{path}:{n}: not a JSON object") from None
                 if isinstance(row, dict):
-                    rows.append({MAXTEXT_NAMES.get(k, k): v for k, v in row.items()})
+                    rows.append((n, {MAXTEXT_NAMES.get(k, k): v for k, v in row.items()}))
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not a JSON-lines text file (byte {e.start} is not UTF-8)") from None
     return rows
@@ -120,24 +146,34 @@ def read_metrics(run_dir: str | Path) -> dict[int, dict[str, Any]]:
 
 def _read_jsonl(path: Path, label: str) -> Run:
     rows = []
-    for row in metric_rows(path):
-        step = _num(row.get("step"))
+    for n, row in _numbered_rows(path):
+        step = _step(row.get("step"), f"{path}:{n}")
         if step is not None:
             ev = {k: v for k, v in ((k, _num(v)) for k, v in row.items() if k.startswith("eval/")) if v is not None}
-            rows.append((int(step), _num(row.get(TRAIN_KEY)), ev))
+            rows.append((step, _num(row.get(TRAIN_KEY)), ev))
     return _build(label, str(path), rows)
 
 
+def _table_text(path: Path) -> str:
+    """A CSV or TSV export, read whole (line ends kept, for the csv module)."""
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a CSV or TSV text file (byte {e.start} is not UTF-8)") from None
+
+
 def _read_table(path: Path, label: str | None, default: str, delimiter: str) -> list[Run]:
-    with open(path, encoding="utf-8", newline="") as f:
-        lines = [r for r in csv.reader(f, delimiter=delimiter) if r and any(c.strip() for c in r)]
-    if not lines:
+    reader = csv.reader(io.StringIO(_table_text(path), newline=""), delimiter=delimiter)
+    numbered = [(reader.line_num, r) for r in reader if r and any(c.strip() for c in r)]
+    if not numbered:
         raise ValueError(f"{path}: empty file")
-    head = [MAXTEXT_NAMES.get(c.strip(), c.strip()) for c in lines[0]]
+    head = [MAXTEXT_NAMES.get(c.strip(), c.strip()) for c in numbered[0][1]]
     if all(_num(c) is not None for c in head):   # headerless "step<TAB>loss"
         if len(head) < 2:
             raise ValueError(f"{path}: expected step and loss columns")
-        rows = [(int(float(r[0])), _num(r[1]), {}) for r in lines if len(r) > 1 and _num(r[0]) is not None]
+        rows = [(step, _num(r[1]), {}) for n, r in numbered
+                if len(r) > 1 and (step := _step(r[0], f"{path}:{n}")) is not None]
         return [_build(label or default, str(path), rows)]
     step_col = next((head.index(c) for c in STEP_COLUMNS if c in head), None)
     if step_col is None:
@@ -158,13 +194,13 @@ def _read_table(path: Path, label: str | None, default: str, delimiter: str) -> 
         lc = cols[0] if cols else None
         ecols = [i for i in eval_cols if (head[i].split(" - ")[0] if " - " in head[i] else "") == pre]
         rows = []
-        for r in lines[1:]:
-            step = _num(r[step_col]) if step_col < len(r) else None
+        for n, r in numbered[1:]:
+            step = _step(r[step_col], f"{path}:{n}") if step_col < len(r) else None
             if step is None:
                 continue
             loss = _num(r[lc]) if lc is not None and lc < len(r) else None
             ev = {head[i][head[i].index("eval/"):]: _num(r[i]) for i in ecols if i < len(r)}
-            rows.append((int(step), loss, {k: v for k, v in ev.items() if v is not None}))
+            rows.append((step, loss, {k: v for k, v in ev.items() if v is not None}))
         if len(prefixes) > 1:
             name = f"{label}/{pre}" if label else pre
         else:

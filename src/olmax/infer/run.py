@@ -201,15 +201,20 @@ class Model:
 # --------------------------------------------------------------------------- prompt files
 
 
-def _lines(path: str) -> list[tuple[int, str]]:
-    """(1-based line number, text) of the non-blank lines of a file, or of stdin for ``-``."""
-    if path == "-":
-        text = sys.stdin.read()
-    else:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"prompt file {p} does not exist")
-        text = p.read_text(encoding="utf-8")
+def _lines(path: str, flag: str) -> list[tuple[int, str]]:
+    """(1-based line number, text) of the non-blank lines of a file, or of stdin for ``-``;
+    errors name ``flag`` (``--prompts``, ``--prompt-ids``) and the file."""
+    try:
+        if path == "-":
+            text = sys.stdin.read()
+        else:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"prompt file {p} does not exist")
+            text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        where = "stdin" if path == "-" else path
+        raise ConfigError(f"{flag} {where}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     return [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
 
 
@@ -223,7 +228,7 @@ def _json_line(path: str, n: int, line: str) -> Any:
 def read_prompt_ids(path: str) -> list[list[int]]:
     """``--prompt-ids``: one JSON list of token ids per line."""
     out = []
-    for n, line in _lines(path):
+    for n, line in _lines(path, "--prompt-ids"):
         v = _json_line(path, n, line)
         if not (isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v)):
             raise ValueError(f"{path} line {n}: expected a non-empty JSON list of token ids (integers), "
@@ -238,7 +243,7 @@ def read_prompts(path: str) -> list[str | list[dict]]:
     """``--prompts``: one JSON value per line: a string, ``{"prompt": TEXT}`` or
     ``{"messages": [{"role", "content"}, ...]}`` (a conversation, rendered with the chat template)."""
     out: list[str | list[dict]] = []
-    for n, line in _lines(path):
+    for n, line in _lines(path, "--prompts"):
         v = _json_line(path, n, line)
         prompt = v if isinstance(v, str) else prompt_record(v, f"{path} line {n}")
         if prompt is not None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import math
 import sys
@@ -97,13 +98,21 @@ def prompts_file(path: str) -> Path:
     return p
 
 
+def _prompt_text(p: Path) -> str:
+    """The text of ``rl.prompts_path``, read whole; a file that is not UTF-8 is named."""
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise PromptDataError(f"rl.prompts_path {p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
 def read_prompts(path: str, codec: Any, max_prompt_length: int) -> tuple[list[Prompt], int]:
     """Prompts of ``rl.prompts_path`` and how many were left out as longer than
     ``max_prompt_length`` tokens."""
     from olmax.chat.codec import prompt_record
     p = prompts_file(path)
     out, too_long = [], 0
-    with open(p, encoding="utf-8") as f:
+    with io.StringIO(_prompt_text(p)) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
