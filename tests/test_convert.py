@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,15 +20,18 @@ from safetensors.numpy import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Olmo3Config
 from transformers.models.olmo3.modeling_olmo3 import Olmo3RotaryEmbedding
 
+from olmax import cli
 from olmax.compat import commands
 from olmax.compat.hf import (
     ConversionError,
+    config_from_hf,
     hf_config_to_olmax,
     hf_to_olmax,
     load_hf_params,
     olmax_to_hf,
     olmax_to_hf_config,
     random_hf_model,
+    read_hf_config,
 )
 from olmax.config import RUNTIME_MODEL_FIELDS, Config
 from olmax.model.weights_io import (
@@ -426,3 +431,167 @@ def test_convert_commands(tmp_path: Path, hf_fp32: Path, capsys: pytest.CaptureF
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").dtype == torch.bfloat16
     with pytest.raises(SystemExit):
         parser.parse_args(["convert", "hf-to-olmax", "--hf", "x", "--out", "y", "--dtype", "float16"])
+
+
+# --------------------------------------------------------------------------- damaged files, malformed JSON
+# The CLI's error contract: these are ValueErrors (WeightsError, ConversionError) naming the file and
+# field, so `olmax` prints one `error:` line and exits 2; before, they were SafetensorError,
+# TypeError or AttributeError tracebacks, or a bare "invalid literal for int()".
+
+
+@pytest.fixture(scope="module")
+def olmax_sharded(hf_fp32: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ox") / "w"
+    hf_to_olmax(hf_fp32, out, shard_bytes=64 * 1024, progress=None)
+    assert len(list(out.glob("model-*.safetensors"))) > 1
+    return out
+
+
+def _damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    path.write_bytes({"truncated_header": data[:20], "truncated_data": data[:-100],
+                      "garbage": b"not a safetensors file", "empty": b""}[how])
+
+
+@pytest.mark.parametrize("how", ["truncated_header", "truncated_data", "garbage", "empty"])
+def test_damaged_olmax_shard_is_named(tmp_path: Path, olmax_sharded: Path, how: str) -> None:
+    w = shutil.copytree(olmax_sharded, tmp_path / "w")
+    bad = sorted(w.glob("model-*.safetensors"))[1]
+    _damage(bad, how)
+    match = re.escape(f"{bad}: not a readable safetensors file (")
+    with pytest.raises(WeightsError, match=match):
+        load_weights(w)
+    with pytest.raises(WeightsError, match=match):
+        list(iter_weights(w))
+    with pytest.raises(ConversionError, match=match):
+        olmax_to_hf(w, tmp_path / "hf", progress=None)
+    no_leftovers(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_damaged_hf_safetensors_is_named(tmp_path: Path, hf_fp32: Path, olmax_sharded: Path, sharded: bool) -> None:
+    src = tmp_path / "src"
+    if sharded:
+        olmax_to_hf(olmax_sharded, src, shard_bytes=64 * 1024, progress=None)
+        bad = sorted(src.glob("model-*.safetensors"))[1]
+    else:
+        src.mkdir()
+        (src / "config.json").write_text((hf_fp32 / "config.json").read_text())
+        bad = src / "model.safetensors"
+        bad.write_bytes((hf_fp32 / "model.safetensors").read_bytes())
+    _damage(bad, "truncated_data")
+    match = re.escape(f"{bad}: not a readable safetensors file (")
+    with pytest.raises(ConversionError, match=match):
+        load_hf_params(src)
+    with pytest.raises(ConversionError, match=match):
+        hf_to_olmax(src, tmp_path / "out", progress=None)
+    no_leftovers(tmp_path / "out")
+
+
+def test_index_naming_the_wrong_shard_is_named(tmp_path: Path, olmax_sharded: Path) -> None:
+    w = shutil.copytree(olmax_sharded, tmp_path / "w")
+    index = json.loads((w / INDEX_NAME).read_text())
+    other = next(f for f in sorted(set(index["weight_map"].values())) if f != index["weight_map"]["embed"])
+    index["weight_map"]["embed"] = other
+    (w / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(WeightsError, match=re.escape(f"{w / other}: cannot read tensor 'embed'")):
+        load_weights(w)
+
+
+@pytest.mark.parametrize("index,match", [
+    ("[]", 'not a safetensors index (expected a JSON object with a "weight_map" object, got list)'),
+    ('"x"', "not a safetensors index (expected a JSON object"),
+    ("{}", 'not a safetensors index (no "weight_map")'),
+    ('{"weight_map": []}', "weight_map must be an object {tensor name: shard file}, got list"),
+    ('{"weight_map": "model.safetensors"}', "weight_map must be an object {tensor name: shard file}, got str"),
+    ('{"weight_map": {"embed": 5}}', "weight_map['embed'] must be a shard file name, got 5"),
+])
+def test_malformed_index_is_named(tmp_path: Path, olmax_sharded: Path, index: str, match: str) -> None:
+    w = shutil.copytree(olmax_sharded, tmp_path / "w")
+    (w / INDEX_NAME).write_text(index)
+    match = re.escape(f"{w / INDEX_NAME}: {match}")
+    with pytest.raises(WeightsError, match=match):
+        load_weights(w)
+    with pytest.raises(ConversionError, match=match):
+        olmax_to_hf(w, tmp_path / "hf", progress=None)
+
+
+@pytest.mark.parametrize("text", ["[1]", '"config"', "3", "null"])
+def test_config_json_not_an_object_is_named(tmp_path: Path, hf_fp32: Path, text: str) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(text)
+    (src / "model.safetensors").write_bytes((hf_fp32 / "model.safetensors").read_bytes())
+    match = re.escape(f"{src / 'config.json'}: not a HF config (expected a JSON object")
+    with pytest.raises(ConversionError, match=match):
+        read_hf_config(src)
+    with pytest.raises(ConversionError, match=match):
+        load_hf_params(src)
+    with pytest.raises(ConversionError, match=match):
+        hf_to_olmax(src, tmp_path / "out", progress=None)
+    no_leftovers(tmp_path / "out")
+    for convert in (hf_config_to_olmax, config_from_hf):
+        with pytest.raises(ConversionError, match="config.json must be a JSON object"):
+            convert(json.loads(text))
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"layer_types": 5}, "layer_types must be a list of 'full_attention' / 'sliding_attention' strings, got 5"),
+    ({"layer_types": [["full_attention"]] * 5}, "layer_types must be a list of"),
+    ({"num_hidden_layers": "four"}, "num_hidden_layers must be an integer, got 'four'"),
+    ({"num_hidden_layers": 4.5}, "num_hidden_layers must be an integer, got 4.5"),
+    ({"num_hidden_layers": float("inf")}, "num_hidden_layers must be an integer, got inf"),
+    ({"num_hidden_layers": float("nan")}, "num_hidden_layers must be an integer, got nan"),
+    ({"hidden_size": "64"}, "hidden_size must be an integer, got '64'"),
+    ({"num_attention_heads": True}, "num_attention_heads must be an integer, got True"),
+    ({"num_attention_heads": 0, "head_dim": None}, "num_attention_heads must be >= 1, got 0"),
+    ({"head_dim": "x"}, "head_dim must be an integer, got 'x'"),
+    ({"num_key_value_heads": "two"}, "num_key_value_heads must be an integer, got 'two'"),
+    ({"intermediate_size": [96]}, r"intermediate_size must be an integer, got [96]"),
+    ({"vocab_size": "100"}, "vocab_size must be an integer, got '100'"),
+    ({"max_position_embeddings": None}, "max_position_embeddings must be an integer, got None"),
+    ({"rms_norm_eps": "a"}, "rms_norm_eps must be a number, got 'a'"),
+    ({"initializer_range": "x"}, "initializer_range must be a number, got 'x'"),
+    ({"sliding_window": "x"}, "sliding_window must be an integer, got 'x'"),
+    ({"eos_token_id": "x"}, "eos_token_id must be an integer, got 'x'"),
+    ({"pad_token_id": ["x"]}, "pad_token_id must be an integer, got 'x'"),
+    ({"architectures": 5}, "architectures must be a list of class names, got 5"),
+    ({"rope_parameters": {"full_attention": 5}}, "rope_parameters.full_attention must be an object, got 5"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": "x"}}},
+     "rope_parameters.full_attention.rope_theta must be a number, got 'x'"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 5e5, "factor": "x"}}},
+     "rope_parameters.full_attention.factor must be a number, got 'x'"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0,
+                                             "original_max_position_embeddings": "32"}}},
+     "rope_parameters.full_attention.original_max_position_embeddings must be an integer, got '32'"),
+    ({"rope_parameters": None, "rope_theta": "x"}, "rope_theta must be a number, got 'x'"),
+    ({"rope_parameters": None, "rope_scaling": 5}, "rope_scaling must be an object, got 5"),
+    ({"rope_parameters": None, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": "x"}},
+     "rope_scaling.beta_fast must be a number, got 'x'"),
+])
+def test_malformed_config_field_is_named(hf_fp32: Path, change: dict, match: str) -> None:
+    d = {**json.loads((hf_fp32 / "config.json").read_text()), **change}
+    with pytest.raises(ConversionError, match=re.escape(f"config.json {match}")):
+        config_from_hf(d)
+
+
+def test_cli_one_line_errors(tmp_path: Path, hf_fp32: Path, olmax_sharded: Path,
+                             capsys: pytest.CaptureFixture) -> None:
+    """Through `olmax`: exit 2 and one `error:` line naming the file (and field), no traceback."""
+    w = shutil.copytree(olmax_sharded, tmp_path / "w")
+    bad = sorted(w.glob("model-*.safetensors"))[0]
+    _damage(bad, "garbage")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({**json.loads((hf_fp32 / "config.json").read_text()),
+                                                 "num_hidden_layers": "four"}))
+    (src / "model.safetensors").write_bytes((hf_fp32 / "model.safetensors").read_bytes())
+    for argv, want in [
+        (["convert", "olmax-to-hf", "--checkpoint", str(w), "--out", str(tmp_path / "o1")],
+         f"error: {bad}: not a readable safetensors file ("),
+        (["convert", "hf-to-olmax", "--hf", str(src), "--out", str(tmp_path / "o2")],
+         "error: config.json num_hidden_layers must be an integer, got 'four'"),
+    ]:
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(want) and "\n" not in err and "Traceback" not in err, err

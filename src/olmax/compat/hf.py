@@ -75,8 +75,33 @@ class ConversionError(ValueError):
 # --------------------------------------------------------------------------- config
 
 
+def _check_object(hf: Any) -> None:
+    if not isinstance(hf, dict):
+        raise ConversionError(f"config.json must be a JSON object {{field: value}}, got {type(hf).__name__}")
+
+
+def _number(value: Any, kind: type[int] | type[float], field: str, minimum: int | None = None) -> Any:
+    """``value`` of config.json ``field`` as ``kind`` (int or float). A string, bool, null, list or
+    object, or for an int a fractional or non-finite number, is a ``ConversionError`` naming the
+    field (``int("four")`` would say neither file nor field)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok and kind is int and isinstance(value, float):
+        ok = value.is_integer()  # False for nan and +-inf too
+    if not ok:
+        raise ConversionError(f"config.json {field} must be {'an integer' if kind is int else 'a number'}, "
+                              f"got {value!r}")
+    out = kind(value)
+    if minimum is not None and out < minimum:
+        raise ConversionError(f"config.json {field} must be >= {minimum}, got {value!r}")
+    return out
+
+
 def _check_architecture(hf: dict[str, Any]) -> None:
     archs = hf.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ConversionError(f"config.json architectures must be a list of class names, got {archs!r}")
     mt = hf.get("model_type")
     if (archs and ARCHITECTURE not in archs) or (mt is not None and mt != MODEL_TYPE):
         got = ", ".join(archs) if archs else f"model_type {mt!r}"
@@ -102,6 +127,8 @@ def _full_attention_every(layer_types: list[str], n_layers: int) -> tuple[int, b
 
 
 def _yarn_from(d: dict[str, Any], theta: float, max_pos: int, where: str) -> RopeScaling | None:
+    if not isinstance(d, dict):
+        raise ConversionError(f"config.json {where} must be an object, got {d!r}")
     rtype = d.get("rope_type", d.get("type", "default"))
     if rtype == "default":
         return None
@@ -114,19 +141,22 @@ def _yarn_from(d: dict[str, Any], theta: float, max_pos: int, where: str) -> Rop
     if d.get("truncate", True) is not True:
         raise ConversionError(f"config.json {where}: truncate={d['truncate']!r}; olmax implements truncate=true "
                               "(transformers' default)")
-    orig = int(d["original_max_position_embeddings"]) if d.get("original_max_position_embeddings") else max_pos
-    factor = d.get("factor")
-    factor = float(factor) if factor is not None else max_pos / orig  # transformers' fallback
+    orig = d.get("original_max_position_embeddings")
+    orig = _number(orig, int, f"{where}.original_max_position_embeddings") if orig else max_pos
+    factor = d.get("factor")  # transformers' fallback: max_pos / orig
+    factor = _number(factor, float, f"{where}.factor") if factor is not None else max_pos / orig
     attn = d.get("attention_factor")
     if attn is None and d.get("mscale") and d.get("mscale_all_dim"):
         # transformers derives it from mscale / mscale_all_dim; olmax stores the result.
         def get_mscale(s: float, m: float) -> float:
             return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
-        attn = get_mscale(factor, d["mscale"]) / get_mscale(factor, d["mscale_all_dim"])
+        attn = get_mscale(factor, _number(d["mscale"], float, f"{where}.mscale")) / get_mscale(
+            factor, _number(d["mscale_all_dim"], float, f"{where}.mscale_all_dim"))
     # transformers reads ``beta_fast or 32``: a 0/None means the default.
     return RopeScaling(rope_type="yarn", factor=factor, original_max_position_embeddings=orig,
-                       beta_fast=float(d.get("beta_fast") or 32), beta_slow=float(d.get("beta_slow") or 1),
-                       attention_factor=None if attn is None else float(attn))
+                       beta_fast=_number(d.get("beta_fast") or 32, float, f"{where}.beta_fast"),
+                       beta_slow=_number(d.get("beta_slow") or 1, float, f"{where}.beta_slow"),
+                       attention_factor=None if attn is None else _number(attn, float, f"{where}.attention_factor"))
 
 
 def _rope_from(hf: dict[str, Any], max_pos: int, has_sliding: bool) -> tuple[float, RopeScaling | None]:
@@ -135,8 +165,14 @@ def _rope_from(hf: dict[str, Any], max_pos: int, has_sliding: bool) -> tuple[flo
         if not isinstance(nested, dict) or not set(nested) <= {"full_attention", "sliding_attention"} or not nested:
             raise ConversionError("config.json rope_parameters must be nested per layer type "
                                   "({'full_attention': {...}, 'sliding_attention': {...}}), got " + repr(nested))
-        legacy_theta = hf.get("rope_theta", HF_DEFAULTS["rope_theta"])
-        thetas = {t: float((p or {}).get("rope_theta", legacy_theta)) for t, p in nested.items()}
+        thetas = {}
+        for t, p in nested.items():
+            if p is not None and not isinstance(p, dict):
+                raise ConversionError(f"config.json rope_parameters.{t} must be an object, got {p!r}")
+            if p and "rope_theta" in p:
+                thetas[t] = _number(p["rope_theta"], float, f"rope_parameters.{t}.rope_theta")
+            else:
+                thetas[t] = _number(hf.get("rope_theta", HF_DEFAULTS["rope_theta"]), float, "rope_theta")
         if len(set(thetas.values())) > 1:
             raise ConversionError(f"config.json rope_parameters gives different rope_theta per layer type {thetas}; "
                                   "olmax has one model.rope_theta")
@@ -147,7 +183,7 @@ def _rope_from(hf: dict[str, Any], max_pos: int, has_sliding: bool) -> tuple[flo
         theta = next(iter(thetas.values()))
         return theta, _yarn_from(nested.get("full_attention") or {}, theta, max_pos, "rope_parameters.full_attention")
     # Legacy form (the released files): one rope_theta for every layer; rope_scaling on full layers.
-    theta = float(hf.get("rope_theta", HF_DEFAULTS["rope_theta"]))
+    theta = _number(hf.get("rope_theta", HF_DEFAULTS["rope_theta"]), float, "rope_theta")
     if theta != HF_DEFAULTS["rope_theta"] and has_sliding:
         # transformers 5.24's Olmo3Config moves a legacy rope_theta into full_attention only and gives
         # sliding layers 500000 (its default_theta); olmax keeps the file's meaning (all layers).
@@ -166,7 +202,7 @@ def _token_id(hf: dict[str, Any], key: str) -> int | None:
         if len(v) > 1:
             warnings.warn(f"config.json {key}={v}: olmax keeps one id, the first ({v[0]})", stacklevel=3)
         v = v[0]
-    return None if v is None else int(v)
+    return None if v is None else _number(v, int, key)
 
 
 def hf_config_to_olmax(hf: dict[str, Any], padded_vocab_size: int | None = None
@@ -174,6 +210,7 @@ def hf_config_to_olmax(hf: dict[str, Any], padded_vocab_size: int | None = None
     """HF ``config.json`` dict -> (``ModelConfig``, token ids ``{eos,pad,bos}_token_id`` for DataConfig).
 
     ``padded_vocab_size`` defaults to the next multiple of 128 (OLMo-core's padding)."""
+    _check_object(hf)
     _check_architecture(hf)
     missing = [k for k in _REQUIRED if hf.get(k) is None]
     if missing:
@@ -184,17 +221,25 @@ def hf_config_to_olmax(hf: dict[str, Any], padded_vocab_size: int | None = None
             raise ConversionError(f"config.json {key}={got!r}; OLMo 3 (and olmax) uses {want!r}")
     if hf.get("mlp_bias"):
         raise ConversionError("config.json mlp_bias=true; OLMo 3 (and olmax) has no biases")
-    d, n_heads, n_layers = int(hf["hidden_size"]), int(hf["num_attention_heads"]), int(hf["num_hidden_layers"])
+    d = _number(hf["hidden_size"], int, "hidden_size")
+    n_heads = _number(hf["num_attention_heads"], int, "num_attention_heads", minimum=1)
+    n_layers = _number(hf["num_hidden_layers"], int, "num_hidden_layers")
     head_dim = hf.get("head_dim")
     if head_dim is None:
         if d % n_heads:
             raise ConversionError(f"config.json has no head_dim and hidden_size {d} is not a multiple of "
                                   f"num_attention_heads {n_heads}")
         head_dim = d // n_heads
-    max_pos = int(hf.get("max_position_embeddings", HF_DEFAULTS["max_position_embeddings"]))
+    head_dim = _number(head_dim, int, "head_dim")
+    max_pos = _number(hf.get("max_position_embeddings", HF_DEFAULTS["max_position_embeddings"]), int,
+                      "max_position_embeddings", minimum=1)
     window = hf.get("sliding_window", HF_DEFAULTS["sliding_window"])
+    window = None if window is None else _number(window, int, "sliding_window")
     layer_types = hf.get("layer_types") or [
         "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n_layers)]  # HF default
+    if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+        raise ConversionError(f"config.json layer_types must be a list of 'full_attention' / 'sliding_attention' "
+                              f"strings, got {layer_types!r}")
     if len(layer_types) != n_layers:
         raise ConversionError(f"config.json layer_types has {len(layer_types)} entries for {n_layers} layers")
     bad = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
@@ -210,20 +255,22 @@ def hf_config_to_olmax(hf: dict[str, Any], padded_vocab_size: int | None = None
     else:
         every, force_last = _full_attention_every(layer_types, n_layers)
 
-    vocab = int(hf["vocab_size"])
+    vocab = _number(hf["vocab_size"], int, "vocab_size")
     padded = -(-vocab // PAD_MULTIPLE) * PAD_MULTIPLE if padded_vocab_size is None else int(padded_vocab_size)
     if padded < vocab:
         raise ConversionError(f"padded vocabulary {padded} is smaller than config.json vocab_size {vocab}")
     dtype = hf.get("dtype", hf.get("torch_dtype")) or "float32"
-    if dtype not in DTYPES:  # e.g. float16: olmax keeps fp32 master weights
+    if not isinstance(dtype, str) or dtype not in DTYPES:  # e.g. float16: olmax keeps fp32 master weights
         dtype = "float32"
     model = ModelConfig(
         vocab_size=vocab, padded_vocab_size=padded, d_model=d, n_layers=n_layers, n_heads=n_heads,
-        n_kv_heads=int(hf.get("num_key_value_heads") or n_heads), head_dim=int(head_dim),
-        mlp_hidden=int(hf["intermediate_size"]), norm_eps=float(hf.get("rms_norm_eps", HF_DEFAULTS["rms_norm_eps"])),
-        rope_theta=theta, rope_scaling=scaling, sliding_window=None if window is None else int(window),
+        n_kv_heads=_number(hf.get("num_key_value_heads") or n_heads, int, "num_key_value_heads"), head_dim=head_dim,
+        mlp_hidden=_number(hf["intermediate_size"], int, "intermediate_size"),
+        norm_eps=_number(hf.get("rms_norm_eps", HF_DEFAULTS["rms_norm_eps"]), float, "rms_norm_eps"),
+        rope_theta=theta, rope_scaling=scaling, sliding_window=window,
         full_attention_every=every, full_attention_last_layer=force_last, max_position_embeddings=max_pos,
-        init_std=float(hf.get("initializer_range", HF_DEFAULTS["initializer_range"])), param_dtype=dtype,
+        init_std=_number(hf.get("initializer_range", HF_DEFAULTS["initializer_range"]), float, "initializer_range"),
+        param_dtype=dtype,
     )
     ids = {k: _token_id(hf, k) for k in ("eos_token_id", "pad_token_id", "bos_token_id")}
     return model, ids
@@ -234,6 +281,7 @@ def config_from_hf(hf: dict[str, Any], padded_vocab_size: int | None = None, bas
     """A full olmax ``Config`` whose model and token ids come from an HF config; the other sections,
     and the model's run-time choices (compute dtype, attention kernel, remat), come from ``base``
     (default ``Config()``). With a base of the same vocabulary, its padding is kept."""
+    _check_object(hf)
     if padded_vocab_size is None and base is not None and base.model.vocab_size == hf.get("vocab_size"):
         padded_vocab_size = base.model.embedding_rows
     model, ids = hf_config_to_olmax(hf, padded_vocab_size)
@@ -348,9 +396,13 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     if not path.exists():
         raise ConversionError(f"{str(hf_dir)!r} has no config.json (not a HF model directory)")
     try:
-        return json.loads(path.read_text())
+        hf = json.loads(path.read_text())
     except ValueError as e:
         raise ConversionError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise ConversionError(f"{path}: not a HF config (expected a JSON object {{field: value}}, got "
+                              f"{type(hf).__name__})")
+    return hf
 
 
 def _open_hf(hf_dir: Path) -> TensorReader:
@@ -397,6 +449,9 @@ def _iter_hf_to_olmax(hf_dir: Path, dtype: str | None, padded_vocab_size: int | 
                                   "this config.json)")
         embed = names["embed"][0]
         param_dtype = dtype or dtype_name(_stored_dtype(reader.dtype(embed), embed))
+    except WeightsError as e:  # a damaged shard
+        reader.close()
+        raise ConversionError(str(e)) from None
     except BaseException:
         reader.close()
         raise
@@ -404,7 +459,10 @@ def _iter_hf_to_olmax(hf_dir: Path, dtype: str | None, padded_vocab_size: int | 
     def gen() -> Iterator[tuple[str, np.ndarray]]:
         with reader:
             for oname, (hname, transposed) in names.items():
-                a = reader.get(hname)
+                try:
+                    a = reader.get(hname)
+                except WeightsError as e:
+                    raise ConversionError(str(e)) from None
                 a = a.astype(target if target is not None else _stored_dtype(reader.dtype(hname), hname), copy=False)
                 if oname in ("embed", "lm_head"):
                     a = _pad_rows(a, m.embedding_rows)

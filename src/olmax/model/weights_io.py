@@ -27,7 +27,7 @@ from typing import Any
 
 import ml_dtypes  # registers numpy's bfloat16, which safetensors' numpy backend needs to read BF16
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from olmax.config import Config, ConfigError, ModelConfig, load_yaml
@@ -210,19 +210,47 @@ def write_shards(directory: Path, named_tensors: Iterable[tuple[str, np.ndarray]
     return weight_map
 
 
+def _open_safetensors(path: Path) -> Any:
+    """``safe_open(path)``; a truncated or garbage file is a ``WeightsError`` naming it."""
+    try:
+        return safe_open(str(path), "np")
+    except SafetensorError as e:
+        raise WeightsError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a safetensors index: ``{"weight_map": {tensor name: shard file}, ...}``."""
+    try:
+        data = json.loads(index.read_text())
+    except ValueError as e:
+        raise WeightsError(f"{index}: not a safetensors index ({e})") from None
+    if not isinstance(data, dict):
+        raise WeightsError(f"{index}: not a safetensors index (expected a JSON object with a \"weight_map\" "
+                           f"object, got {type(data).__name__})")
+    if "weight_map" not in data:
+        raise WeightsError(f"{index}: not a safetensors index (no \"weight_map\")")
+    weight_map = data["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise WeightsError(f"{index}: weight_map must be an object {{tensor name: shard file}}, got "
+                           f"{type(weight_map).__name__}")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file:
+            raise WeightsError(f"{index}: weight_map[{name!r}] must be a shard file name, got {file!r}")
+    return weight_map
+
+
 class TensorReader:
-    """Tensor-by-tensor access to a single ``*.safetensors`` file or a sharded set with an index."""
+    """Tensor-by-tensor access to a single ``*.safetensors`` file or a sharded set with an index.
+    A shard that is not a readable safetensors file (truncated, garbage), or that lacks a tensor the
+    index puts in it, is a ``WeightsError`` naming the file."""
 
     def __init__(self, directory: str | os.PathLike, single_file: str = "model.safetensors"):
         self.dir = Path(directory)
         index = self.dir / INDEX_NAME
         if index.exists():
-            try:
-                self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
-                raise WeightsError(f"{index}: not a safetensors index ({e})") from None
+            self.weight_map: dict[str, str] = _read_index(index)
         elif (self.dir / single_file).exists():
-            with safe_open(str(self.dir / single_file), "np") as f:
+            with _open_safetensors(self.dir / single_file) as f:
                 self.weight_map = {k: single_file for k in f.keys()}
         else:
             raise WeightsError(f"{str(self.dir)!r} holds neither {INDEX_NAME} nor {single_file}")
@@ -234,24 +262,35 @@ class TensorReader:
 
     def _handle(self, file: str) -> Any:
         if file not in self._open:
-            self._open[file] = self._stack.enter_context(safe_open(str(self.dir / file), "np"))
+            self._open[file] = self._stack.enter_context(_open_safetensors(self.dir / file))
         return self._open[file]
+
+    def _slice(self, name: str) -> Any:
+        file = self.weight_map[name]
+        try:
+            return self._handle(file).get_slice(name)
+        except SafetensorError as e:  # e.g. the index puts a tensor in a shard that lacks it
+            raise WeightsError(f"{self.dir / file}: cannot read tensor {name!r} ({e})") from None
 
     def names(self) -> list[str]:
         return list(self.weight_map)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self.weight_map[name]).get_slice(name).get_shape())
+        return tuple(self._slice(name).get_shape())
 
     def dtype(self, name: str) -> str:
         """safetensors dtype code: "F32", "BF16", "F16", ..."""
-        return self._handle(self.weight_map[name]).get_slice(name).get_dtype()
+        return self._slice(name).get_dtype()
 
     def get(self, name: str) -> np.ndarray:
         # A fresh handle per tensor: safe_open memory-maps the file, and the pages a read touches
         # stay resident until the map is closed (a 7B conversion otherwise peaks at the model's size).
-        with safe_open(str(self.dir / self.weight_map[name]), "np") as f:
-            return f.get_tensor(name)
+        path = self.dir / self.weight_map[name]
+        with _open_safetensors(path) as f:
+            try:
+                return f.get_tensor(name)
+            except SafetensorError as e:
+                raise WeightsError(f"{path}: cannot read tensor {name!r} ({e})") from None
 
     def close(self) -> None:
         self._stack.close()
