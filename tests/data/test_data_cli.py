@@ -81,3 +81,45 @@ def test_cli_errors(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="input file not found"):
         run("tokenize", "--train-bpe", 300, "--out", tmp_path / "o", tmp_path / "missing.txt")
     assert not (tmp_path / "x.npy").exists()
+
+
+def test_tokenize_chat_tokenizer_not_utf8_names_it(tmp_path: Path) -> None:
+    """--chat loads its tokenizer through the same helper as plain tokenize (tests/data/test_data_tokenize.py)."""
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    (tmp_path / "notok.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(DataError, match=r"tokenizer .*notok.json is not UTF-8 text"):
+        run("tokenize", "--chat", "--tokenizer", tmp_path / "notok.json", "--out", tmp_path / "o", "--no-progress",
+            tmp_path / "chat.jsonl")
+    assert not (tmp_path / "o").exists()
+
+
+def _batches_args(tmp_path: Path) -> list:
+    path = write_tokens(tmp_path / "t.npy", np.arange(640) % 100)
+    return ["data", "batches", "tiny", "--set", f"data.paths={path}", "--set", "data.sequence_length=16",
+            "--set", "train.global_batch_size=8", "--set", f"data.cache_dir={tmp_path / 'cache'}", "--steps", "0:2"]
+
+
+@pytest.mark.parametrize("flag", ["--out", "--filter-out", "--dump-instances"])
+def test_batches_output_that_is_a_folder_is_refused(tmp_path: Path, flag: str) -> None:
+    (tmp_path / "emptyd").mkdir()
+    extra = [] if flag == "--out" else ["--out", tmp_path / "ids.npy"]
+    with pytest.raises(DataError, match=rf"{flag} .*emptyd is a folder"):
+        run(*_batches_args(tmp_path), *extra, flag, tmp_path / "emptyd")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []   # no temporary file
+    assert not (tmp_path / "ids.npy").exists()
+
+
+def test_batches_output_in_a_missing_folder_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"--out .*nodir/x.npy: folder .*nodir does not exist"):
+        run(*_batches_args(tmp_path), "--out", tmp_path / "nodir" / "x.npy")
+
+
+def test_batches_failed_write_leaves_no_temporary_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    def full(*a: object, **k: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(np, "save", full)
+    with pytest.raises(DataError, match=r"--out .*ids.npy: cannot write it \(No space left on device\)"):
+        run(*_batches_args(tmp_path), "--out", tmp_path / "ids.npy")
+    assert not (tmp_path / "ids.npy").exists() and not list(tmp_path.glob(".ids.npy.tmp*"))

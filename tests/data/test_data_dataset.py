@@ -108,6 +108,32 @@ def test_manifest_folder(tmp_path: Path) -> None:
         TokenDataset([str(tmp_path / "t")], sequence_length=32, dtype="uint16", **KW)
 
 
+@pytest.mark.parametrize("manifest, match", [
+    ([], r"manifest.json: not a token manifest \(a JSON list"),
+    ({"eos_token_id": 0, "files": []}, r"manifest.json: field 'dtype' is missing"),
+    ({"dtype": "float99", "eos_token_id": 0, "files": []}, r"manifest.json: field 'dtype' is 'float99'"),
+    ({"dtype": "uint16", "eos_token_id": 0, "files": {"a": 1}}, r"manifest.json: field 'files' is not a list"),
+    ({"dtype": "uint16", "eos_token_id": 0, "files": [{"path": "part-00000.npy"}]},
+     r"manifest.json: field 'files\[0\]' is not a token file entry"),
+    ({"dtype": "uint16", "eos_token_id": 0, "vocab_size": "big", "files": []},
+     r"manifest.json: field 'vocab_size' is 'big'"),
+])
+def test_manifest_of_the_wrong_shape_names_file_and_field(tmp_path: Path, manifest: object, match: str) -> None:
+    """Valid JSON that is not a token manifest (a list, no or a bad dtype, ...) is a DataError naming
+    the manifest and the field, not an AttributeError / KeyError / TypeError."""
+    random_files(tmp_path / "t", sizes=(500,))
+    (tmp_path / "t" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=match):
+        TokenDataset([str(tmp_path / "t")], sequence_length=32, dtype="uint16", **KW)
+
+
+def test_mix_file_not_utf8_names_the_file(tmp_path: Path) -> None:
+    mix = tmp_path / "mix.txt"
+    mix.write_bytes(b"a,x.npy\n\xff\xfe,y.npy\n")
+    with pytest.raises(DataError, match=r"mix file .*mix.txt \(data.paths\) is not UTF-8 text"):
+        TokenDataset([str(mix)], sequence_length=32, **KW)
+
+
 def test_bad_files(tmp_path: Path) -> None:
     paths = random_files(tmp_path, sizes=(100, 200))
     with pytest.raises(DataError, match=r"token file not found: .*missing.npy"):

@@ -76,6 +76,26 @@ def test_cache_is_memory_mapped_reused_and_atomic(tmp_path: Path, monkeypatch: p
         GlobalOrder(1000, 64, 6, cache_dir=tmp_path, key="abc").epoch(1)   # another seed is another file
 
 
+@pytest.mark.parametrize("damage", ["random", "duplicate"])
+def test_damaged_cache_is_rebuilt_with_a_note(tmp_path: Path, capsys: pytest.CaptureFixture, damage: str) -> None:
+    """A cache file of the right size but wrong content (random bytes: ids past N; one id written
+    twice: not a permutation) is rebuilt from (seed, epoch), with a note naming it, not read."""
+    GlobalOrder(1000, 64, 5, cache_dir=tmp_path, key="abc").epoch(1)
+    path = tmp_path / "order-abc-n1000-seed5-epoch1.npy"
+    if damage == "random":
+        path.write_bytes(np.random.default_rng(0).bytes(4000))
+    else:
+        perm = np.fromfile(path, "<u4")
+        perm[1] = perm[0]
+        perm.tofile(path)
+    again = GlobalOrder(1000, 64, 5, cache_dir=tmp_path, key="abc")
+    assert np.array_equal(again.epoch(1).reshape(-1), build_epoch_order(1000, 5, 1)[:15 * 64])
+    assert np.array_equal(np.fromfile(path, "<u4"), build_epoch_order(1000, 5, 1))
+    err = capsys.readouterr().err
+    assert f"note: order cache {path} " in err and "rebuilding it" in err and len(err.splitlines()) == 1
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
 def test_steps_epochs_and_shares() -> None:
     o = GlobalOrder(100, 8, 1)
     assert o.batches_per_epoch == 12 and o.locate(11) == (1, 11) and o.locate(12) == (2, 0)

@@ -144,3 +144,49 @@ def test_bad_inputs_name_the_problem_and_write_nothing(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="already exists and is not empty"):
         tokenize(paths, out, tokenizer=tok, progress=False)
     assert (out / "keep.npy").read_bytes() == b"precious"
+
+
+@pytest.mark.parametrize("content, match", [
+    (b"{}", r"tokenizer .*notok.json cannot be read: .*Hugging Face tokenizer.json"),
+    (b"not a tokenizer", r"tokenizer .*notok.json cannot be read"),
+    (b"\xff\xfe{}", r"tokenizer .*notok.json is not UTF-8 text"),
+])
+def test_bad_tokenizer_file_names_it(tmp_path: Path, content: bytes, match: str) -> None:
+    """A --tokenizer that is not a tokenizer.json (``{}``, text, not UTF-8) is a DataError naming it,
+    raised before anything is written."""
+    (tmp_path / "a.txt").write_text("hello world\n")
+    (tmp_path / "notok.json").write_bytes(content)
+    with pytest.raises(DataError, match=match):
+        tokenize([str(tmp_path / "a.txt")], tmp_path / "out", tokenizer=tmp_path / "notok.json", progress=False)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp*"))
+
+
+def test_corrupt_zst_input_names_the_file(tmp_path: Path) -> None:
+    good = zstandard.ZstdCompressor().compress(b'{"text": "hello"}\n' * 1000)
+    bad = tmp_path / "bad.jsonl.zst"
+    bad.write_bytes(good[:20] + bytes(b ^ 0x55 for b in good[20:]))
+    with pytest.raises(DataError, match=r"bad.jsonl.zst: cannot read \(zstd decompress error"):
+        list(tk.iter_documents(bad))
+
+
+def test_corrupt_zst_chat_input_names_the_file(tmp_path: Path) -> None:
+    from olmax.data.chat import _read_chunks
+    good = zstandard.ZstdCompressor().compress(b'{"messages": []}\n' * 1000)
+    bad = tmp_path / "chat.jsonl.zst"
+    bad.write_bytes(good[:20] + bytes(b ^ 0x55 for b in good[20:]))
+    with pytest.raises(DataError, match=r"chat.jsonl.zst: cannot read \(zstd decompress error"):
+        list(_read_chunks([bad]))
+
+
+def test_corrupt_gz_input_names_the_file(tmp_path: Path) -> None:
+    good = gzip.compress(b'{"text": "hello"}\n' * 1000)
+    bad = tmp_path / "bad.jsonl.gz"
+    bad.write_bytes(good[:20] + bytes(b ^ 0x55 for b in good[20:]))
+    with pytest.raises(DataError, match=r"bad.jsonl.gz: cannot read \(Error -3 while decompressing"):
+        list(tk.iter_documents(bad))
+
+
+def test_folder_input_says_it_is_a_folder(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    with pytest.raises(DataError, match=r"input .*docs is a folder: INPUT takes files"):
+        tokenize([str(tmp_path / "docs")], tmp_path / "out", train_bpe_vocab=300, progress=False)

@@ -427,8 +427,8 @@ def _read_chunks(paths: list[Path]) -> Iterator[tuple[str, list[tuple[int, str]]
                     lines, chars, last = [], 0, pos
         except UnicodeDecodeError as e:
             raise DataError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-        except (OSError, EOFError) as e:
-            raise DataError(f"{p}: cannot read ({e})") from None
+        except src.read_errors as e:
+            raise DataError(f"{p}: cannot read ({e}); is the file damaged or truncated?") from None
         finally:
             src.close()
         yield str(p), lines, p.stat().st_size - last
@@ -620,10 +620,17 @@ def tokenize_chat(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenize
     manifest (its ``report`` has the counts). Built in a temporary sibling folder and renamed
     into place; an existing non-empty ``out_dir`` is refused. Output is byte-identical for any
     ``processes``: records are read in order, encoded in chunks by workers and written in order."""
-    from tokenizers import Tokenizer
     from tqdm import tqdm
 
-    from olmax.data.tokenize import _check_inputs, _find_eos, building, check_out_dir, encode_in_order, smallest_dtype
+    from olmax.data.tokenize import (
+        _check_inputs,
+        _find_eos,
+        building,
+        check_out_dir,
+        encode_in_order,
+        load_tokenizer,
+        smallest_dtype,
+    )
     if processes <= 0:
         raise DataError(f"--processes must be positive, got {processes}")
     if labels not in LABEL_RULES:
@@ -635,13 +642,7 @@ def tokenize_chat(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenize
     paths = _check_inputs(inputs)
     out = Path(out_dir)
     check_out_dir(out)
-    if not Path(tokenizer).is_file():
-        raise DataError(f"tokenizer file not found: {tokenizer}")
-    tok_json = Path(tokenizer).read_text()
-    try:
-        tok = Tokenizer.from_str(tok_json)
-    except Exception as e:  # the library raises a bare Exception for a malformed file
-        raise DataError(f"tokenizer {tokenizer} cannot be read: {e}") from None
+    tok, tok_json = load_tokenizer(tokenizer)
     eos = _find_eos(tok, eos_token_id)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     if not 0 <= eos < vocab:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -54,7 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "open-instruct's rule before its PR #1746, which tokenized OLMo 3's SFT data (masks the \\n "
                         "after a non-final <|im_end|>)")
     p.add_argument("inputs", nargs="+", metavar="INPUT",
-                   help="text, JSONL(.gz/.zst) files or folders to tokenize (with --chat: chat JSONL)")
+                   help="text or JSONL files, optionally .gz/.zst, to tokenize (with --chat: chat JSONL); not folders")
     p.set_defaults(func=_tokenize)
 
     d = subparsers.add_parser("data", help="inspect and audit the data order")
@@ -121,13 +123,37 @@ def _loader(args: argparse.Namespace, process_index: int = 0, process_count: int
     return cfg, DataLoader(cfg, process_index=process_index, process_count=process_count)
 
 
-def _save(path: str, array: np.ndarray) -> None:
-    """Write atomically: a failure never leaves a half-written file in place."""
+def _check_target(path: str, flag: str) -> Path:
+    """``path`` as an output file of ``flag``: refused when it is a folder or its folder is missing."""
     out = Path(path)
+    if out.is_dir():
+        example = out / ("instances.npz" if flag == "--dump-instances" else "ids.npy")
+        raise DataError(f"{flag} {path} is a folder; give a file name (for example {example})")
+    if not out.parent.is_dir():
+        raise DataError(f"{flag} {path}: folder {out.parent} does not exist")
+    return out
+
+
+def _write_atomic(path: str, flag: str, write: Callable[[BinaryIO], None]) -> None:
+    """``write(file)`` into a temporary sibling renamed to ``path``: a failure never leaves a
+    half-written file in place, nor the temporary file."""
+    out = _check_target(path, flag)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        np.save(f, array)
-    os.replace(tmp, out)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise DataError(f"{flag} {path}: cannot write it ({e.strerror or e})") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _save(path: str, array: np.ndarray, flag: str = "--out") -> None:
+    """``np.save`` atomically (see :func:`_write_atomic`)."""
+    _write_atomic(path, flag, lambda f: np.save(f, array))
 
 
 def _batches(args: argparse.Namespace) -> int:
@@ -140,6 +166,10 @@ def _batches(args: argparse.Namespace) -> int:
     r, R = args.process_index, args.process_count
     if not 0 <= r < R:
         raise DataError(f"--process-index {r} is outside 0..{R - 1}")
+    targets = (("--out", args.out), ("--filter-out", args.filter_out), ("--dump-instances", args.dump_instances))
+    for flag, path in targets:
+        if path:
+            _check_target(path, flag)  # before the work, not after it
     cfg, loader = _loader(args, r, R)
     source = loader.source  # the loader's own code path
     ids = np.stack([source.ids(k) for k in range(a, b)]).astype(np.int64)
@@ -149,7 +179,7 @@ def _batches(args: argparse.Namespace) -> int:
             dirty = np.zeros(ids.shape, dtype=bool)
         else:
             dirty = np.stack([~source(k)["label_mask"].any(axis=1) for k in range(a, b)])
-        _save(args.filter_out, dirty)
+        _save(args.filter_out, dirty, "--filter-out")
     if args.dump_instances:
         _dump_instances(args.dump_instances, loader, ids.reshape(-1), cfg)
     _save(args.out, ids)
@@ -173,10 +203,8 @@ def _dump_instances(path: str, loader: DataLoader, ids: np.ndarray, cfg) -> None
     doc_lens = np.zeros((len(ids), max(map(len, lens))), dtype=np.int32)
     for i, ln in enumerate(lens):
         doc_lens[i, :len(ln)] = ln
-    out = Path(path)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}.npz")
-    np.savez(tmp, instance_ids=ids.astype(np.int64), input_ids=toks, label_mask=mask, doc_lens=doc_lens)
-    os.replace(tmp, out)
+    _write_atomic(path, "--dump-instances", lambda f: np.savez(
+        f, instance_ids=ids.astype(np.int64), input_ids=toks, label_mask=mask, doc_lens=doc_lens))
     print(f"{path}: {len(ids)} instances of {toks.shape[1]} tokens (input_ids, label_mask, doc_lens)")
 
 

@@ -52,18 +52,17 @@ def read_mix(mix_path: str | Path, mix_root: str | None = None,
     (OLMo-core ``DataMix.build`` writes ``dolma2-tokenizer`` for dolma2); other relative paths
     are taken relative to ``mix_root`` (``build`` prefixes ``base_dir``) or else the mix file's folder.
     """
-    remote_mix = io.is_remote(mix_path)
-    if remote_mix:
-        try:
-            text = io.read_text(str(mix_path))
-        except io.RemoteError as e:
-            raise DataError(f"mix file {e}") from None
-        mix_dir = io.parent(str(mix_path))
-    else:
+    if not io.is_remote(mix_path):
         mix_path = Path(mix_path)
         if not mix_path.is_file():
             raise DataError(f"mix file not found: {mix_path} ({field})")
-        text, mix_dir = mix_path.read_text(), str(mix_path.parent)
+    try:
+        text = io.read_text(str(mix_path))
+    except io.RemoteError as e:
+        raise DataError(f"mix file {e}") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"mix file {mix_path} ({field}) is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    mix_dir = io.parent(str(mix_path)) if io.is_remote(mix_path) else str(Path(mix_path).parent)
     out = []
     for n, line in enumerate(text.splitlines(), 1):
         line = line.strip()
@@ -98,20 +97,43 @@ def read_mix(mix_path: str | Path, mix_root: str | None = None,
 CHAT_FORMAT = "olmax-chat/1"   # `olmax tokenize --chat`: token ids and label masks per part
 
 
+TOKEN_DTYPES = ("uint8", "uint16", "uint32", "uint64")   # what `olmax tokenize` writes (data.dtype's choices)
+
+
 def _read_manifest(path: Path | str) -> tuple[dict, list[tuple[str, None]]]:
+    """A tokenize folder's manifest and its token files; a manifest of the wrong shape (not an
+    object, no ``files`` list, a bad ``dtype``) is a DataError naming the file and the field."""
     try:
         m = json.loads(io.read_text(str(path)))
-        key = "token_ids" if m.get("format") == CHAT_FORMAT else "path"
-        files = [(io.join(io.parent(str(path)) if io.is_remote(path) else str(Path(path).parent), f[key]),
-                  int(f["tokens"])) for f in m["files"]]
     except io.RemoteError as e:
         raise DataError(f"manifest {e}") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise DataError(f"{path}: not a readable token manifest ({e})") from None
+    if not isinstance(m, dict):
+        raise DataError(f"{path}: not a token manifest (a JSON {type(m).__name__}, expected an object "
+                        "written by `olmax tokenize`)")
+    dtype = m.get("dtype")
+    if dtype not in TOKEN_DTYPES:
+        got = "missing" if "dtype" not in m else f"{dtype!r}"
+        raise DataError(f"{path}: field 'dtype' is {got}; expected one of {', '.join(TOKEN_DTYPES)}")
+    key = "token_ids" if m.get("format") == CHAT_FORMAT else "path"
+    entries = m.get("files")
+    if not isinstance(entries, list):
+        raise DataError(f"{path}: field 'files' is {'missing' if 'files' not in m else 'not a list'}; "
+                        "expected a list of token files")
+    base = io.parent(str(path)) if io.is_remote(path) else str(Path(path).parent)
+    files = []
+    for i, f in enumerate(entries):
+        name, tokens = (f.get(key), f.get("tokens")) if isinstance(f, dict) else (None, None)
+        if not isinstance(name, str) or isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise DataError(f"{path}: field 'files[{i}]' is not a token file entry (expected "
+                            f"{{{key!r}: NAME, 'tokens': COUNT >= 0}}, got {json.dumps(f)[:80]})")
+        files.append((io.join(base, name), tokens))
+    itemsize = np.dtype(dtype).itemsize
     for f, tokens in files:
-        if os.path.isfile(f) and os.path.getsize(f) != tokens * np.dtype(m["dtype"]).itemsize:
+        if os.path.isfile(f) and os.path.getsize(f) != tokens * itemsize:
             raise DataError(f"{f}: size {os.path.getsize(f)} bytes does not match its manifest "
-                            f"({tokens} {m['dtype']} tokens); the file was changed or truncated")
+                            f"({tokens} {dtype} tokens); the file was changed or truncated")
     return m, [(f, None) for f, _ in files]
 
 
@@ -220,7 +242,10 @@ def _check_manifest(mpath: Path | str, m: dict, dtype: str | None, eos_token_id:
         raise DataError(f"{mpath}: tokens are {m.get('dtype')} but data.dtype is {dtype}")
     if eos_token_id is not None and m.get("eos_token_id") != eos_token_id:
         raise DataError(f"{mpath}: eos id is {m.get('eos_token_id')} but data.eos_token_id is {eos_token_id}")
-    if vocab_size is not None and m.get("vocab_size", 0) > vocab_size:
+    mv = m.get("vocab_size", 0)
+    if vocab_size is not None and (isinstance(mv, bool) or not isinstance(mv, int)):
+        raise DataError(f"{mpath}: field 'vocab_size' is {mv!r}, not an integer")
+    if vocab_size is not None and mv > vocab_size:
         raise DataError(f"{mpath}: tokenizer vocabulary {m['vocab_size']} is larger than model.vocab_size "
                         f"{vocab_size}")
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,12 +41,34 @@ def build_epoch_order(num_instances: int, seed: int, epoch: int) -> np.ndarray:
     return idx
 
 
+def _cache_problem(path: Path, num_instances: int) -> str | None:
+    """Why the cached permutation at ``path`` cannot be used (None when it can). Besides the size, one
+    pass over the values checks what a permutation of ``0..N-1`` must satisfy: every id below N and the
+    ids summing to N(N-1)/2, so a damaged file is rebuilt instead of crashing the loader later."""
+    if not path.is_file():
+        return "is not a file" if path.exists() else "is missing"
+    size = path.stat().st_size
+    if size != num_instances * 4:
+        return f"has {size} bytes, not {num_instances * 4}"
+    perm = np.memmap(path, dtype="<u4", mode="r", shape=(num_instances,))
+    try:
+        top = int(perm.max())
+        if top >= num_instances:
+            return f"holds instance id {top} outside [0, {num_instances})"
+        if int(perm.sum(dtype=np.uint64)) != num_instances * (num_instances - 1) // 2:
+            return f"is not a permutation of 0..{num_instances - 1}"
+    finally:
+        del perm
+    return None
+
+
 class GlobalOrder:
     """Global batches per step, with each epoch's permutation cached memory-mapped on disk.
 
     A cache file holds the whole permutation (like OLMo-core's ``global_indices`` file), keyed by
-    the dataset fingerprint, instance count, seed and epoch; a restart maps it instead of
-    recomputing it. ``cache_dir=None`` keeps the order in memory (tests, small data).
+    the dataset fingerprint, instance count, seed and epoch; a restart checks its values (one
+    pass, :func:`_cache_problem`) and maps it instead of recomputing it; a damaged one is rebuilt,
+    with a note on stderr. ``cache_dir=None`` keeps the order in memory (tests, small data).
     """
 
     def __init__(self, num_instances: int, global_batch_size: int, seed: int, *,
@@ -93,20 +116,27 @@ class GlobalOrder:
             perm = build_epoch_order(self.num_instances, self.seed, epoch)
             perm.flags.writeable = False
             return perm
-        nbytes = self.num_instances * 4
-        if not (path.is_file() and path.stat().st_size == nbytes):
+        if _cache_problem(path, self.num_instances) is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             # One builder at a time (processes and Grain workers share the cache); write to a
             # temporary file and rename, so a reader never sees a partial file.
             with open(path.with_suffix(".lock"), "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
-                if not (path.is_file() and path.stat().st_size == nbytes):
+                problem = _cache_problem(path, self.num_instances)  # another process may have built it
+                if problem is not None:
+                    if path.exists():
+                        # The order is a pure function of (seed, epoch): rebuilding it is safe.
+                        print(f"note: order cache {path} {problem}; rebuilding it", file=sys.stderr)
                     perm = build_epoch_order(self.num_instances, self.seed, epoch)
                     tmp = path.with_suffix(f".tmp{os.getpid()}")
-                    with open(tmp, "wb") as f:
-                        perm.tofile(f)
+                    try:
+                        with open(tmp, "wb") as f:
+                            perm.tofile(f)
+                        os.replace(tmp, path)
+                    except BaseException:
+                        tmp.unlink(missing_ok=True)
+                        raise
                     del perm
-                    os.replace(tmp, path)
         return np.memmap(path, dtype="<u4", mode="r", shape=(self.num_instances,))
 
     def batches(self, steps: np.ndarray | range | list[int]) -> np.ndarray:

@@ -20,6 +20,7 @@ import multiprocessing as mp
 import os
 import shutil
 import sys
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -66,6 +67,8 @@ class _Source:
         self.path = path
         self.raw = open(path, "rb")
         stream: io.RawIOBase | io.BufferedIOBase = self.raw
+        # What reading may raise for a damaged file (gzip's corrupt deflate data is a zlib.error).
+        self.read_errors: tuple[type[BaseException], ...] = (OSError, EOFError, zlib.error)
         suffixes = path.suffixes
         if suffixes and suffixes[-1] == ".gz":
             stream = gzip.GzipFile(fileobj=self.raw)
@@ -73,6 +76,7 @@ class _Source:
         elif suffixes and suffixes[-1] == ".zst":
             import zstandard
             stream = zstandard.ZstdDecompressor().stream_reader(self.raw)
+            self.read_errors += (zstandard.ZstdError,)
             suffixes = suffixes[:-1]
         self.jsonl = bool(suffixes) and suffixes[-1] in _JSONL_SUFFIXES
         self.text = io.TextIOWrapper(stream, encoding="utf-8")  # type: ignore[arg-type]
@@ -123,8 +127,8 @@ def iter_documents(path: str | Path, text_field: str = "text", text_unit: TextUn
                 yield "".join(block).rstrip("\n"), src.raw.tell()
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    except (OSError, EOFError) as e:
-        raise DataError(f"{path}: cannot read ({e})") from None
+    except src.read_errors as e:
+        raise DataError(f"{path}: cannot read ({e}); is the file damaged or truncated?") from None
     finally:
         src.close()
 
@@ -134,6 +138,9 @@ def _check_inputs(inputs: Sequence[str | Path]) -> list[Path]:
         raise DataError("no input files given")
     paths = [Path(p) for p in inputs]
     for p in paths:
+        if p.is_dir():
+            raise DataError(f"input {p} is a folder: INPUT takes files (text, JSONL, .gz or .zst), not folders; "
+                            f"name its files (for example {p / '*.jsonl.gz'})")
         if not p.is_file():
             raise DataError(f"input file not found: {p}")
     return paths
@@ -369,6 +376,26 @@ def train_bpe(inputs: Sequence[str | Path], vocab_size: int, out_path: str | Pat
     return hashlib.sha256(out.read_bytes()).hexdigest()
 
 
+def load_tokenizer(path: str | Path) -> tuple[Any, str]:
+    """``(tokenizers.Tokenizer, its JSON text)`` of a ``tokenizer.json``; a missing file, one that is not
+    UTF-8 or not a tokenizer is a DataError naming it (for ``olmax tokenize`` and ``tokenize --chat``)."""
+    from tokenizers import Tokenizer
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"tokenizer file not found: {path}" + (" (a folder; give its tokenizer.json)"
+                                                               if p.is_dir() else ""))
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"tokenizer {path} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                        "expected a Hugging Face tokenizer.json") from None
+    try:
+        tok = Tokenizer.from_str(text)
+    except Exception as e:  # the library raises a bare Exception for a malformed file
+        raise DataError(f"tokenizer {path} cannot be read: {e} (expected a Hugging Face tokenizer.json)") from None
+    return tok, text
+
+
 def _find_eos(tok, eos_token_id: int | None) -> int:
     if eos_token_id is not None:
         return eos_token_id
@@ -390,7 +417,6 @@ def tokenize(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: st
     directory and renamed into place at the end: a failure leaves nothing behind, and an existing
     non-empty ``out_dir`` is refused (never overwritten).
     """
-    from tokenizers import Tokenizer
     from tqdm import tqdm
 
     if (tokenizer is None) == (train_bpe_vocab is None):
@@ -402,17 +428,16 @@ def tokenize(inputs: Sequence[str | Path], out_dir: str | Path, *, tokenizer: st
     paths = _check_inputs(inputs)
     out = Path(out_dir)
     check_out_dir(out)
-    if tokenizer is not None and not Path(tokenizer).is_file():
-        raise DataError(f"tokenizer file not found: {tokenizer}")
+    if tokenizer is not None:
+        tok, tok_json = load_tokenizer(tokenizer)  # checked before any output is written
 
     with building(out) as tmp:
         tok_path = tmp / "tokenizer.json"
         if train_bpe_vocab is not None:
             train_bpe(paths, train_bpe_vocab, tok_path, text_field=text_field, text_unit=text_unit, heldout=heldout)
+            tok, tok_json = load_tokenizer(tok_path)
         else:
             shutil.copyfile(tokenizer, tok_path)  # type: ignore[arg-type]
-        tok_json = tok_path.read_text()
-        tok = Tokenizer.from_str(tok_json)
         eos = _find_eos(tok, eos_token_id)
         tok_vocab = tok.get_vocab_size(with_added_tokens=True)
         vocab = vocab_size or tok_vocab
