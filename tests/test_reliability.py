@@ -244,6 +244,22 @@ def test_a_failed_rename_names_the_file_the_user_named():
         "No such file or directory: x.npy"
 
 
+def test_an_atomic_write_that_fails_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
+    from olmax import io
+    out = tmp_path / "out.txt"
+    io.write_local_atomically(out, "first")
+    assert out.read_text() == "first"
+
+    def half_then_fail(f):
+        f.write(b"half")
+        raise OSError(28, "No space left on device")
+    with pytest.raises(OSError, match="No space left"):
+        io.write_local_atomically(out, half_then_fail)
+    assert out.read_text() == "first" and [p.name for p in tmp_path.iterdir()] == ["out.txt"]
+    io.write_local_atomically(out, b"second")
+    assert out.read_bytes() == b"second"
+
+
 def test_launch_output_files_are_checked_and_a_users_file_is_never_replaced(tmp_path, olmax_main):
     data = tmp_path / "tok.bin"
     data.write_bytes(b"\1\0" * 1000)

@@ -488,6 +488,26 @@ def get_file(url: str, local: str | os.PathLike) -> None:
     os.replace(tmp, local)
 
 
+def write_local_atomically(path: str | os.PathLike, content: bytes | str | Callable[[Any], None]) -> None:
+    """Write a local file whole or not at all: ``content`` (bytes, text, or a function writing to the
+    open binary file) goes to a temporary sibling renamed over ``path``; on any failure the temporary
+    file is removed and an earlier ``path`` is left as it was."""
+    path = os.fspath(path)
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            if callable(content):
+                content(f)
+            else:
+                f.write(content.encode() if isinstance(content, str) else content)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.isfile(tmp):
+            os.remove(tmp)
+        raise
+
+
 def write_bytes(url: str, data: bytes) -> None:
     fs, path = filesystem(url)
     with_retries(url, "writing", lambda: fs.pipe_file(path, data))

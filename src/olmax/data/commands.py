@@ -12,7 +12,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from olmax import jsonout
+from olmax import io, jsonout
 from olmax.argtypes import int_in, nonneg_float, nonneg_int, positive_int
 from olmax.data import DataError
 from olmax.data.audit import audit
@@ -138,17 +138,10 @@ def _write_atomic(path: str, flag: str, write: Callable[[BinaryIO], None]) -> No
     """``write(file)`` into a temporary sibling renamed to ``path``: a failure never leaves a
     half-written file in place, nor the temporary file."""
     out = _check_target(path, flag)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            write(f)
-        os.replace(tmp, out)
+        io.write_local_atomically(out, write)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise DataError(f"{flag} {path}: cannot write it ({e.strerror or e})") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _save(path: str, array: np.ndarray, flag: str = "--out") -> None:

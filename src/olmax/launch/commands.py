@@ -112,19 +112,6 @@ def _output_file(path: str, flag: str, ours: str) -> None:
                               "as it is (remove it or give another path)")
 
 
-def _write_output(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all (a temporary file beside it, then a rename)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.isfile(tmp):
-            os.remove(tmp)
-        raise
-
-
 def cmd_local(args: argparse.Namespace) -> int:
     cfg, run_dir, overrides = _resolve(args)
     if args.status_file:
@@ -164,7 +151,7 @@ def cmd_slurm(args: argparse.Namespace) -> int:
     os.makedirs(log_dir, exist_ok=True)
     out = args.out or tempfile.NamedTemporaryFile("w", dir=log_dir, prefix=f"olmax-{cfg.name}-", suffix=".sbatch",
                                                   delete=False).name
-    _write_output(out, script)
+    io.write_local_atomically(out, script)
     r = subprocess.run(["sbatch", "--parsable", out], capture_output=True, text=True)
     if r.returncode != 0:
         raise ConfigError(f"sbatch {out} failed: {r.stderr.strip() or r.stdout.strip()}")
@@ -197,7 +184,7 @@ def cmd_tpu(args: argparse.Namespace) -> int:
     print("# from a workstation (Cloud TPU VM):")
     print(gcloud_command(host, tpu_name=args.tpu_name, zone=args.zone, project=args.project, workdir=args.workdir))
     if args.manifest:
-        _write_output(args.manifest, manifest)
+        io.write_local_atomically(args.manifest, manifest)
         print(f"# JobSet manifest written to {args.manifest}")
     else:
         print(manifest, end="")

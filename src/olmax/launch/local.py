@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 
+from olmax import io
 from olmax.launch import latest_checkpoint
 
 
@@ -147,12 +147,4 @@ def _sleep(seconds: float, stop: dict) -> bool:
 
 def _status(path: str | None, values: dict) -> None:
     if path:
-        tmp = f"{path}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(values, f)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.isfile(tmp):
-                os.remove(tmp)
-            raise
+        io.write_local_atomically(path, json.dumps(values))
