@@ -131,6 +131,7 @@ class Toy(Objective):
                 (("input_ids", jnp.int32), ("label_mask", jnp.bool_))}
 
 
+@pytest.mark.integration  # a whole training run: `make test` stays under 8 minutes
 def test_a_new_objective_trains_through_the_unchanged_loop(tmp_path, monkeypatch):
     from olmax.train.loop import train
     monkeypatch.setitem(OBJECTIVES, "toy", f"{__name__}:Toy")

@@ -308,6 +308,7 @@ def test_offload_remat_is_refused_on_cpu():
         _grads(cfg, params, ids, mask)
 
 
+@pytest.mark.integration  # a train step in interpret mode: `make test` stays under 8 minutes
 def test_splash_train_step_matches_reference():
     """The whole step through splash (interpret mode) against the reference kernel."""
     cfg = _cfg(attention_block_q=128, attention_block_kv=128)
@@ -376,6 +377,7 @@ def test_compile_small_model_for_a_tpu_slice():
     assert "TPU_WORKER_HOSTNAMES" not in r.stderr and "could not determine TPU" not in r.stderr
 
 
+@pytest.mark.integration  # a TPU compile: `make test` stays under 8 minutes
 def test_compile_reports_does_not_fit_with_exit_1():
     r = _compile("tiny", "--topology", "v5e:2x2", "--no-eval", "--set", "model.attention_impl=xla",
                  "--set", "train.global_batch_size=4096", "--set", "data.sequence_length=4096",
@@ -477,6 +479,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.integration  # a TPU compile: `make test` stays under 8 minutes
 def test_a_launched_multislice_run_builds_the_program_its_compile_measured():
     """`olmax launch tpu --num-slices 2` starts a run whose mesh, shardings and lowered train step on
     two abstract v5p slices are those of `olmax compile --slices 2` (the same lowered HLO); on

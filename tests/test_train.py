@@ -44,6 +44,7 @@ def test_trains_logs_and_checkpoints(tmp_path, corpus):
     assert res.losses[5] < res.losses[1]
 
 
+@pytest.mark.integration  # a whole training run: `make test` stays under 8 minutes
 def test_checkpoint_n_is_state_after_n_updates_and_resumes_with_batch_n(tmp_path, corpus):
     """The published off-by-one: checkpoint N must pair the state after N updates with data
     position N, so the resumed run trains global batch N next."""
@@ -71,6 +72,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path, corpus):
         assert b.losses[s] == pytest.approx(a.losses[s], abs=1e-5)
 
 
+@pytest.mark.integration  # a whole training run: `make test` stays under 8 minutes
 def test_resume_with_a_changed_dataset_is_an_error(tmp_path, corpus):
     cfg = cfg_for(corpus, "train.steps=4")
     train(cfg, tmp_path / "run", progress=False, max_steps_this_run=2)
@@ -84,6 +86,7 @@ def test_resume_with_a_changed_dataset_is_an_error(tmp_path, corpus):
     assert train(cfg, tmp_path / "run", progress=False).end_step == 4
 
 
+@pytest.mark.integration  # a whole training run: `make test` stays under 8 minutes
 def test_resume_with_a_different_model_is_an_error(tmp_path, corpus):
     train(cfg_for(corpus, "train.steps=2"), tmp_path / "run", progress=False)
     with pytest.raises(ConfigError, match="model.d_model"):
