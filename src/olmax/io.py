@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import math
 import os
 import posixpath
@@ -470,6 +471,18 @@ def read_bytes(url: str) -> bytes:
 
 def read_text(url: str) -> str:
     return read_bytes(url).decode()
+
+
+def read_json_object(path: str | os.PathLike, what: str, error: type[Exception], expected: str = "") -> dict:
+    """A JSON file whose top level must be an object: invalid JSON or another value is ``error``
+    naming the file as not ``what`` (``expected`` adds what the object should hold)."""
+    try:
+        data = json.loads(read_text(os.fspath(path)))
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise error(f"{path}: not {what} (invalid JSON: {e})") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: not {what} (expected a JSON object{expected}, got {type(data).__name__})")
+    return data
 
 
 # --------------------------------------------------------------------------- writes (run mirror)

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from olmax import io
 from olmax.config import Config, ConfigError, ModelConfig, RopeScaling, validate
 from olmax.extras import require
 from olmax.model.weights_io import (
@@ -395,14 +396,7 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     path = hf_dir / "config.json"
     if not path.exists():
         raise ConversionError(f"{str(hf_dir)!r} has no config.json (not a HF model directory)")
-    try:
-        hf = json.loads(path.read_text())
-    except ValueError as e:
-        raise ConversionError(f"{path}: invalid JSON ({e})") from None
-    if not isinstance(hf, dict):
-        raise ConversionError(f"{path}: not a HF config (expected a JSON object {{field: value}}, got "
-                              f"{type(hf).__name__})")
-    return hf
+    return io.read_json_object(path, "a HF config", ConversionError, " {field: value}")
 
 
 def _open_hf(hf_dir: Path) -> TensorReader:

@@ -30,6 +30,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from olmax import io
 from olmax.config import Config, ConfigError, ModelConfig, load_yaml
 from olmax.model.params import ParamSpec, param_specs
 
@@ -220,13 +221,7 @@ def _open_safetensors(path: Path) -> Any:
 
 def _read_index(index: Path) -> dict[str, str]:
     """The ``weight_map`` of a safetensors index: ``{"weight_map": {tensor name: shard file}, ...}``."""
-    try:
-        data = json.loads(index.read_text())
-    except ValueError as e:
-        raise WeightsError(f"{index}: not a safetensors index ({e})") from None
-    if not isinstance(data, dict):
-        raise WeightsError(f"{index}: not a safetensors index (expected a JSON object with a \"weight_map\" "
-                           f"object, got {type(data).__name__})")
+    data = io.read_json_object(index, "a safetensors index", WeightsError, ' with a "weight_map" object')
     if "weight_map" not in data:
         raise WeightsError(f"{index}: not a safetensors index (no \"weight_map\")")
     weight_map = data["weight_map"]
