@@ -266,7 +266,7 @@ def test_launch_output_files_are_checked_and_a_users_file_is_never_replaced(tmp_
     run = ["--run-dir", str(tmp_path / "run")]
     # launch local: a status file that cannot be written fails before any trainer starts.
     r = olmax_main("launch", "local", "tiny", *run, "--status-file", str(tmp_path))
-    assert_one_line_error(r, f"--status-file {tmp_path}: is a directory")
+    assert_one_line_error(r, f"--status-file {tmp_path}: is a folder")
     r = olmax_main("launch", "local", "tiny", *run, "--status-file", str(tmp_path / "no" / "s.json"))
     assert_one_line_error(r, "--status-file", "does not exist")
     assert_one_line_error(olmax_main("launch", "local", "tiny", *run, "--status-file", str(data)),

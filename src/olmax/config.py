@@ -111,6 +111,9 @@ class ModelConfig:
         return None if self.is_full_attention(layer) else self.sliding_window
 
 
+TokenDtype = Literal["uint8", "uint16", "uint32", "uint64"]   # token ids on disk (what `olmax tokenize` writes)
+
+
 @dataclass(frozen=True)
 class DataConfig:
     # Token files (raw little-endian arrays, no header) or OLMo-core mix files (``label,path`` lines).
@@ -121,7 +124,7 @@ class DataConfig:
     mix_tokenizer: str | None = None
     sequence_length: int = 8192
     seed: int = 34521
-    dtype: Literal["uint8", "uint16", "uint32", "uint64"] = "uint32"
+    dtype: TokenDtype = "uint32"
     eos_token_id: int = 100257
     pad_token_id: int = 100277
     bos_token_id: int | None = None

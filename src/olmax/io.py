@@ -501,6 +501,17 @@ def get_file(url: str, local: str | os.PathLike) -> None:
     os.replace(tmp, local)
 
 
+def check_local_output(path: str | os.PathLike, flag: str, error: type[Exception]) -> None:
+    """Refuse, before any work, a local output file path that is a folder or lies in a missing one
+    (``error`` naming ``flag`` and the path)."""
+    path = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise error(f"{flag} {path}: is a folder; give a file path")
+    if not os.path.isdir(parent):
+        raise error(f"{flag} {path}: the folder {parent} does not exist")
+
+
 def write_local_atomically(path: str | os.PathLike, content: bytes | str | Callable[[Any], None]) -> None:
     """Write a local file whole or not at all: ``content`` (bytes, text, or a function writing to the
     open binary file) goes to a temporary sibling renamed over ``path``; on any failure the temporary

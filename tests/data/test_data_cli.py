@@ -103,14 +103,14 @@ def _batches_args(tmp_path: Path) -> list:
 def test_batches_output_that_is_a_folder_is_refused(tmp_path: Path, flag: str) -> None:
     (tmp_path / "emptyd").mkdir()
     extra = [] if flag == "--out" else ["--out", tmp_path / "ids.npy"]
-    with pytest.raises(DataError, match=rf"{flag} .*emptyd is a folder"):
+    with pytest.raises(DataError, match=rf"{flag} .*emptyd: is a folder"):
         run(*_batches_args(tmp_path), *extra, flag, tmp_path / "emptyd")
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []   # no temporary file
     assert not (tmp_path / "ids.npy").exists()
 
 
 def test_batches_output_in_a_missing_folder_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match=r"--out .*nodir/x.npy: folder .*nodir does not exist"):
+    with pytest.raises(DataError, match=r"--out .*nodir/x.npy: the folder .*nodir does not exist"):
         run(*_batches_args(tmp_path), "--out", tmp_path / "nodir" / "x.npy")
 
 

@@ -109,7 +109,7 @@ def test_manifest_folder(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("manifest, match", [
-    ([], r"manifest.json: not a token manifest \(a JSON list"),
+    ([], r"manifest.json: not a token manifest \(expected a JSON object written by `olmax tokenize`, got list"),
     ({"eos_token_id": 0, "files": []}, r"manifest.json: field 'dtype' is missing"),
     ({"dtype": "float99", "eos_token_id": 0, "files": []}, r"manifest.json: field 'dtype' is 'float99'"),
     ({"dtype": "uint16", "eos_token_id": 0, "files": {"a": 1}}, r"manifest.json: field 'files' is not a list"),

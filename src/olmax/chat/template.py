@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from olmax import io
 from olmax.config import ConfigError
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -81,14 +82,7 @@ def _tokenizer_config(folder: Path) -> dict:
     cpath = folder / TOKENIZER_CONFIG
     if not cpath.is_file():
         return {}
-    text = _read_text(cpath)
-    try:
-        conf = json.loads(text)
-    except ValueError as e:
-        raise ConfigError(f"{cpath} is not valid JSON: {e}") from None
-    if not isinstance(conf, dict):
-        raise ConfigError(f"{cpath}: expected a JSON object, got {type(conf).__name__}")
-    return conf
+    return io.read_json_object(cpath, "a tokenizer config", ConfigError)
 
 
 def read_template(folder: Path) -> tuple[str | None, str | None, dict]:

@@ -125,13 +125,8 @@ def _loader(args: argparse.Namespace, process_index: int = 0, process_count: int
 
 def _check_target(path: str, flag: str) -> Path:
     """``path`` as an output file of ``flag``: refused when it is a folder or its folder is missing."""
-    out = Path(path)
-    if out.is_dir():
-        example = out / ("instances.npz" if flag == "--dump-instances" else "ids.npy")
-        raise DataError(f"{flag} {path} is a folder; give a file name (for example {example})")
-    if not out.parent.is_dir():
-        raise DataError(f"{flag} {path}: folder {out.parent} does not exist")
-    return out
+    io.check_local_output(path, flag, DataError)
+    return Path(path)
 
 
 def _write_atomic(path: str, flag: str, write: Callable[[BinaryIO], None]) -> None:

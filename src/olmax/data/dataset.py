@@ -16,6 +16,7 @@ import glob
 import hashlib
 import json
 import os
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Literal
 import numpy as np
 
 from olmax import io
-from olmax.config import Config
+from olmax.config import Config, TokenDtype
 from olmax.data import DataError
 
 Validate = Literal["none", "sample", "full"]
@@ -97,21 +98,18 @@ def read_mix(mix_path: str | Path, mix_root: str | None = None,
 CHAT_FORMAT = "olmax-chat/1"   # `olmax tokenize --chat`: token ids and label masks per part
 
 
-TOKEN_DTYPES = ("uint8", "uint16", "uint32", "uint64")   # what `olmax tokenize` writes (data.dtype's choices)
+TOKEN_DTYPES = typing.get_args(TokenDtype)   # what `olmax tokenize` writes (data.dtype's choices)
 
 
 def _read_manifest(path: Path | str) -> tuple[dict, list[tuple[str, None]]]:
     """A tokenize folder's manifest and its token files; a manifest of the wrong shape (not an
     object, no ``files`` list, a bad ``dtype``) is a DataError naming the file and the field."""
     try:
-        m = json.loads(io.read_text(str(path)))
+        m = io.read_json_object(path, "a token manifest", DataError, " written by `olmax tokenize`")
     except io.RemoteError as e:
         raise DataError(f"manifest {e}") from None
-    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    except OSError as e:
         raise DataError(f"{path}: not a readable token manifest ({e})") from None
-    if not isinstance(m, dict):
-        raise DataError(f"{path}: not a token manifest (a JSON {type(m).__name__}, expected an object "
-                        "written by `olmax tokenize`)")
     dtype = m.get("dtype")
     if dtype not in TOKEN_DTYPES:
         got = "missing" if "dtype" not in m else f"{dtype!r}"

@@ -96,11 +96,7 @@ def _output_file(path: str, flag: str, ours: str) -> None:
     """Refuse an output path that cannot be written, or whose file olmax did not write: a launcher
     replaces its own script, manifest or status file, never a user's file given by mistake.
     ``ours`` is what the start of a file this command wrote contains."""
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise ConfigError(f"{flag} {path}: is a directory; give a file path")
-    if not os.path.isdir(parent):
-        raise ConfigError(f"{flag} {path}: the folder {parent} does not exist")
+    io.check_local_output(path, flag, ConfigError)
     if os.path.exists(path):
         try:
             with open(path, encoding="utf-8") as f:
