@@ -13,6 +13,7 @@ import textwrap
 from dataclasses import replace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_decode import TINY
@@ -252,3 +253,50 @@ def test_slot_utilisation_counts_kept_tokens_per_slot_step_and_is_1_before_any_s
     from olmax.engine.continuous import EngineStats
     assert EngineStats().slot_utilisation == 1.0
     assert EngineStats(decode_steps=10, slot_steps=40, decoded=30).slot_utilisation == 0.75
+
+
+def test_a_rows_log_probs_do_not_depend_on_the_batch_size() -> None:
+    """The sampler's log-probabilities of a row, in the CPU kernels' arithmetic (the decode steps'),
+    are the same bits at every batch size: XLA CPU's log gave some rows of a batch of 3 (or 5, 6,
+    7) another last bit than alone, so ``olmax generate --batch-size 3`` reported log-probs up to
+    2.4e-7 off ``--batch-size 1``'s (``dispatch.row_log``; 15 of these 60 rows differed)."""
+    from olmax.engine.sampling import knobs, row_keys, sample
+    from olmax.kernels import cpu
+    from olmax.model.dispatch import reproduce_decode_bits
+    if not cpu.available():
+        pytest.skip("olmax's CPU kernels are not built here: the decode steps' bits are XLA's")
+    vocab, padded, n = 100, 128, 60
+    logits = np.random.default_rng(0).normal(size=(n, padded)).astype(np.float32) * 4
+
+    @jax.jit
+    def run(x, index):  # row r draws with index[r]
+        b = x.shape[0]
+        with reproduce_decode_bits(True):
+            return sample(x, row_keys(jnp.full((b,), 5, jnp.uint32), index), jnp.int32(0),
+                          {k: jnp.asarray(v) for k, v in knobs([SETTINGS[2]] * b).items()}, False, vocab)
+
+    def rows(b: int) -> list[np.ndarray]:
+        parts = [run(jnp.asarray(logits[i:i + b]), jnp.arange(i, i + b)) for i in range(0, n, b)]
+        return [np.concatenate([np.asarray(p[k]) for p in parts]) for k in range(3)]
+
+    alone = rows(1)
+    for b in (3, 5, 6):
+        tok, lp, logp = rows(b)
+        assert np.array_equal(tok, alone[0]) and np.array_equal(lp, alone[1]), b
+        assert np.array_equal(logp[:, :vocab], alone[2][:, :vocab]), b
+
+
+@pytest.mark.integration
+def test_log_probs_are_the_same_bits_at_batch_sizes_1_3_8_in_both_engines(params) -> None:
+    """The probe's case: 8 prompts sampled with top-k, top-p and a temperature give the same
+    tokens and log-probs, to the bit, at batch sizes 1, 3 and 8 in either engine (on the CPU
+    with olmax's kernels: elsewhere the decode steps' arithmetic is XLA's)."""
+    from olmax.kernels import cpu
+    if not cpu.available():
+        pytest.skip("olmax's CPU kernels are not built here")
+    prompts = _prompts(8, seed=6)
+    kw = dict(max_new_tokens=24, sampling=SETTINGS[2], eos_ids=[3])
+    ref = generate(params, TINY, prompts, batching="static", batch_size=1, **kw)
+    for batching in ("static", "continuous"):
+        for batch in (1, 3, 8):
+            _same(ref, generate(params, TINY, prompts, batching=batching, batch_size=batch, **kw))

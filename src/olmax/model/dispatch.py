@@ -240,7 +240,19 @@ def log_softmax(z: jax.Array) -> jax.Array:
     if not reproducing_decode_bits():
         return jax.nn.log_softmax(z, axis=-1)
     shifted = z - jax.lax.stop_gradient(jnp.max(z, axis=-1, keepdims=True))
-    return shifted - jnp.log(cpu.row_sums(jnp.exp(shifted)))
+    return shifted - row_log(cpu.row_sums(jnp.exp(shifted)))
+
+
+def row_log(s: jax.Array) -> jax.Array:
+    """``log`` of per-row values ``s [..., 1]`` with bits that do not depend on how many rows there
+    are. XLA CPU's vectorised log (and exp) gives some inputs another last bit in arrays of 3, 5,
+    6, 7, 11, 13, 14 or 15 elements than in arrays of 1, 2, 4, 8 or more (measured: jax 0.10,
+    AVX-512), so the log of 3 rows' sums was not the log of each alone: a batch of 3 gave
+    log-probs up to 2.4e-7 off a batch of 1's. Padded to 8 values a row (the pad's log is 0 and
+    dropped), the log runs on a multiple of 8 elements, which computes each as it does alone
+    (``tests/test_engine.py`` checks the sampler's rows at batch sizes 1, 3, 5 and 6)."""
+    pad = [(0, 0)] * (s.ndim - 1) + [(0, 7)]
+    return jnp.log(jnp.pad(s, pad, constant_values=1.0))[..., :1]
 
 
 def swiglu_impl(gu: Any, cfg: ModelConfig, platform: str | None = None) -> str:
