@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-integration test-all test-slow test-slurm lint bench bench-peers bench-generate bench-rl bench-serve bench-tpu-aot rehearse-gpu
+.PHONY: setup demo test test-integration test-all test-tpu test-slow test-slurm lint bench bench-peers bench-generate bench-rl bench-serve bench-tpu-aot rehearse-gpu
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,26 @@ test-slow: $(STAMP)
 
 test-all: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m '' $(PYTEST_ARGS)
+
+# The TPU tier (tests/test_tpu.py, marker `tpu`) on a chip where olmax is not installed: python3 from
+# PATH with src/ first on PYTHONPATH (benchmarks/tpu/env.sh installs the rest and prints the path),
+# no venv, no xdist. The chip admits one process, so two pytest invocations, one after the other:
+# the tests that compute in pytest's own process, then the `tpu_subprocess` ones, whose olmax
+# processes open the chip under a pytest process that starts no JAX backend. Each prints its counts
+# and what its tests measured (-rP: their output); the target fails if either fails.
+# `OLMAX_TPU_TESTS_ON_CPU=1 make test-tpu TPU_PLATFORMS=cpu TPU_PY=.venv/bin/python` rehearses it
+# on the CPU.
+TPU_PY ?= python3
+TPU_PLATFORMS ?= tpu,cpu
+TPU_TESTS ?= tests/test_tpu.py
+test-tpu:
+	@rc=0; for sel in 'tpu and not tpu_subprocess' 'tpu_subprocess'; do \
+	  echo "test-tpu: -m '$$sel'"; \
+	  PYTHONPATH="$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH}" JAX_PLATFORMS=$(TPU_PLATFORMS) \
+	    $(TPU_PY) -m pytest -q -rfEsP -p no:cacheprovider -p no:xdist -m "$$sel" $(TPU_TESTS) $(PYTEST_ARGS) \
+	    || rc=1; \
+	done; \
+	if [ $$rc = 0 ]; then echo "test-tpu: both invocations passed"; else echo "test-tpu: FAILED"; fi; exit $$rc
 
 # ruff over the sources, tests and benchmarks (rules: [tool.ruff] in pyproject.toml).
 lint: $(STAMP)

@@ -28,6 +28,8 @@ TINY = ModelConfig(vocab_size=100, padded_vocab_size=128, d_model=64, n_layers=5
                    head_dim=16, mlp_hidden=96, norm_eps=1e-6, rope_theta=10000.0, sliding_window=8,
                    max_position_embeddings=256, compute_dtype="float32", attention_impl="reference")
 
+# olmax's C++ CPU kernels: skipped where JAX's backend is not the CPU (tests/conftest.py).
+pytestmark = pytest.mark.cpu_only
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason=f"{cpu_kernels.unavailable_reason()}")
 
 

@@ -18,6 +18,8 @@ from olmax.model.layers import apply_rope, rms_norm
 from olmax.recipes import get_recipe
 from trainlib import run_on_cpu_devices
 
+# olmax's C++ CPU kernels: skipped where JAX's backend is not the CPU (tests/conftest.py).
+pytestmark = pytest.mark.cpu_only
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason=f"{cpu_kernels.unavailable_reason()}")
 EPS = 1e-6
 

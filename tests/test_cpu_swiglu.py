@@ -19,6 +19,8 @@ from olmax.model import dispatch, layers
 from olmax.recipes import get_recipe
 from trainlib import run_on_cpu_devices
 
+# olmax's C++ CPU kernels: skipped where JAX's backend is not the CPU (tests/conftest.py).
+pytestmark = pytest.mark.cpu_only
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason=f"{cpu_kernels.unavailable_reason()}")
 
 

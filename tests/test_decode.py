@@ -305,6 +305,7 @@ def test_admission_writes_rows_in_place_within_each_shard() -> None:
     assert out == {"head-major": want, "slot-major": want}
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("rows", [1, 3, 8, 40])
 def test_streamed_weights_equal_the_plain_matmul(rows: int) -> None:
     """``OutIn`` (a weight stored [out, in] for the CPU's decode steps) gives x @ w for one row
@@ -319,6 +320,7 @@ def test_streamed_weights_equal_the_plain_matmul(rows: int) -> None:
     np.testing.assert_allclose(np.asarray(got), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.cpu_only
 def test_streamed_decode_compiles_to_ynnpack_and_switches_layout(monkeypatch) -> None:
     """Where olmax's CPU kernel is not used (``cpu_kernels``: no compiler, no AVX2, turned off)
     the streamed form is the fast one for a few rows, and only because XLA CPU hands its
@@ -363,6 +365,7 @@ def test_streamed_decode_compiles_to_ynnpack_and_switches_layout(monkeypatch) ->
     assert sum(" reduce(" in bodies.get(name, "") for name in called) == 4 * TINY.n_layers + 1
 
 
+@pytest.mark.cpu_only
 def test_one_row_decode_step_copies_no_cache() -> None:
     """At batch 1 XLA CPU used to copy every layer's key cache four times per token (a fused
     second write of the new key into the attention's read; ``decode_step``): no instruction of
@@ -383,6 +386,7 @@ def test_one_row_decode_step_copies_no_cache() -> None:
     assert not copies, copies
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("kernel", [True, False])
 def test_a_generator_told_its_rows_compiles_one_prepare(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """RL reloads the weights after every update. A generator told the batch rows it will run

@@ -27,6 +27,8 @@ from olmax.model.loss import token_logps
 from olmax.model.params import init_params
 from olmax.rl import grpo
 
+# olmax's C++ CPU kernels: skipped where JAX's backend is not the CPU (tests/conftest.py).
+pytestmark = pytest.mark.cpu_only
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason=f"{cpu_kernels.unavailable_reason()}")
 
 # Sliding layers with a window of 6 under 30-token sequences: the decode cache's ring wraps, so its
