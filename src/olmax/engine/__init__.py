@@ -7,7 +7,9 @@ the lm-eval adapter and the server.
 - ``static``: a batch steps until its last row stops, one round trip per token (to compare with,
   and a fallback).
 
-Both give the same completions (token ids and log-probs) for the same call.
+Both give the same completions (token ids and log-probs) for the same call. A row whose logits are
+not finite (NaN or infinite: broken weights) ends there, in either engine, with finish reason
+"error" and no token or log-probability from them; ``generate`` raises ``NonFiniteLogits``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from jax.sharding import Mesh
 
 from olmax.config import ConfigError, ModelConfig
 from olmax.engine.continuous import Engine, EngineStats, Request
-from olmax.engine.sampling import MAX_TEMPERATURE, MAX_TOP_LOGPROBS, Completion, Sampling
+from olmax.engine.sampling import MAX_TEMPERATURE, MAX_TOP_LOGPROBS, Completion, NonFiniteLogits, Sampling
 from olmax.engine.shapes import cache_length, call_rows, prompt_bucket
 from olmax.engine.static import Generator
 
@@ -27,7 +29,7 @@ BATCHING = ("continuous", "static")
 DEFAULT_CHUNK = 8  # decode steps per host round trip (benchmarks/bench_engine.py measures the choice)
 
 __all__ = ["BATCHING", "DEFAULT_CHUNK", "Completion", "Engine", "EngineStats", "Generator", "MAX_TEMPERATURE",
-           "MAX_TOP_LOGPROBS", "Request", "Sampling", "check_prefill_bound", "decoder", "generate"]
+           "MAX_TOP_LOGPROBS", "NonFiniteLogits", "Request", "Sampling", "check_prefill_bound", "decoder", "generate"]
 
 
 def check_prefill_bound(batching: str, prefill_tokens: int | None) -> None:
@@ -65,7 +67,8 @@ def generate(params: Any, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
     (streaming). ``sampling`` defaults to greedy. Pass ``generator`` (``decoder``) to reuse its
     compiled programs and prepared weights (its mesh and kind then apply), or ``mesh`` to shard
     the run. ``batching``: "continuous" (default) or "static"; ``chunk``: decode steps per host
-    round trip of the continuous engine."""
+    round trip of the continuous engine. ``NonFiniteLogits`` (a ValueError naming the prompt and
+    the generation step) where the model's logits for a prompt were not finite."""
     prompts = [list(p) for p in prompts]
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -99,7 +102,7 @@ def generate(params: Any, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
             part = prompts[start:start + rows]
             results += gen.run(part, list(range(start, start + len(part))), rows, prompt_len, max_length,
                                max_new_tokens, set(eos), stop, on_token, sampling)
-        return results
+        return _refuse_errors(results)
     engine = generator or Engine(params, cfg, slots=rows, max_length=max_length, mesh=mesh, chunk=chunk,
                                  prompt_len=prompt_len)
     engine.reset(slots=rows, max_length=max_length, chunk=chunk, prompt_len=prompt_len)
@@ -108,4 +111,11 @@ def generate(params: Any, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
         return Request(p, max_new_tokens, sampling, index=i, eos_ids=eos,
                        stop=None if stop is None else (lambda ids, i=i: stop(i, ids)),
                        on_token=None if on_token is None else (lambda t, _lp, i=i: on_token(i, t)))
-    return engine.run([request(i, p) for i, p in enumerate(prompts)])
+    return _refuse_errors(engine.run([request(i, p) for i, p in enumerate(prompts)]))
+
+
+def _refuse_errors(completions: list[Completion]) -> list[Completion]:
+    bad = next((i for i, c in enumerate(completions) if c.error is not None), None)
+    if bad is not None:
+        raise NonFiniteLogits(bad, completions[bad].error)
+    return completions

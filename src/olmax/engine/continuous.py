@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from olmax.config import ModelConfig
-from olmax.engine.sampling import MAX_TOP_LOGPROBS, Completion, Sampling, row_keys, sample
+from olmax.engine.sampling import MAX_TOP_LOGPROBS, Completion, Sampling, finite_rows, nonfinite_error, row_keys, sample
 from olmax.engine.sampling import knobs as sampling_knobs
 from olmax.engine.shapes import bucket, mesh_data_parallel, prompt_bucket
 from olmax.engine.weights import DecodeWeights, on_mesh
@@ -121,9 +121,11 @@ def admit(prepared, state, logits, rows, source, dest, seeds, indices, knobs, le
     devices and the slots' cache is written in place (``decode.write_rows``). ``readable``: makes
     the outputs the host reads readable on every process (``DecodeWeights.host_readable``)."""
     keys = row_keys(seeds, indices)
+    logits = shard_take(logits, source, 0)
     with reproduce_decode_bits(layout_of(prepared) == "packed"):
-        tok, lp, logp = sample(shard_take(logits, source, 0), keys, jnp.int32(0), knobs, greedy, cfg.vocab_size)
-    live = ~jnp.any(tok[:, None] == eos, axis=-1) & (left > 0)
+        tok, lp, logp = sample(logits, keys, jnp.int32(0), knobs, greedy, cfg.vocab_size)
+    ok = finite_rows(logits, cfg.vocab_size)
+    live = ~jnp.any(tok[:, None] == eos, axis=-1) & (left > 0) & ok
 
     def put(a, v):
         return shard_put(a, dest, v)
@@ -131,7 +133,7 @@ def admit(prepared, state, logits, rows, source, dest, seeds, indices, knobs, le
              "keys": put(state["keys"], keys), "step": put(state["step"], jnp.ones_like(tok)),
              "left": put(state["left"], left), "live": put(state["live"], live), "eos": put(state["eos"], eos),
              "knobs": {k: put(state["knobs"][k], knobs[k]) for k in KNOBS}}
-    out = (tok, lp, live) + (tuple(jax.lax.top_k(logp, top_n)) if top_n else ())
+    out = (tok, lp, live, ok) + (tuple(jax.lax.top_k(logp, top_n)) if top_n else ())
     return state, readable(*out)
 
 
@@ -139,13 +141,14 @@ def decode_chunk(prepared, state, kill, need, steps, *, cfg, chunk, max_length, 
                  readable=lambda *a: a):
     """Up to ``steps`` (at most ``chunk``) decode steps of every live row (``kill``: rows the
     host finished); returns early when no row is live or ``need`` rows are not. Out: the
-    state, the tokens, log-probs and which were made ([chunk, slots] each), the steps run,
-    the rows still live, and with ``top_n`` the top log-probabilities [chunk, slots, top_n]."""
+    state, the tokens, log-probs, which were made and whether their logits were finite
+    ([chunk, slots] each; a row whose were not stops there), the steps run, the rows still
+    live, and with ``top_n`` the top log-probabilities [chunk, slots, top_n]."""
     b = state["tok"].shape[0]
     kernel = layout_of(prepared) == "packed"
     state = {**state, "live": state["live"] & ~kill}
     outs = {"tok": jnp.zeros((chunk, b), jnp.int32), "lp": jnp.zeros((chunk, b), jnp.float32),
-            "made": jnp.zeros((chunk, b), bool)}
+            "made": jnp.zeros((chunk, b), bool), "ok": jnp.zeros((chunk, b), bool)}
     if top_n:
         outs["top_lp"] = jnp.zeros((chunk, b, top_n), jnp.float32)
         outs["top_id"] = jnp.zeros((chunk, b, top_n), jnp.int32)
@@ -162,11 +165,12 @@ def decode_chunk(prepared, state, kill, need, steps, *, cfg, chunk, max_length, 
         with reproduce_decode_bits(kernel):
             tok, lp, logp = sample(logits, st["keys"], st["step"], st["knobs"], greedy, cfg.vocab_size)
         made = live
+        ok = finite_rows(logits, cfg.vocab_size)
         left = st["left"] - made
-        now = live & ~jnp.any(tok[:, None] == st["eos"], axis=-1) & (left > 0)
+        now = live & ok & ~jnp.any(tok[:, None] == st["eos"], axis=-1) & (left > 0)
         st = {**st, "tok": jnp.where(made, tok, st["tok"]), "cache": cache, "step": st["step"] + made,
               "left": left, "live": now}
-        new = {"tok": tok, "lp": lp, "made": made}
+        new = {"tok": tok, "lp": lp, "made": made, "ok": ok}
         if top_n:
             new["top_lp"], new["top_id"] = jax.lax.top_k(logp, top_n)
         out = {k: jax.lax.dynamic_update_index_in_dim(out[k], new[k], i, 0) for k in out}
@@ -499,22 +503,27 @@ class Engine:
             del self._blocks[block]
         return pending
 
-    def _keep(self, slot: int, tok: int, lp: float, top: tuple | None) -> bool:
-        """Append a made token to slot ``slot``'s row; True where the row finished with it."""
+    def _keep(self, slot: int, tok: int, lp: float, top: tuple | None, ok: bool = True) -> bool:
+        """Append a made token to slot ``slot``'s row; True where the row finished with it. A
+        token made from logits that were not finite (``ok`` False) is not kept: the row ends
+        there with finish reason "error"."""
         row = self._rows[slot]
         req, c = row.request, row.out
-        c.token_ids.append(tok)
-        c.logprobs.append(lp)
-        if c.top_logprobs is not None and top is not None:
-            c.top_logprobs.append([(int(i), float(v)) for v, i in zip(*top)][:req.top_logprobs])
-        if req.on_token is not None:
-            req.on_token(tok, lp)
-        if tok in req.eos_ids or (req.stop is not None and req.stop(c.token_ids)):
-            c.finish_reason = "stop"
-        elif len(c.token_ids) >= req.max_new_tokens:
-            c.finish_reason = "length"
+        if not ok:
+            c.finish_reason, c.error = "error", nonfinite_error(len(c.token_ids))
         else:
-            return False
+            c.token_ids.append(tok)
+            c.logprobs.append(lp)
+            if c.top_logprobs is not None and top is not None:
+                c.top_logprobs.append([(int(i), float(v)) for v, i in zip(*top)][:req.top_logprobs])
+            if req.on_token is not None:
+                req.on_token(tok, lp)
+            if tok in req.eos_ids or (req.stop is not None and req.stop(c.token_ids)):
+                c.finish_reason = "stop"
+            elif len(c.token_ids) >= req.max_new_tokens:
+                c.finish_reason = "length"
+            else:
+                return False
         self._rows[slot] = None
         self._finished.append((row.rid, c))
         if req.on_finish is not None:
@@ -563,13 +572,13 @@ class Engine:
         for written, out in pending:
             host = [np.asarray(a) for a in out]
             for i, slot in written:
-                top = (host[3][i], host[4][i]) if len(host) > 3 else None
-                self._keep(slot, int(host[0][i]), float(host[1][i]), top)
+                top = (host[4][i], host[5][i]) if len(host) > 4 else None
+                self._keep(slot, int(host[0][i]), float(host[1][i]), top, bool(host[3][i]))
         if chunk is None:
             self._device_live[:] = False
         else:
             n = int(np.asarray(chunk["steps"]))
-            tok, lp, made = (np.asarray(chunk[k])[:n] for k in ("tok", "lp", "made"))
+            tok, lp, made, ok = (np.asarray(chunk[k])[:n] for k in ("tok", "lp", "made", "ok"))
             tops = (np.asarray(chunk["top_lp"])[:n], np.asarray(chunk["top_id"])[:n]) if "top_lp" in chunk else None
             self.stats.decode_steps += n
             self.stats.slot_steps += n * self.slots
@@ -580,7 +589,7 @@ class Engine:
                         continue
                     self.stats.decoded += 1
                     self._keep(s, int(tok[i, s]), float(lp[i, s]),
-                               None if tops is None else (tops[0][i, s], tops[1][i, s]))
+                               None if tops is None else (tops[0][i, s], tops[1][i, s]), bool(ok[i, s]))
             self._device_live = np.asarray(chunk["live"]).copy()
         self.stats.round_trips += 1
         return self._finished

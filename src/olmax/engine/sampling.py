@@ -53,12 +53,37 @@ class Sampling:
 class Completion:
     """``token_ids``: generated tokens (prompt excluded, EOS included when it stopped there);
     ``logprobs``: each one's log-probability under the model (before temperature);
-    ``finish_reason``: "stop" (EOS or a stop condition), "length" or "cancelled";
+    ``finish_reason``: "stop" (EOS or a stop condition), "length", "cancelled" or "error" (the
+    model's logits were not finite: ``error`` says at which step; the tokens before it are kept);
     ``top_logprobs``: per token, the most likely (id, log-probability) pairs, where asked for."""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str = "length"
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    error: str | None = None
+
+
+class NonFiniteLogits(ValueError):
+    """A completion ended because the model's logits were NaN or infinite (``Completion.error``):
+    broken weights, or finite weights whose forward overflows. Raised by ``olmax.engine.generate``
+    for prompt ``prompt`` (its index in the call); the callers name the checkpoint."""
+
+    def __init__(self, prompt: int, error: str) -> None:
+        super().__init__(f"prompt {prompt}: {error}")
+        self.prompt, self.error = prompt, error
+
+
+def nonfinite_error(step: int) -> str:
+    """``Completion.error`` of a row whose logits at its generation step ``step`` (0: the
+    prefill's, which gives the first token) were not all finite."""
+    where = "the prefill" if step == 0 else f"decode step {step}"
+    return f"the model's logits are not finite (NaN or infinite) at generation step {step} ({where})"
+
+
+def finite_rows(logits: jax.Array, vocab_size: int) -> jax.Array:
+    """[b]: whether each row's logits over the vocabulary (padding excluded) are all finite. A row
+    that is not ends there (``nonfinite_error``) and never reports a NaN log-probability."""
+    return jnp.all(jnp.isfinite(logits[:, :vocab_size]), axis=-1)
 
 
 def knobs(settings: Sequence[Sampling]) -> dict[str, np.ndarray]:

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from olmax.config import ModelConfig
 from olmax.engine.continuous import EngineStats
-from olmax.engine.sampling import Completion, Sampling, row_keys, sample
+from olmax.engine.sampling import Completion, Sampling, finite_rows, nonfinite_error, row_keys, sample
 from olmax.engine.sampling import knobs as sampling_knobs
 from olmax.engine.shapes import mesh_data_parallel, prefill_rows
 from olmax.engine.weights import DecodeWeights, on_mesh
@@ -55,13 +55,13 @@ class Generator:
         keys = row_keys(jnp.broadcast_to(seed, indices.shape), indices)
         with reproduce_decode_bits(layout_of(prepared) == "packed"):
             tok, lp, _ = sample(logits, keys, jnp.int32(0), knobs, greedy, self.cfg.vocab_size)
-        return (*self.weights.host_readable(tok, lp), cache, keys)
+        return (*self.weights.host_readable(tok, lp, finite_rows(logits, self.cfg.vocab_size)), cache, keys)
 
     def _decode_and_sample(self, prepared, tok, cache, keys, step, knobs, max_length, greedy):
         logits, cache = decode_step(prepared, tok, cache, self.cfg, max_length)
         with reproduce_decode_bits(layout_of(prepared) == "packed"):
             tok, lp, _ = sample(logits, keys, step, knobs, greedy, self.cfg.vocab_size)
-        return (*self.weights.host_readable(tok, lp), cache)
+        return (*self.weights.host_readable(tok, lp, finite_rows(logits, self.cfg.vocab_size)), cache)
 
     def run(self, prompts: Sequence[Sequence[int]], indices: Sequence[int], rows: int, prompt_len: int,
             max_length: int, max_new_tokens: int, eos_ids: set[int], stop: Callable | None,
@@ -84,7 +84,7 @@ class Generator:
         self.stats.prefills += len(filled)
         self.stats.prefill_blocks += 1
         self.stats.prefilled_tokens += tokens.size
-        tok, lp, cache, keys = self._prefill(prepared, tokens_d, lengths_d, jnp.uint32(sampling.seed), idx_d,
+        tok, lp, ok, cache, keys = self._prefill(prepared, tokens_d, lengths_d, jnp.uint32(sampling.seed), idx_d,
                                              knobs, max_length=max_length, greedy=greedy, source=source_d)
         out = [Completion() for _ in range(n)]
         live = set(range(n))
@@ -98,9 +98,13 @@ class Generator:
                                      max_length=max_length, greedy=greedy)
                 self.stats.decode_steps += 1
                 self.stats.slot_steps += rows
-            tok_h, lp_h = np.asarray(tok), np.asarray(lp)
+            tok_h, lp_h, ok_h = np.asarray(tok), np.asarray(lp), np.asarray(ok)
             for r in sorted(live):
                 c = out[r]
+                if not ok_h[r]:  # non-finite logits: the row ends here, with no token from them
+                    c.finish_reason, c.error = "error", nonfinite_error(step)
+                    live.discard(r)
+                    continue
                 c.token_ids.append(int(tok_h[r]))
                 c.logprobs.append(float(lp_h[r]))
                 self.stats.decoded += step > 0  # the first token comes from the prefill
@@ -112,6 +116,6 @@ class Generator:
             self.stats.round_trips += 1
             if not live or ahead is None:
                 break
-            tok, lp, cache = ahead
+            tok, lp, ok, cache = ahead
         return out
 

@@ -161,7 +161,16 @@ class Model:
                  batching: str = "continuous", prefill_tokens: int | None = None) -> list[dict[str, Any]]:
         """One dict per prompt, in prompt order: ``token_ids``, ``text`` (with a tokenizer),
         ``logprobs``, ``finish_reason`` ("stop": EOS or a stop string; "length")."""
-        from olmax.engine import Engine, EngineStats, Sampling, call_rows, check_prefill_bound, decoder, generate
+        from olmax.engine import (
+            Engine,
+            EngineStats,
+            NonFiniteLogits,
+            Sampling,
+            call_rows,
+            check_prefill_bound,
+            decoder,
+            generate,
+        )
         check_prefill_bound(batching, prefill_tokens)
         stops = [s for s in stops if s] + (self.chat_stops() if chat else [])
         if stops and self.codec is None:
@@ -179,9 +188,13 @@ class Model:
         if isinstance(engine, Engine):
             engine.prefill_tokens = prefill_tokens
         before = EngineStats(**vars(engine.stats))
-        out = generate(self.params, self.cfg.model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                       eos_ids=self.eos_ids(chat), batch_size=batch_size, stop=stop_fn,
-                       on_token=streamer.on_token if streamer else None, generator=engine)
+        try:
+            out = generate(self.params, self.cfg.model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                           eos_ids=self.eos_ids(chat), batch_size=batch_size, stop=stop_fn,
+                           on_token=streamer.on_token if streamer else None, generator=engine)
+        except NonFiniteLogits as e:  # never an answer (or a NaN log-prob) from a broken model
+            raise ValueError(f"checkpoint {self.checkpoint}, prompt {e.prompt + 1}: {e.error}; its weights, or "
+                             "their forward, are broken") from None
         self.last_stats = EngineStats(**{k: v - getattr(before, k) for k, v in vars(engine.stats).items()})
         results = []
         for c in out:

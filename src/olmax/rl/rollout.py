@@ -277,6 +277,7 @@ class RlData:
 
     def rollouts(self, step: int, params: Any) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         """Step ``step``'s training batch (host arrays) and its rollout metrics."""
+        from olmax.engine import NonFiniteLogits
         r = self.cfg.rl
         P, G = r.prompts_per_step, r.group_size
         t0 = time.perf_counter()
@@ -288,7 +289,11 @@ class RlData:
             ids = self.draw(P)
             rows = [self.prompts[i].ids for i in ids for _ in range(G)]
             before = (self.generator.stats.slot_steps, self.generator.stats.decoded) if self.generator else (0, 0)
-            comps = self._generate(params, rows, _stream_seed(self.cfg.train.seed, step, rounds))
+            try:
+                comps = self._generate(params, rows, _stream_seed(self.cfg.train.seed, step, rounds))
+            except NonFiniteLogits as e:  # never train on rollouts of a broken policy
+                raise ValueError(f"RL step {step}: the policy's rollout of prompt {ids[e.prompt // G]}: {e.error}; "
+                                 "its weights, or their forward, are broken") from None
             slot_steps += self.generator.stats.slot_steps - before[0]
             decoded += self.generator.stats.decoded - before[1]
             rounds += 1
