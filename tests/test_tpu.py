@@ -345,10 +345,20 @@ def _train_cmd(run: Path, overrides: list[str]) -> list[str]:
             *sum((["--set", o] for o in overrides), [])]
 
 
+# A process that starts while the chip is still held (a killed one's device not yet released)
+# fails at JAX's start with one of these; the chip, not the run, is then retried.
+CHIP_BUSY = ("multi-process lockfile", "already in use", "Device or resource busy")
+
+
 def _run(cmd: list[str], log: Path, env: dict | None = None) -> str:
-    with open(log, "w") as f:
-        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=600)
-    out = log.read_text()
+    for attempt in range(5):
+        with open(log, "w") as f:
+            r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=600)
+        out = log.read_text()
+        if r.returncode == 0 or not any(b in out for b in CHIP_BUSY):
+            break
+        print(f"the chip was busy (attempt {attempt + 1}); starting {cmd[2:5]} again in 2 s")
+        time.sleep(2)
     assert r.returncode == 0, out[-3000:]
     return out
 
