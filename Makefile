@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-integration test-all test-tpu test-slow test-slurm lint bench bench-peers bench-generate bench-rl bench-serve bench-tpu-aot rehearse-gpu
+.PHONY: setup demo test test-integration test-all test-tpu test-slow test-slurm lint bench bench-peers bench-generate bench-rl bench-serve bench-tpu-aot rehearse-gpu tpu-wheels
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m venv $(VENV)
@@ -105,3 +105,14 @@ bench-rl: $(STAMP)
 # part of `make test`.
 rehearse-gpu:
 	bash benchmarks/rehearse_gpu.sh
+
+# The wheels a TPU VM's own package index lacks (benchmarks/tpu/wheels.txt), for its Python 3.11,
+# into .whl-tpu/ (ignored): a device call carries that folder, and benchmarks/tpu/env.sh installs
+# them there beside the VM's index. Needs a machine with the registry (this one), not the TPU.
+tpu-wheels:
+	rm -rf .whl-tpu && mkdir -p .whl-tpu
+	grep -v '^#' benchmarks/tpu/wheels.txt | grep . | xargs $(PY) -m pip download -q \
+		--no-deps --only-binary=:all: --python-version 3.11 --implementation cp --platform manylinux_2_28_x86_64 \
+		--platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d .whl-tpu
+	@ls .whl-tpu | wc -l | xargs echo "tpu-wheels: wheels in .whl-tpu:"; du -sh .whl-tpu

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (benchmarks/gpu_check.py) as the lent H200 runs it: that machine's own Python
+# The accelerator check (benchmarks/chip_check.py) on a GPU, as the lent H200 runs it: that machine's own Python
 # (python3: jax + the CUDA plugin, torch, transformers, optax, orbax, ...), no registry, no
 # install of anything; olmax comes from this working tree through PYTHONPATH=src.
 #
@@ -37,4 +37,4 @@ print(f"gpu_check: python {sys.version.split()[0]} at {sys.executable}, jax {jax
       f"olmax from {olmax.__file__}, backend {jax.default_backend()}", flush=True)
 EOF
 set -o pipefail
-"$PY" benchmarks/gpu_check.py --out "$out/gpu_check.json" "$@" 2>&1 | tee "$out/gpu_check.log"
+"$PY" benchmarks/chip_check.py --platform gpu --out "$out/gpu_check.json" "$@" 2>&1 | tee "$out/gpu_check.log"

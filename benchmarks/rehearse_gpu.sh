@@ -36,7 +36,7 @@ import json, sys
 r = json.load(open(sys.argv[1]))
 need = {"env": ["device", "jax"], "matmul": ["tflops"], "bandwidth": ["gb_per_s"],
         "parity": ["kl_mean", "kl_max", "top1_agreement", "float32"],
-        "train": ["step_seconds_median", "tokens_per_second", "mfu_vs_measured_matmul", "mfu_vs_989_tflops",
+        "train": ["step_seconds_median", "tokens_per_second", "mfu_vs_measured_matmul", "mfu_vs_datasheet",
                   "compiled_gib", "xla"],
         "train_remat": ["full", "policies"],
         "decode": ["batches"], "logprob_gap": ["default_precision", "float32_precision"],

@@ -1,4 +1,4 @@
-"""The GPU check (benchmarks/gpu_check.py) runs on the lent H200's own image: olmax is not
+"""The accelerator check (benchmarks/chip_check.py) runs as the GPU check on the lent H200's own image: olmax is not
 installed there (gpu_check.sh puts src/ on PYTHONPATH) and the packages of olmax's lock file that
 the image lacks cannot be installed (no registry). This guards that path in seconds: a fresh
 interpreter with only src/ on the path and those packages made unimportable imports every olmax
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECK = ROOT / "benchmarks" / "gpu_check.py"
+CHECK = ROOT / "benchmarks" / "chip_check.py"
 # The benchmarks whose code the check's sections import (``logprob_gap``).
 SECTIONS_FROM = [ROOT / "benchmarks" / "bench_logprob_gap.py"]
 # In requirements.lock, not on the image (the device tool's KINDS.md package list).
@@ -50,7 +50,7 @@ def _is_module(name: str) -> bool:
 
 
 def check_imports() -> list[str]:
-    """Every ``olmax...`` module gpu_check.py (and the benchmarks it takes sections from)
+    """Every ``olmax...`` module chip_check.py (and the benchmarks it takes sections from)
     imports, at the top or inside a section."""
     mods = set()
     for node in (n for f in (CHECK, *SECTIONS_FROM) for n in ast.walk(ast.parse(f.read_text()))):

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_train_remat_measures_each_policy_beside_xlas_estimate(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--rehearse", "--only",
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "chip_check.py"), "--rehearse", "--only",
                         "train,train_remat", "--remat", "minimal", "--out", str(out)],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -56,7 +56,7 @@ def device_platform() -> str:
 def target_platform() -> str:
     """The platform whose program the model traces (its layouts and implementations): the
     devices' (``device_platform``). A rehearsal traces another platform's program on CPU devices
-    by replacing this function (``benchmarks/gpu_check.py --rehearse``, the accelerator-path
+    by replacing this function (``benchmarks/chip_check.py --rehearse``, the accelerator-path
     tests); a kernel that compiles only for its own devices (splash, interpreted elsewhere)
     follows ``device_platform``."""
     return device_platform()

@@ -175,8 +175,14 @@ _head_loss.defvjp(_head_loss_fwd, _head_loss_bwd)
 def head_loss(params: Any, batch: Batch, cfg: Config) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """``(CE sum + z_mult * z sum, (CE sum, z sum))`` as ``loss_sums``, for training: the first is
     differentiable, its LM-head gradient computed with the forward pass (no recomputed logits)."""
-    x = _hidden(params, batch, cfg)
-    total, sums = _head_loss(params["lm_head"], x, batch["input_ids"], batch["label_mask"], cfg.model,
+    return head_loss_of_hidden(params["lm_head"], _hidden(params, batch, cfg), batch, cfg)
+
+
+def head_loss_of_hidden(head: jax.Array, x: jax.Array, batch: Batch, cfg: Config
+                        ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """``head_loss`` from the final hidden states ``x`` [b, t, d] (the LM head and the loss alone:
+    the accelerator check times them apart from the layers)."""
+    total, sums = _head_loss(head, x, batch["input_ids"], batch["label_mask"], cfg.model,
                              float(cfg.optim.z_loss or 0.0))
     return total, jax.lax.stop_gradient(sums)
 

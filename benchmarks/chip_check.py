@@ -1,6 +1,7 @@
-"""GPU check for one NVIDIA GPU (run through gpu_check.sh, which puts ``src`` on the path: olmax
-is not installed on the lent machine). Everything goes to one JSON file, rewritten after each
-section, so a run cut short still leaves what it measured.
+"""The accelerator check: how olmax runs on one TPU or GPU chip (run through tpu_check.sh or
+gpu_check.sh, which put ``src`` on the path: olmax is not installed on a lent machine). Everything
+goes to one JSON file, rewritten after each section, so a run cut short still leaves what it
+measured. The platform is JAX's backend (``--platform`` names the one a rehearsal traces).
 
 Sections, in order (each timed; an exception is recorded in the JSON and the exit code is 1):
 
@@ -8,21 +9,28 @@ Sections, in order (each timed; an exception is recorded in the JSON and the exi
 2. ``matmul``: measured bf16 matmul rate (N x N x N, N = 8192), the denominator of the measured MFU.
 3. ``bandwidth``: measured device copy bandwidth (bytes read + written by ``x + 1`` on 2 GiB),
    the roofline of the decode section.
-4. ``parity``: a random tiny OLMo 3 built by transformers (sequence 512, longer than its window
-   128), ``olmax.verify.parity.run_parity`` in bf16 through cuDNN attention against transformers'
-   fp32 eager model: KL mean/max, top-1; and olmax fp32 (XLA's attention, float32 products)
-   against the same reference (``float32``). Without torch/transformers installed at all, olmax
-   fp32 (reference kernel) is the reference instead.
-5. ``train``: 8 layers of the 7B (d 4096, 32 heads x 128, MLP 11008, window 4096 on 3 of 4
-   layers), 8192 context, the full vocabulary, the production step (fp32 master weights and
-   Adam, bf16 compute, cuDNN, scanned layers, chunked loss): step time, tokens/s, MFU against
-   the measured matmul rate and against the datasheet's 989 TFLOP/s, peak memory; beside it XLA's
-   view of the same compiled program: its memory analysis and its cost (FLOPs, bytes,
-   ``optimal_seconds`` where the GPU compiler gives one; ``olmax.compile.train_step_cost``).
-6. ``train_remat``: the same step under each ``--remat`` policy (default ``minimal,save_proj``, the
-   two the 7B stage-1 sweep on v5p-128 ranked best), each against full remat: measured speed-up
-   beside the one XLA's compiled FLOPs (and ``optimal_seconds``) predicted, and the memory.
-7. ``decode``: the same 7B-width slice through olmax's KV-cache generation
+4. ``parity``: on a GPU, a random tiny OLMo 3 built by transformers (sequence 512, longer than its
+   window 128), ``olmax.verify.parity.run_parity`` in bf16 through cuDNN attention against
+   transformers' fp32 eager model, and olmax fp32 against the same reference (``float32``). On a
+   TPU (no torch there), the chip's kernel (splash) in bf16 and fp32 against olmax's fp32
+   reference kernel under exact products, on plain, sliding-window and packed (document-masked)
+   inputs: KL mean/max, top-1.
+5. ``train``: the production step (fp32 master weights and Adam, bf16 compute, the chip's
+   attention kernel, scanned layers, chunked loss) on each of the platform's training shapes
+   (GPU: 8 layers of the 7B at 8192 tokens; TPU: ``TPU_SHAPES``, among them the 7B stage 1's
+   tokens per chip per step), under every ``--remat`` policy that fits (compiled memory against
+   the device's): step time, tokens/s, MFU against the measured matmul rate and against the
+   datasheet, peak memory; beside it XLA's view of the same compiled program: its memory analysis
+   and its cost (FLOPs, bytes, ``optimal_seconds`` where the compiler gives one). ``train.best``:
+   the fastest policy per shape.
+6. ``train_remat`` (GPU): the same step under each ``--remat`` policy against full remat:
+   measured speed-up beside the one XLA's compiled FLOPs predicted (on a TPU the train section
+   sweeps the policies itself).
+7. ``profile`` (TPU): where the step's time goes on the 7B-width slice at its fastest policy: the
+   forward, the gradient, the optimizer update, the attention kernel (forward and backward) and
+   the LM head with the loss, each timed alone, against the time their FLOPs take at the measured
+   matmul rate; and, where the runtime writes one, a trace's busiest operations.
+8. ``decode``: the same 7B-width slice through olmax's KV-cache generation
    (``olmax.engine.Generator``: its prefill and decode step, the host loop that reads each
    token), greedy, prompts of 128 tokens, at batch 1 and 32: decode tokens/s, and the HBM
    roofline: bytes of the prepared weights one step reads / step time, against the measured copy
@@ -30,16 +38,18 @@ Sections, in order (each timed; an exception is recorded in the JSON and the exi
    (``olmax.engine.Engine``, the same prepared weights) at 1, 8 and 32 decode steps per host
    round trip (``chunk``): its decode step time, from a run of the new tokens less a run of one
    (prefill and admission), over the decode steps run, against the same roofline.
-8. ``logprob_gap``: RL's rollout fidelity (``benchmarks/bench_logprob_gap.py``'s model and
+9. ``logprob_gap``: RL's rollout fidelity (``benchmarks/bench_logprob_gap.py``'s model and
    measure) on this device, fp32 and bf16, with the bf16 floors.
-9. ``generate_peer``: the decode section's model and prompts through olmax and through
+10. ``generate_peer`` (GPU): the decode section's model and prompts through olmax and through
    transformers' ``generate`` on the same device (bf16 both; transformers' dynamic cache, and its
    static cache compiled by torch.compile while the deadline allows): decode step times, ratios.
 
 ``--rehearse``: the same code on the CPU at tiny shapes (4 layers x d 128, sequence 256), olmax
-told it compiles for a GPU (``trace_as_gpu``), cuDNN replaced by the ``xla`` implementation of the
-same ``jax.nn.dot_product_attention`` call; ``make rehearse-gpu`` runs it in a venv built like the
-lent machine's image (``benchmarks/rehearse_gpu.sh``).
+told it compiles for the ``--platform`` (``trace_as``): for a GPU, cuDNN replaced by the ``xla``
+implementation of the same ``jax.nn.dot_product_attention`` call; for a TPU, splash in Pallas's
+interpret mode. ``make rehearse-gpu`` runs the GPU's in a venv built like the lent machine's
+image (``benchmarks/rehearse_gpu.sh``); the unit tier rehearses the TPU's
+(tests/test_chip_check.py).
 """
 
 from __future__ import annotations
@@ -64,7 +74,9 @@ import numpy as np
 
 import olmax  # noqa: F401  (first: keeps JAX off a TPU runtime that has no TPU)
 
-DATASHEET_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16
+# Each platform's datasheet bf16 rate where the device's own kind is not in olmax's table
+# (``olmax.metrics.flops``), and a rehearsal's stand-in for it.
+DATASHEET_BF16_TFLOPS = {"gpu": 989.0, "tpu": 197.0}  # H100/H200 SXM dense bf16; TPU v5e
 
 # The 7B-width slice: 8 layers (two scan groups of 3 sliding + 1 full) of OLMo 3 7B.
 FULL = {"layers": 8, "seq_len": 8192, "train_batch": 2, "train_steps": 8, "matmul_n": 8192,
@@ -76,6 +88,25 @@ TINY_MODEL = ["model.d_model=128", "model.n_heads=4", "model.n_kv_heads=4", "mod
               "model.mlp_hidden=256", "model.vocab_size=1000", "model.padded_vocab_size=1024",
               "model.sliding_window=64", "model.logits_chunk=128",
               "data.eos_token_id=0", "data.pad_token_id=1"]
+
+# The TPU's training shapes (one chip: the 7B does not fit, so slices of it and a smaller width).
+# ``sets``: overrides of the olmo3_7b_stage1 recipe; ``batch`` sequences of ``seq_len`` a step.
+SLICE_7B = ["model.n_layers=2", "model.vocab_size=32768", "model.padded_vocab_size=32768", "data.eos_token_id=0",
+            "data.pad_token_id=1"]
+TPU_SHAPES = {
+    # The 7B's width (d 4096, 32 x 128 heads, MLP 11008), 2 layers, a 32k vocabulary, 8,192 tokens.
+    "slice7b": {"sets": SLICE_7B, "seq_len": 4096, "batch": 2},
+    # d 2048 (16 x 128 heads, MLP 8192), 4 layers, the full 100k vocabulary, 16,384 tokens.
+    "d2048": {"sets": ["model.n_layers=4", "model.d_model=2048", "model.n_heads=16", "model.n_kv_heads=16",
+                       "model.mlp_hidden=8192"], "seq_len": 4096, "batch": 4},
+    # The slice at the 7B stage 1's tokens per chip per step on v5p-128 (512 x 8192 / 128 = 32,768)
+    # and its sequence (8192: the sliding window of 4096 skips blocks).
+    "stage1_per_chip": {"sets": SLICE_7B, "seq_len": 8192, "batch": 4},
+}
+TPU_TINY = {"tiny": {"sets": ["model.n_layers=4"], "seq_len": 256, "batch": 2}}
+# The policies the TPU's train section tries per shape, in order (``policy@n``: micro-batches of n
+# sequences; a row that does not fit the device is recorded as such and not run).
+TPU_REMAT = "save_proj,minimal,none,save_proj_except_out,full,save_proj@2,minimal@2,none@2"
 
 
 def timed(fn: Callable[[], Any], reps: int) -> float:
@@ -101,9 +132,12 @@ def version(pkg: str) -> str | None:
 class Check:
     def __init__(self, args: argparse.Namespace):
         self.args = args
+        self.platform = args.platform
         self.shape = TINY if args.rehearse else FULL
-        self.attention = args.attention or ("xla" if args.rehearse else "cudnn")
-        self.out: dict[str, Any] = {"rehearsal": args.rehearse, "errors": {}, "seconds": {}}
+        default_kernel = {"gpu": "xla" if args.rehearse else "cudnn", "tpu": "splash"}[self.platform]
+        self.attention = args.attention or default_kernel
+        self.out: dict[str, Any] = {"rehearsal": args.rehearse, "platform": self.platform, "errors": {},
+                                    "seconds": {}}
         self.t0 = time.perf_counter()
 
     def save(self) -> None:
@@ -115,17 +149,17 @@ class Check:
     def section(self, name: str, fn: Callable[[], dict]) -> None:
         t = time.perf_counter()
         if t - self.t0 > self.args.deadline_s:  # leave the lease's time for a second try
-            print(f"[gpu_check] {name}: skipped, past --deadline-s {self.args.deadline_s}", flush=True)
+            print(f"[chip_check] {name}: skipped, past --deadline-s {self.args.deadline_s}", flush=True)
             self.out["errors"][name] = f"skipped: {t - self.t0:.0f} s gone, past --deadline-s {self.args.deadline_s}"
             return
-        print(f"[gpu_check] {name} ...", flush=True)
+        print(f"[chip_check] {name} ...", flush=True)
         try:
             self.out[name] = fn()
         except Exception as e:  # recorded; the later sections still run
             traceback.print_exc()
             self.out["errors"][name] = f"{type(e).__name__}: {e}"
         self.out["seconds"][name] = round(time.perf_counter() - t, 2)
-        print(f"[gpu_check] {name}: {self.out['seconds'][name]} s "
+        print(f"[chip_check] {name}: {self.out['seconds'][name]} s "
               f"{json.dumps(self.out.get(name), default=str) if name not in self.out['errors'] else 'FAILED'}",
               flush=True)
         gc.collect()
@@ -141,8 +175,14 @@ class Check:
                 "packages": {p: version(p) for p in ("numpy", "optax", "orbax-checkpoint", "ml-dtypes", "torch",
                                                      "transformers", "safetensors", "tokenizers")},
                 "olmax_from": os.path.dirname(olmax.__file__),
-                "traced_for": "gpu" if self.args.rehearse else jax.default_backend(),
+                "traced_for": self.platform, "datasheet_bf16_tflops": self.datasheet() / 1e12,
                 "attention": self.attention}
+
+    def datasheet(self) -> float:
+        """The device's datasheet bf16 rate (olmax's table by device kind, else the platform's)."""
+        from olmax.metrics.flops import device_peak_flops
+        peak = None if self.args.rehearse else device_peak_flops(jax.devices()[0].device_kind)
+        return peak or DATASHEET_BF16_TFLOPS[self.platform] * 1e12
 
     def matmul(self) -> dict:
         n = self.shape["matmul_n"]
@@ -165,6 +205,8 @@ class Check:
         return {"bytes": nbytes, "seconds": s, "gb_per_s": bw / 1e9, "counts": "bytes read + bytes written"}
 
     def parity(self) -> dict:
+        if self.platform == "tpu":
+            return self._parity_kernel()
         if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
             return self._parity_olmax_only()
         import tempfile
@@ -206,23 +248,113 @@ class Check:
                 "attention_impl": self.attention, "dtype": "bfloat16", "kl_mean": float(kl.mean()),
                 "kl_max": float(kl.max()), "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).mean())}
 
-    def config(self, batch: int, remat: str | None = None):
+    def _parity_kernel(self) -> dict:
+        """The chip's kernel (``self.attention``) in bf16 and fp32 against olmax's fp32 reference
+        kernel under exact products (``olmax.model.dispatch.fp32_products``), on the 7B-width
+        slice's layers (random weights, d 4096, 32 x 128 heads) at 2,048 tokens with a window of 512,
+        plain and with packed documents (segment ids from EOS tokens): KL mean/max, top-1."""
+        from olmax.model.loss import with_documents
+        from olmax.model.olmo3 import forward
+        from olmax.model.params import init_params
+        seq = self.shape["parity_seq"] if self.args.rehearse else 2048
+        cfg = self.config(2, shape=None if self.args.rehearse else TPU_SHAPES["slice7b"])
+        m = replace(cfg.model, sliding_window=64 if self.args.rehearse else 512, remat="none")
+        params = jax.jit(lambda k: init_params(m, k))(jax.random.key(0))
+        rng = np.random.default_rng(0)
+        toks = rng.integers(2, m.vocab_size, (2, seq))
+        packed = toks.copy()
+        packed[:, rng.integers(0, seq, 12)] = cfg.data.eos_token_id  # documents end at EOS
+        out: dict[str, Any] = {"seq_len": seq, "window": m.sliding_window, "layers": m.n_layers,
+                               "d_model": m.d_model, "kernel": self.attention}
+        for case, t in (("plain", toks), ("packed", packed)):
+            batch = {"input_ids": jnp.asarray(t, jnp.int32)}
+            docs = {} if case == "plain" else {
+                k: v for k, v in with_documents(batch, replace(cfg, data=replace(cfg.data, document_masking=True)))
+                .items() if k in ("positions", "segment_ids")}
+            logits = {}
+            for name, dtype, impl in (("reference_fp32", "float32", "reference"),
+                                      ("bfloat16", "bfloat16", self.attention), ("float32", "float32", self.attention)):
+                mc = replace(m, compute_dtype=dtype, attention_impl=impl)
+                logits[name] = jax.jit(lambda p, x, d, mc=mc: forward(p, x, mc, **d))(params, batch["input_ids"], docs)
+            lp = jax.nn.log_softmax(logits.pop("reference_fp32").astype(jnp.float32), -1)
+            for name, got in logits.items():
+                lq = jax.nn.log_softmax(got.astype(jnp.float32), -1)
+                kl = jnp.sum(jnp.exp(lp) * (lp - lq), -1)
+                out[f"{case}.{name}"] = {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+                                         "top1_agreement": float((lp.argmax(-1) == lq.argmax(-1)).mean())}
+        return out
+
+    def config(self, batch: int, remat: str | None = None, shape: dict | None = None):
+        """The olmo3_7b_stage1 recipe at a training shape (default: the GPU's 7B slice) under
+        ``remat`` (``policy@n``: micro-batches of n sequences; None: the recipe's own remat and
+        micro-batches)."""
         from olmax.recipes import get_recipe
-        sets = [f"model.n_layers={self.shape['layers']}", f"model.attention_impl={self.attention}",
-                f"data.sequence_length={self.shape['seq_len']}", f"train.global_batch_size={batch}",
-                "train.max_micro_batch_size=null", "mesh.fsdp=-1"] + ([f"model.remat={remat}"] if remat else [])
+        policy, _, micro = (remat or "").partition("@")
+        if shape is None:
+            sets = [f"model.n_layers={self.shape['layers']}", f"data.sequence_length={self.shape['seq_len']}"]
+        else:
+            sets = [*shape["sets"], f"data.sequence_length={shape['seq_len']}"]
+        sets += [f"model.attention_impl={self.attention}", f"train.global_batch_size={batch}", "mesh.fsdp=-1"]
+        if remat is not None:
+            sets += [f"model.remat={policy}", f"train.max_micro_batch_size={micro or 'null'}"]
         return get_recipe("olmo3_7b_stage1", sets + (TINY_MODEL if self.args.rehearse else []))
 
+    def tpu_shapes(self) -> dict[str, dict]:
+        if self.args.rehearse:
+            return TPU_TINY
+        names = self.args.shapes.split(",") if self.args.shapes else list(TPU_SHAPES)
+        return {n: TPU_SHAPES[n] for n in names}
+
     def train(self) -> dict:
-        """The recipe's remat (full): the row every earlier H200 run measured."""
-        return self._train_one(None)
+        """GPU: the recipe's remat (full), the row every earlier H200 run measured. TPU: every
+        shape under every policy of ``--remat`` (default ``TPU_REMAT``), the recipe's own
+        settings first; ``best``: the fastest row per shape that ran."""
+        if self.platform != "tpu":
+            return self._train_one(None)
+        from olmax.sharding import plan_batch
+        rows: dict[str, dict] = {}
+        t0 = time.perf_counter()
+        for name, shape in self.tpu_shapes().items():
+            rows[name] = {}
+            seen = set()
+            for remat in ["recipe"] + (self.args.remat or TPU_REMAT).split(","):
+                c = self.config(shape["batch"], None if remat == "recipe" else remat, shape)
+                key = (c.model.remat, plan_batch(shape["batch"], {"data": 1}, c.train.micro_batch_size,
+                                                 c.train.max_micro_batch_size).accum_steps)
+                if key in seen:  # the same program as a row already run (the recipe's own, one pass)
+                    continue
+                seen.add(key)
+                if self.args.train_budget_s and time.perf_counter() - t0 > self.args.train_budget_s:
+                    rows[name][remat] = {"skipped": f"past --train-budget-s {self.args.train_budget_s}"}
+                    continue
+                try:
+                    row = self._train_one(None if remat == "recipe" else remat, shape)
+                except Exception as e:  # one row's failure (out of memory at run time) keeps the others'
+                    traceback.print_exc()
+                    row = {"error": f"{type(e).__name__}: {e}"[:2000]}
+                    self.out["errors"][f"train.{name}.{remat}"] = row["error"]
+                rows[name][remat] = row
+                brief = {k: row.get(k) for k in ("step_seconds_median", "mfu_vs_datasheet", "oom", "error")}
+                print(f"[chip_check] train {name} {remat}: {json.dumps(brief, default=str)}", flush=True)
+                gc.collect()
+                self.out["train"] = {"shapes": rows}
+                self.save()
+        best = {}
+        for name, by in rows.items():
+            ran = {k: r for k, r in by.items() if r.get("step_seconds_median")}
+            if ran:
+                k = min(ran, key=lambda k: ran[k]["step_seconds_median"])
+                best[name] = {"remat": k, "mfu_vs_datasheet": ran[k]["mfu_vs_datasheet"],
+                              "over_recipe": (by["recipe"]["step_seconds_median"] / ran[k]["step_seconds_median"]
+                                              if by.get("recipe", {}).get("step_seconds_median") else None)}
+        return {"shapes": rows, "best": best}
 
     def train_remat(self) -> dict:
         """The ``--remat`` policies (default: the two the v5p-128 sweep ranked best), each against
         the recipe's full remat measured by ``train`` (run in this process before it, or here)."""
         base = self.out.get("train") or self._train_one(None)
         rows = {}
-        for remat in self.args.remat.split(","):
+        for remat in (self.args.remat or "minimal,save_proj").split(","):
             try:
                 rows[remat] = self._train_one(remat)
             except Exception as e:  # one policy's failure (out of memory at run time) keeps the others' rows
@@ -230,12 +362,12 @@ class Check:
                 self.out["errors"][f"train_remat.{remat}"] = rows[remat] = f"{type(e).__name__}: {e}"[:2000]
                 continue
             rows[remat]["against_full"] = against(rows[remat], base)
-            print(f"[gpu_check] train_remat {remat}: {json.dumps(rows[remat], default=str)}", flush=True)
+            print(f"[chip_check] train_remat {remat}: {json.dumps(rows[remat], default=str)}", flush=True)
             gc.collect()
-        return {"full": {k: base.get(k) for k in ("step_seconds_median", "mfu_vs_989_tflops", "compiled_gib",
+        return {"full": {k: base.get(k) for k in ("step_seconds_median", "mfu_vs_datasheet", "compiled_gib",
                                                    "xla")}, "policies": rows}
 
-    def _train_one(self, remat: str | None) -> dict:
+    def _train_one(self, remat: str | None, shape: dict | None = None) -> dict:
         """The production step (fp32 master weights and Adam, bf16 compute, the attention kernel,
         scanned layers, chunked loss) under ``remat`` (None: the recipe's): measured step time and
         MFU beside XLA's view of the same compiled program, its memory (``memory_analysis``) and
@@ -248,10 +380,11 @@ class Check:
         from olmax.objectives.lm import jit_lm_step
         from olmax.optim import init_opt_state
         from olmax.sharding import make_mesh, plan_batch
-        batch, steps = self.shape["train_batch"], self.shape["train_steps"]
-        cfg = self.config(batch, remat)
+        batch = self.shape["train_batch"] if shape is None else shape["batch"]
+        steps = self.shape["train_steps"]
+        cfg = self.config(batch, remat, shape)
         mesh = make_mesh(cfg.mesh)
-        plan = plan_batch(batch, dict(mesh.shape), None)
+        plan = plan_batch(batch, dict(mesh.shape), cfg.train.micro_batch_size, cfg.train.max_micro_batch_size)
         abstract = abstract_train_state(cfg, mesh)
         pshard, oshard = shardings(abstract["params"]), shardings(abstract["opt_state"])
         params = jax.jit(lambda k: init_params(cfg.model, k), out_shardings=pshard)(jax.random.key(0))
@@ -265,7 +398,8 @@ class Check:
         lowered = jit_lm_step(cfg, mesh, plan, pshard, oshard).lower(params, opt, data)
         mem = compiled_memory(lowered)
         if "oom" in mem:
-            return {"remat": cfg.model.remat, "compiled_gib": {"need": mem["need"]}, "oom": mem["oom"]}
+            return {"remat": cfg.model.remat, "micro_batches": plan.accum_steps, "compiled_gib": {"need": mem["need"]},
+                    "oom": mem["oom"]}
         step = mem["compiled"]
         params, opt, m = step(params, opt, data)
         jax.block_until_ready(m)
@@ -284,25 +418,185 @@ class Check:
         ce = float(m["ce_loss"])
         del params, opt, m
         peak_after = memory()["memory_peak_gib"]
-        t1 = time.perf_counter()
-        xla = cost_summary(train_step_cost(cfg, mesh, lowered, plan.accum_steps),
-                           batch * L * fl["total"] / jax.device_count(), device_peak_flops(kind))
-        xla["seconds_to_cost"] = time.perf_counter() - t1
-        xla["optimal_seconds_over_measured"] = xla["optimal_seconds"] / dt if xla["optimal_seconds"] else None
-        # Attention runs in a fused kernel (cuDNN) whose FLOPs XLA's count may not hold.
-        xla["attention_share_of_model_flops"] = fl["attention"] / fl["total"]
-        return {"layers": cfg.model.n_layers, "d_model": cfg.model.d_model, "seq_len": L, "batch": batch,
+        xla: dict[str, Any] = {}
+        if not self.args.no_xla_cost:
+            t1 = time.perf_counter()
+            xla = cost_summary(train_step_cost(cfg, mesh, lowered, plan.accum_steps),
+                               batch * L * fl["total"] / jax.device_count(), device_peak_flops(kind))
+            xla["seconds_to_cost"] = time.perf_counter() - t1
+            xla["optimal_seconds_over_measured"] = xla["optimal_seconds"] / dt if xla["optimal_seconds"] else None
+            # Attention runs in a fused kernel (cuDNN, splash) whose FLOPs XLA's count may not hold.
+            xla["attention_share_of_model_flops"] = fl["attention"] / fl["total"]
+        return {"layers": cfg.model.n_layers, "d_model": cfg.model.d_model, "vocab": cfg.model.embedding_rows,
+                "seq_len": L, "batch": batch, "micro_batches": plan.accum_steps,
                 "attention": cfg.model.attention_impl, "remat": cfg.model.remat, "steps_timed": steps,
                 "first_step_seconds": first, "step_seconds_median": dt, "step_seconds": times,
                 "tokens_per_second": tps, "flops_per_token": fl["total"], "tflops_per_second": achieved / 1e12,
                 "mfu_vs_measured_matmul": achieved / self.matmul_flops if getattr(self, "matmul_flops", None) else None,
-                "mfu_vs_989_tflops": achieved / (DATASHEET_BF16_TFLOPS * 1e12),
+                "mfu_vs_datasheet": achieved / self.datasheet(),
                 "olmax_peak_tflops_for_device": (device_peak_flops(kind) or 0) / 1e12 or None,
                 "ce_loss_last": ce, "finite": bool(np.isfinite(ce)),
                 "compiled_gib": {k: mem[k] for k in ("argument", "output", "alias", "temp", "need")},
                 # The device's peak is the process's: it is this program's only where it rose here.
                 "peak_rose_here": bool(peak_after and peak_before is not None and peak_after > peak_before),
                 "xla": xla, **memory()}
+
+    def profile(self) -> dict:
+        """``_profile`` for each policy of ``--profile-remat`` (comma-separated)."""
+        policies = (self.args.profile_remat or "").split(",") if self.args.profile_remat else [None]
+        if len(policies) == 1:
+            return self._profile(policies[0])
+        return {"policies": {p: self._profile(p) for p in policies}}
+
+    def _profile(self, policy: str | None) -> dict:
+        """Where the step's time goes (TPU), on the 7B-width slice under ``--profile-remat``
+        (default: the train section's fastest policy for it, else save_proj): the whole step, the
+        gradient alone (no update), the forward alone, the optimizer update alone, the attention
+        kernel's forward and backward for every layer, the LM head with the loss (forward and
+        backward), and the matmuls' share at the measured matmul rate; then a trace of a few steps
+        (``jax.profiler``), summarised as the operations that took the most device time."""
+        from olmax.checkpoint.state import abstract_train_state, shardings
+        from olmax.metrics.flops import flops_per_token
+        from olmax.model import dispatch
+        from olmax.model.loss import head_loss
+        from olmax.model.params import init_params
+        from olmax.objectives.accumulate import optimizer_update
+        from olmax.objectives.lm import jit_lm_step
+        from olmax.optim import init_opt_state
+        from olmax.sharding import activation_mesh, make_mesh, plan_batch
+        shape = next(iter(self.tpu_shapes().values())) if self.args.rehearse else TPU_SHAPES["slice7b"]
+        best = (self.out.get("train") or {}).get("best", {}).get("tiny" if self.args.rehearse else "slice7b", {})
+        remat = policy or (best.get("remat") if best.get("remat") not in (None, "recipe") else "save_proj")
+        batch, L = shape["batch"], shape["seq_len"]
+        cfg = self.config(batch, remat, shape)
+        m = cfg.model
+        mesh = make_mesh(cfg.mesh)
+        plan = plan_batch(batch, dict(mesh.shape), cfg.train.micro_batch_size, cfg.train.max_micro_batch_size)
+        abstract = abstract_train_state(cfg, mesh)
+        pshard, oshard = shardings(abstract["params"]), shardings(abstract["opt_state"])
+        params = jax.jit(lambda k: init_params(m, k), out_shardings=pshard)(jax.random.key(0))
+        opt = jax.jit(lambda p: init_opt_state(p, optim_cfg=cfg.optim), out_shardings=oshard)(params)
+        rng = np.random.default_rng(0)
+        data = {"input_ids": jnp.asarray(rng.integers(0, m.vocab_size, (batch, L)), jnp.int32),
+                "label_mask": jnp.ones((batch, L), bool)}
+        reps = 3 if self.args.rehearse else 10
+        res: dict[str, Any] = {"shape": {"layers": m.n_layers, "d_model": m.d_model, "vocab": m.embedding_rows,
+                                         "seq_len": L, "batch": batch}, "remat": remat, "seconds": {}, "errors": {}}
+        sec = res["seconds"]
+
+        def part(name: str, fn: Callable[[], float]) -> None:  # one part's failure keeps the others'
+            try:
+                sec[name] = fn()
+            except Exception as e:
+                res["errors"][name] = f"{type(e).__name__}: {e}"[:500]
+            gc.collect()
+
+        # The whole step first (its state donated and carried), traced, then freed.
+        step = jit_lm_step(cfg, mesh, plan, pshard, oshard)
+        state = [params, opt]
+        params = opt = None
+
+        def one_step() -> Any:
+            state[0], state[1], met = step(state[0], state[1], data)
+            return met
+
+        part("step", lambda: timed(one_step, reps))
+        try:
+            res["trace"] = self._trace(one_step)
+        except Exception as e:  # the numbers below stand without a trace
+            res["trace"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        params = state[0]
+
+        def loss(p, b):
+            with activation_mesh(mesh):
+                return head_loss(p, b, cfg)[0]
+
+        part("forward", lambda: timed(lambda f=jax.jit(loss): f(params, data), reps))
+        grad = jax.jit(jax.grad(loss))
+        part("gradient", lambda: timed(lambda: grad(params, data), reps))
+
+        def attention() -> float:  # the kernel alone, forward and backward, for each layer's window
+            q = jax.random.normal(jax.random.key(1), (batch, L, m.n_heads, m.head_dim), jnp.bfloat16)
+            kv = jax.random.normal(jax.random.key(2), (batch, L, m.n_kv_heads, m.head_dim), jnp.bfloat16)
+            total = 0.0
+            for layer in range(m.n_layers):
+                w = m.layer_window(layer)
+                f = jax.jit(jax.grad(lambda q, k, v, w=w: jnp.sum(dispatch.attend(q, k, v, w, m).astype(jnp.float32)),
+                                     argnums=(0, 1, 2)))
+                total += timed(lambda f=f: f(q, kv, kv), reps)
+            return total
+
+        part("attention_fwd_bwd_all_layers", attention)
+
+        def head() -> float:  # the LM head with the loss, forward and backward
+            x = jax.random.normal(jax.random.key(3), (batch, L, m.d_model), jnp.bfloat16)
+            f = jax.jit(jax.grad(lambda h, x: _head_only(h, x, data, cfg), argnums=(0, 1)))
+            return timed(lambda: f(params["lm_head"], x), reps)
+
+        part("lm_head_and_loss_fwd_bwd", head)
+
+        def update() -> float:  # params, moments and gradients alone, the old state donated
+            grads = grad(params, data)
+            upd = jax.jit(lambda p, g, o: optimizer_update(cfg)(p, g, o, jnp.float32(2.0))[:2], donate_argnums=(0, 2))
+            st = [params, state[1]]  # the last user: donated
+
+            def run() -> Any:
+                st[0], st[1] = upd(st[0], grads, st[1])
+                return st[0]
+            return timed(run, reps)
+
+        part("optimizer_update", update)
+        params = state = None
+
+        fl = flops_per_token(m, L)
+        rate = getattr(self, "matmul_flops", None) or self.datasheet()
+        tokens = batch * L
+        res["at_matmul_rate_seconds"] = {
+            "model_flops": fl["total"] * tokens / rate, "attention_flops": fl["attention"] * tokens / rate,
+            "note": "6ND + attention at the measured matmul rate; full remat adds a forward's third"}
+        if sec.get("step"):
+            res["shares_of_step"] = {k: v / sec["step"] for k, v in sec.items() if k != "step"}
+        return res
+
+    def _trace(self, run: Callable[[], Any]) -> dict:
+        """Three steps under ``jax.profiler.trace`` with a Perfetto trace; the operations that took
+        the most device time, summed over the steps (names as the runtime reports them)."""
+        import glob
+        import gzip
+        import tempfile
+        d = os.environ.get("OUT") or tempfile.mkdtemp()
+        log_dir = os.path.join(d, "profile")
+        jax.block_until_ready(run())
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+            for _ in range(3):
+                r = run()
+            jax.block_until_ready(r)
+        files = glob.glob(os.path.join(log_dir, "**", "*.trace.json.gz"), recursive=True)
+        if not files:
+            return {"error": f"no Perfetto trace under {log_dir}", "files": glob.glob(log_dir + "/**", recursive=True)}
+        with gzip.open(files[0]) as f:
+            events = json.load(f)
+        events = events.get("traceEvents", events) if isinstance(events, dict) else events
+        names = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in events
+                 if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name")}
+        procs = {pid: n for (pid, tid), n in names.items() if tid is None}
+        device = {pid for pid, n in procs.items() if "TPU" in n or "GPU" in n} or set(procs)  # a rehearsal: the host
+        by_thread: dict[str, float] = {}
+        by_op: dict[str, dict[str, float]] = {}
+        sample: dict[str, Any] = {}
+        for e in events:
+            if e.get("ph") != "X" or e.get("pid") not in device or "dur" not in e:
+                continue
+            thread = names.get((e["pid"], e.get("tid")), str(e.get("tid")))
+            s = e["dur"] / 1e6 / 3
+            by_thread[thread] = by_thread.get(thread, 0.0) + s
+            ops = by_op.setdefault(thread, {})
+            ops[e["name"]] = ops.get(e["name"], 0.0) + s
+            sample.setdefault(thread, e.get("args"))
+        top = {t: dict(sorted(ops.items(), key=lambda kv: -kv[1])[:30]) for t, ops in by_op.items()}
+        return {"device_processes": sorted(procs[p] for p in device), "seconds_per_step_by_thread": by_thread,
+                "seconds_per_step_by_op": top, "event_args_sample": json.loads(json.dumps(sample, default=str)),
+                "file": os.path.relpath(files[0], d)}
 
     def decode(self) -> dict:
         from olmax.engine import Generator, Sampling, cache_length
@@ -490,18 +784,25 @@ class Check:
             else:
                 row["transformers_static_error"] = "skipped: past --deadline-s"
             res["batches"][str(b)] = row
-            print(f"[gpu_check] generate_peer batch {b}: {json.dumps(row, default=str)}", flush=True)
+            print(f"[chip_check] generate_peer batch {b}: {json.dumps(row, default=str)}", flush=True)
         del gen, hf
         return res
 
 
-def trace_as_gpu() -> None:
+def _head_only(head: jax.Array, x: jax.Array, batch: dict, cfg: Any) -> jax.Array:
+    """The LM head and the loss of hidden states ``x`` (the profile's share of the step)."""
+    from olmax.model.loss import head_loss_of_hidden
+    return head_loss_of_hidden(head, x, batch, cfg)[0]
+
+
+def trace_as(target: str) -> None:
     """--rehearse: olmax picks a few code paths by the platform it compiles for (separate q/k/v
     and gate/up projections as einsums, decoding's layers under a scan, on TPU and GPU; joined
-    2-D matmuls, unrolled decode layers on the CPU). Tell it "gpu" so the CPU rehearses the
-    GPU's paths; only the kernel differs (``--attention``)."""
+    2-D matmuls, unrolled decode layers on the CPU). Tell it ``target`` so the CPU rehearses that
+    platform's paths; only the kernel differs (``--attention``; splash runs interpreted, as it
+    follows the devices' platform)."""
     from olmax.model import dispatch  # the one module that asks (every choice looks it up there)
-    dispatch.target_platform = lambda: "gpu"
+    dispatch.target_platform = lambda: target
 
 
 def memory() -> dict:
@@ -525,21 +826,36 @@ def against(row: dict, full: dict) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rehearse", action="store_true", help="tiny shapes on the CPU, reference attention for cuDNN")
-    ap.add_argument("--out", default="gpu_check.json")
+    ap.add_argument("--rehearse", action="store_true",
+                    help="tiny shapes on the CPU, tracing --platform's program (GPU: xla attention for cuDNN; "
+                         "TPU: splash interpreted)")
+    ap.add_argument("--platform", choices=["gpu", "tpu"], default=None,
+                    help="the platform checked (default: JAX's backend; with --rehearse, gpu)")
+    ap.add_argument("--out", default="chip_check.json")
     ap.add_argument("--only", default=None, help="comma-separated sections (default: all)")
     ap.add_argument("--deadline-s", type=float, default=330,
                     help="start no section after this many seconds (default 330: the whole check within 6 minutes)")
-    ap.add_argument("--attention", default=None, choices=["cudnn", "xla", "reference", "blocked"],
-                    help="the kernel (default: cudnn; with --rehearse, xla: the same jax.nn.dot_product_attention "
-                         "call as cudnn, which the CPU lacks)")
-    ap.add_argument("--remat", default="minimal,save_proj",
-                    help="train_remat: the policies set against full remat (default: the two the 7B stage-1 "
-                         "sweep on v5p-128 ranked best, in ascending memory so each one's peak is its own)")
+    ap.add_argument("--attention", default=None, choices=["cudnn", "xla", "splash", "reference", "blocked"],
+                    help="the kernel (default: cudnn on a GPU, splash on a TPU; a GPU rehearsal: xla, the same "
+                         "jax.nn.dot_product_attention call as cudnn, which the CPU lacks)")
+    ap.add_argument("--remat", default=None,
+                    help="GPU train_remat: the policies set against full remat (default minimal,save_proj: the two "
+                         "the 7B stage-1 sweep on v5p-128 ranked best, in ascending memory so each one's peak is "
+                         f"its own); TPU train: the policies tried per shape (default {TPU_REMAT}; policy@n: "
+                         "micro-batches of n sequences)")
+    ap.add_argument("--no-xla-cost", action="store_true",
+                    help="train: skip XLA's cost of each compiled step (a second compile per row)")
+    ap.add_argument("--train-budget-s", type=float, default=None,
+                    help="TPU train: start no row after this many seconds of the section")
+    ap.add_argument("--shapes", default=None, help=f"TPU train: the shapes (default: all of {','.join(TPU_SHAPES)})")
+    ap.add_argument("--profile-remat", default=None,
+                    help="TPU profile: the policy profiled (default: the train section's fastest on slice7b)")
     args = ap.parse_args()
     backend = jax.default_backend()
-    if backend != ("cpu" if args.rehearse else "gpu"):
-        print(f"gpu_check: JAX runs on {backend}, expected {'cpu (--rehearse)' if args.rehearse else 'gpu'}",
+    if args.platform is None:
+        args.platform = "gpu" if args.rehearse or backend == "cpu" else backend
+    if backend != ("cpu" if args.rehearse else args.platform):
+        print(f"chip_check: JAX runs on {backend}, expected {'cpu (--rehearse)' if args.rehearse else args.platform}",
               file=sys.stderr)
         return 2
     if args.rehearse:
@@ -547,16 +863,18 @@ def main() -> int:
         # removed: the rehearsal fails on a deprecation warning raised from olmax or this file.
         for mod in (r"olmax(\.|$)", r"__main__$"):
             warnings.filterwarnings("error", category=DeprecationWarning, module=mod)
-        trace_as_gpu()
+        trace_as(args.platform)
     c = Check(args)
-    sections = ["env", "matmul", "bandwidth", "parity", "train", "train_remat", "decode", "logprob_gap",
-                "generate_peer"]
+    sections = {"gpu": ["env", "matmul", "bandwidth", "parity", "train", "train_remat", "decode", "logprob_gap",
+                        "generate_peer"],
+                "tpu": ["env", "matmul", "bandwidth", "parity", "train", "profile", "decode", "logprob_gap"]
+                }[args.platform]
     for name in args.only.split(",") if args.only else sections:
         c.section(name, getattr(c, name))
     c.out["memory_end"] = memory()
     c.save()
     print(json.dumps(c.out, indent=2, default=str), flush=True)
-    print(f"[gpu_check] wrote {args.out}; "
+    print(f"[chip_check] wrote {args.out}; "
           f"{'FAILED: ' + ', '.join(c.out['errors']) if c.out['errors'] else 'all sections ran'}",
           flush=True)
     return 1 if c.out["errors"] else 0
