@@ -302,38 +302,35 @@ def test_log_probs_are_the_same_bits_at_batch_sizes_1_3_8_in_both_engines(params
             _same(ref, generate(params, TINY, prompts, batching=batching, batch_size=batch, **kw))
 
 
-def _overflowing(params):
-    """``params`` with one token's embedding 1e30 times larger: finite weights whose forward is not
-    (OLMo 3 normalises each block's output, not the residual it reads, so the MLP's product
-    overflows) wherever that token is read. The token: the greedy first token of ``OVERFLOW_PROMPT``."""
-    (c,) = generate(params, TINY, [OVERFLOW_PROMPT], max_new_tokens=1, batching="static")
-    token = c.token_ids[0]
-    return {**params, "embed": params["embed"].at[token].multiply(1e30)}, token
-
-
-OVERFLOW_PROMPT = [5, 6, 7, 8]
-
-
 @pytest.mark.parametrize("batching", ["static", "continuous"])
 def test_non_finite_logits_end_the_completion_naming_the_step(params, batching: str) -> None:
-    """Finite weights whose forward overflows: a prompt that reads the token stops at the prefill
-    (step 0), one that generates it at the decode step after (step 1); neither gives a token or a
-    log-probability from non-finite logits, the other prompt's completion is untouched, and
-    ``generate`` raises naming the prompt and the step."""
+    """Finite weights whose forward is not: one token's embedding 1e30 times larger (OLMo 3
+    normalises each block's output, not the residual its MLP reads, so the MLP's product overflows
+    wherever that token is read). The token is the first greedy token of a prompt: generating from
+    that prompt stops at decode step 1, a prompt holding the token at the prefill (step 0). Neither
+    gives a token or a log-probability from non-finite logits, the other prompts' completions are
+    untouched, and ``generate`` raises naming the prompt and the step. One engine (one compile):
+    its weights are swapped as RL swaps them."""
     from olmax.engine import NonFiniteLogits
-    bad, token = _overflowing(params)
+    engine = decoder(params, TINY, batching, rows=4)
+    fine, other, overflow = [9, 10, 11], [12, 13], [5, 6, 7, 8]
+    kw = dict(max_new_tokens=4, generator=engine)
+    good = generate(params, TINY, [fine, other, overflow], **kw)
+    token = good[2].token_ids[0]
+    bad = {**params, "embed": params["embed"].at[token].multiply(1e30)}
     assert all(bool(jnp.isfinite(a).all()) for a in jax.tree.leaves(bad))
-    engine = decoder(bad, TINY, batching, rows=4)
-    fine = [9, 10, 11]
-    with pytest.raises(NonFiniteLogits, match=r"prompt 1: .* not finite .* generation step 1 \(decode step 1\)"):
-        generate(bad, TINY, [fine, OVERFLOW_PROMPT], max_new_tokens=4, generator=engine)
-    with pytest.raises(NonFiniteLogits, match=r"prompt 2: .* generation step 0 \(the prefill\)") as e:
-        generate(bad, TINY, [fine, fine[:2], [*fine, token]], max_new_tokens=4, generator=engine)
-    assert e.value.prompt == 2
-    (ok,) = generate(bad, TINY, [fine], max_new_tokens=4, generator=engine)
-    assert ok.error is None and len(ok.token_ids) == 4 and all(np.isfinite(ok.logprobs))
+    engine.load(bad)
+    with pytest.raises(NonFiniteLogits, match=r"prompt 2: .* not finite .* generation step 1 \(decode step 1\)"):
+        generate(bad, TINY, [fine, other, overflow], **kw)
+    with pytest.raises(NonFiniteLogits, match=r"prompt 1: .* generation step 0 \(the prefill\)") as e:
+        generate(bad, TINY, [fine, [*other, token], other], **kw)
+    assert e.value.prompt == 1
+    # Prompts whose completions never read the token: the same bits as from the unbroken weights.
+    assert token not in fine + other and token not in {t for c in good[:2] for t in c.token_ids[:-1]}
+    ok = generate(bad, TINY, [fine, other, other], **kw)
+    assert [(c.token_ids, c.logprobs) for c in ok[:2]] == [(c.token_ids, c.logprobs) for c in good[:2]]
     if batching == "continuous":  # the server's path: per request, with top log-probs
-        got = engine.run([Request(OVERFLOW_PROMPT, 4, top_logprobs=3), Request([*fine, token], 4), Request(fine, 4)])
+        got = engine.run([Request(overflow, 4, top_logprobs=3), Request([*other, token], 4), Request(fine, 4)])
         assert [(c.token_ids, c.finish_reason) for c in got[:2]] == [([token], "error"), ([], "error")]
         assert "step 1" in got[0].error and "step 0" in got[1].error and len(got[0].top_logprobs) == 1
-        assert got[2].token_ids == ok.token_ids and got[2].logprobs == ok.logprobs
+        assert got[2].error is None and all(np.isfinite(got[2].logprobs))
