@@ -103,7 +103,7 @@ TPU_SHAPES = {
     # and its sequence (8192: the sliding window of 4096 skips blocks).
     "stage1_per_chip": {"sets": SLICE_7B, "seq_len": 8192, "batch": 4},
 }
-TPU_TINY = {"tiny": {"sets": ["model.n_layers=4"], "seq_len": 256, "batch": 2}}
+TPU_TINY = {"tiny": {"sets": ["model.n_layers=2"], "seq_len": 128, "batch": 2}}
 # The policies the TPU's train section tries per shape, in order (``policy@n``: micro-batches of n
 # sequences; a row that does not fit the device is recorded as such and not run).
 TPU_REMAT = "save_proj,minimal,none,save_proj_except_out,full,save_proj@2,minimal@2,none@2"
@@ -289,14 +289,17 @@ class Check:
         ``remat`` (``policy@n``: micro-batches of n sequences; None: the recipe's own remat and
         micro-batches)."""
         from olmax.recipes import get_recipe
-        policy, _, micro = (remat or "").partition("@")
+        spec, *extra = (remat or "").split("+")  # policy@n+key=value+...: a variant of the policy's row
+        policy, _, micro = spec.partition("@")
         if shape is None:
             sets = [f"model.n_layers={self.shape['layers']}", f"data.sequence_length={self.shape['seq_len']}"]
         else:
             sets = [*shape["sets"], f"data.sequence_length={shape['seq_len']}"]
         sets += [f"model.attention_impl={self.attention}", f"train.global_batch_size={batch}", "mesh.fsdp=-1"]
         if remat is not None:
-            sets += [f"model.remat={policy}", f"train.max_micro_batch_size={micro or 'null'}"]
+            if policy != "recipe":
+                sets += [f"model.remat={policy}", f"train.max_micro_batch_size={micro or 'null'}"]
+            sets += extra
         return get_recipe("olmo3_7b_stage1", sets + (TINY_MODEL if self.args.rehearse else []))
 
     def tpu_shapes(self) -> dict[str, dict]:
@@ -320,7 +323,7 @@ class Check:
             for remat in ["recipe"] + (self.args.remat or TPU_REMAT).split(","):
                 c = self.config(shape["batch"], None if remat == "recipe" else remat, shape)
                 key = (c.model.remat, plan_batch(shape["batch"], {"data": 1}, c.train.micro_batch_size,
-                                                 c.train.max_micro_batch_size).accum_steps)
+                                                 c.train.max_micro_batch_size).accum_steps, remat.partition("+")[2])
                 if key in seen:  # the same program as a row already run (the recipe's own, one pass)
                     continue
                 seen.add(key)
@@ -842,7 +845,8 @@ def main() -> int:
                     help="GPU train_remat: the policies set against full remat (default minimal,save_proj: the two "
                          "the 7B stage-1 sweep on v5p-128 ranked best, in ascending memory so each one's peak is "
                          f"its own); TPU train: the policies tried per shape (default {TPU_REMAT}; policy@n: "
-                         "micro-batches of n sequences)")
+                         "micro-batches of n sequences; policy+key=value: with a config override, e.g. "
+                         "none+model.logits_chunk=4096, recipe+model.attention_block_q=1024)")
     ap.add_argument("--no-xla-cost", action="store_true",
                     help="train: skip XLA's cost of each compiled step (a second compile per row)")
     ap.add_argument("--train-budget-s", type=float, default=None,
