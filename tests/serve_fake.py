@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 from olmax.chat.codec import TextCodec
-from olmax.serve.protocol import ServedModel
+from olmax.engine.sampling import nonfinite_error
+from olmax.serve.protocol import APIError, Job, ServedModel
 from olmax.serve.worker import Completion, Request
 
 SPECIALS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
@@ -58,9 +59,10 @@ class FakeEngine:
     (after an optional ``delay``, to keep requests in flight)."""
 
     def __init__(self, vocab: int = 320, slots: int = 4, max_length: int = 512, chunk: int = 4,
-                 delay: float = 0.0, fail_after: int | None = None) -> None:
+                 delay: float = 0.0, fail_after: int | None = None, nonfinite_at: int | None = None) -> None:
         self.vocab, self.slots, self.max_length, self.chunk, self.delay = vocab, slots, max_length, chunk, delay
         self.fail_after = fail_after
+        self.nonfinite_at = nonfinite_at  # every request's logits are NaN at this generation step
         self._lock = threading.Lock()
         self._next = 0
         self.waiting: list[tuple[int, Request]] = []
@@ -111,6 +113,9 @@ class FakeEngine:
             for _ in range(self.chunk):
                 if reason:
                     break
+                if len(c.token_ids) == self.nonfinite_at:
+                    reason, c.error = "error", nonfinite_error(len(c.token_ids))
+                    break
                 seed = None if r.sampling.greedy else r.sampling.seed
                 tok, lp = fake_token(r.prompt, seed, r.index, len(c.token_ids), self.vocab)
                 c.token_ids.append(tok)
@@ -153,3 +158,19 @@ class FakeEngine:
             if tok in eos:
                 break
         return out
+
+
+def probe_parse(kind: str, raw: bytes, served: ServedModel) -> Job:
+    """``olmax.serve.admission.parse`` for a worker process under test: the body ``slow`` takes
+    10 s, ``crash`` kills the worker, ``bug`` raises a bug; anything else is parsed."""
+    from olmax.serve.admission import parse
+    if raw == b"slow":
+        time.sleep(10)
+    elif raw == b"crash":
+        import os
+        os._exit(3)
+    elif raw == b"bug":
+        raise KeyError("a bug")
+    elif raw == b"refused":
+        raise APIError(400, "refused", param="prompt")
+    return parse(kind, raw, served)

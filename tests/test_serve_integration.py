@@ -2,8 +2,12 @@
 and a ChatML template), as a subprocess on a free port, talked to through the official ``openai``
 client; the same greedy completions as ``olmax generate --chat`` / ``--prompt-ids``; a seeded
 sampled request gives the same completion alone and among 8 concurrent others, streamed or not; a
-probe of malformed requests and abrupt disconnects leaves it answering /health with error JSON and
-no traceback in any body; SIGTERM finishes the request in flight and exits 0."""
+probe of malformed requests (strings that are not text, empty stops) and abrupt disconnects leaves
+it answering /health with error JSON and no traceback in any body or log line; a 15 MB body and a
+body of millions of small JSON values never hold /health past 100 ms; SIGTERM answers new requests
+503 while the request in flight finishes, then exits 0; a checkpoint whose forward overflows ends
+``olmax generate`` and the served request naming the checkpoint and step, and without a tokenizer
+answers token ids."""
 
 from __future__ import annotations
 
@@ -192,10 +196,18 @@ def test_malformed_request_probe(server: ServeProcess) -> None:
                   {"seed": 2**64}, {"stop": {"a": 1}}, {"logprobs": True, "top_logprobs": 1000},
                   {"unknown_field": 1}, {"messages": []}, {"messages": [{}]}, {"messages": None},
                   {"messages": [{"role": "user", "content": "word " * 5000}]}, {"stream": "sometimes"},
-                  {"model": ["tiny"]}, {"presence_penalty": 1.5}]
+                  {"model": ["tiny"]}, {"presence_penalty": 1.5}, {"stop": ""}, {"stop": ["", ""]}]
     for extra in bad_fields:
         body = json.dumps({**chat, **extra}, allow_nan=True).encode()
         cases.append(("/v1/chat/completions", body, 400))
+    # Lone UTF-16 surrogates (valid JSON escapes, not text): a model name, a field name, chat content,
+    # a completion prompt (each a traceback and a 500 before).
+    for raw in (b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}',
+                b'{"\\ud800": 1, "messages": [{"role": "user", "content": "hi"}]}',
+                b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800"}]}'):
+        cases.append(("/v1/chat/completions", raw, 400))
+    cases += [("/v1/completions", b'{"model": "tiny", "prompt": "\\udc00"}', 400),
+              ("/v1/completions", b'{"model": "tiny", "prompt": ["x", "\\ud800"]}', 400)]
     cases += [("/v1/completions", json.dumps({"prompt": [1] * 1000}).encode(), 400),
               ("/v1/completions", json.dumps({"prompt": [10**9]}).encode(), 400),
               ("/v1/completions", json.dumps({"model": "other", "prompt": "x"}).encode(), 404),
@@ -232,7 +244,123 @@ def test_malformed_request_probe(server: ServeProcess) -> None:
     assert tb is None, "".join(server.lines[max(0, tb - 3):tb + 40])
 
 
+class HealthWatch:
+    """GET /health every 10 ms on a thread; the slowest answer, in seconds."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.times, self._stop = url, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=30) as c:
+            while not self._stop.is_set():
+                t0 = time.perf_counter()
+                assert c.get(self.url + "/health").status_code == 200
+                self.times.append(time.perf_counter() - t0)
+                time.sleep(0.01)
+
+    def __enter__(self) -> HealthWatch:
+        self._thread.start()
+        time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        time.sleep(0.2)
+        self._stop.set()
+        self._thread.join(30)
+
+    @property
+    def slowest(self) -> float:
+        return max(self.times)
+
+
+def test_no_body_stalls_health_or_a_stream(server: ServeProcess, client) -> None:
+    """The probe's slow requests: a 15 MB chat body (just under the 16 MiB limit; its tokenizing
+    took 70 s of CPU and held /health 58-72 s) is answered 400 from its length in under 2 s, and a
+    5 MB body of a million one-element lists (seconds of JSON parsing, in a parse worker) is
+    answered 400; /health answers within 100 ms all along, and a stream in progress runs on."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    big = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "ab " * (5 * 2**20)}],
+                      "max_tokens": 4}).encode()
+    dense = json.dumps({"model": "tiny", "prompt": [[1]] * 2**20}).encode()
+    assert 14 * 2**20 < len(big) < 16 * 2**20
+    stream = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=150, temperature=0, stream=True)
+    first = next(iter(stream))
+    with HealthWatch(server.url) as watch, httpx.Client(timeout=120, headers=headers) as c:
+        t0 = time.perf_counter()
+        r = c.post(server.url + "/v1/chat/completions", content=big)
+        big_s = time.perf_counter() - t0
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
+        t0 = time.perf_counter()
+        r = c.post(server.url + "/v1/completions", content=dense)
+        dense_s = time.perf_counter() - t0
+        assert r.status_code == 400 and "choices in one request" in r.json()["error"]["message"], r.text[:300]
+    rest = list(stream)
+    assert (rest or [first])[-1].choices[0].finish_reason in ("stop", "length")
+    print(f"15 MB body: 400 in {big_s:.3f} s; 5 MB dense body: 400 in {dense_s:.3f} s; /health slowest "
+          f"{watch.slowest * 1000:.1f} ms of {len(watch.times)}")
+    assert big_s < 2.0, big_s
+    assert watch.slowest < 0.1, sorted(watch.times)[-5:]
+
+
+@pytest.fixture(scope="module")
+def overflowing(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> tuple[Path, list[int], int]:
+    """A copy of the checkpoint without its tokenizer, one token's embedding 1e30 times larger:
+    finite weights whose forward is not where that token is read (OLMo 3 normalises each block's
+    output, not the residual its MLP reads). The token is the first greedy token of the prompt, so
+    generating from the prompt meets it at decode step 1. (checkpoint, prompt, token)."""
+    from safetensors.numpy import load_file, save_file
+
+    from olmax.infer.run import Model
+    prompt = [5, 6, 7, 8]
+    (first,) = Model(f"hf:{checkpoint}").generate([prompt], max_new_tokens=1)
+    token = first["token_ids"][0]
+    d = tmp_path_factory.mktemp("overflowing")
+    for f in ("config.json", "generation_config.json"):
+        (d / f).write_bytes((checkpoint / f).read_bytes())
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    weights["model.embed_tokens.weight"][token] *= 1e30
+    save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d, prompt, token
+
+
+def test_a_checkpoint_whose_forward_is_not_finite(overflowing: tuple[Path, list[int], int], tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    """``olmax generate`` exits 2 naming the checkpoint, prompt and step (it answered exit 0 with a
+    null log-prob); ``olmax serve`` on it, without a tokenizer, answers token ids where the logits
+    are finite and 500 ``non_finite_logits`` naming the checkpoint where they are not."""
+    ckpt, prompt, token = overflowing
+    f = tmp_path / "ids.jsonl"
+    f.write_text(json.dumps(prompt) + "\n")
+    rc = cli.main(["generate", "--checkpoint", f"hf:{ckpt}", "--prompt-ids", str(f), "--max-new-tokens", "4",
+                   "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and f"checkpoint hf:{ckpt}, prompt 1:" in err and "generation step 1 (decode step 1)" in err, err
+    assert json.loads(out)["error"] and "NaN" not in out.replace("(NaN or infinite)", "")
+    s = ServeProcess("--checkpoint", f"hf:{ckpt}", "--max-length", "64", "--max-concurrency", "2")
+    try:
+        with httpx.Client(timeout=120) as c:
+            r = c.post(s.url + "/v1/completions", json={"prompt": [40, 41], "max_tokens": 1, "logprobs": 1})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["text"] == "" and len(choice["token_ids"]) == 1, choice
+            assert choice["logprobs"]["tokens"] == [str(t) for t in choice["token_ids"]]
+            for p in ([*prompt[:2], token], prompt):  # at the prefill; at decode step 1
+                r = c.post(s.url + "/v1/completions", json={"prompt": p, "max_tokens": 4, "temperature": 0})
+                e = r.json()["error"]
+                assert r.status_code == 500 and e["code"] == "non_finite_logits", r.text
+                assert f"checkpoint hf:{ckpt}" in e["message"] and "generation step" in e["message"]
+            assert c.get(s.url + "/health").json()["status"] == "ok"  # the server serves on
+        assert any("token ids only" in line for line in s.lines)
+    finally:
+        assert s.stop() == 0
+    assert not any("Traceback" in line for line in s.lines), "".join(s.lines)
+
+
 def test_sigterm_finishes_the_request_in_flight_and_exits_0(checkpoint: Path) -> None:
+    """SIGTERM with a stream in flight and a request still arriving (its body half sent): new
+    requests and /health are answered 503 while those two finish (the second once its body
+    arrives), then the server exits 0."""
     s = ServeProcess("--checkpoint", f"hf:{checkpoint}", "--max-length", "256", "--max-concurrency", "2",
                      "--warmup", "16")
     try:
@@ -240,13 +368,29 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(checkpoint: Path) ->
         stream = c.completions.create(model=f"hf:{checkpoint}", prompt=[5, 6, 7], max_tokens=200, temperature=0,
                                       stream=True)
         first = next(iter(stream))
+        late = _post("/v1/completions", json.dumps({"prompt": [9, 10], "max_tokens": 2}).encode())
+        arriving = socket.create_connection(("127.0.0.1", s.port), timeout=60)
+        arriving.sendall(late[:-5])
+        time.sleep(0.5)  # its handler has started: it waits for the rest of its body
         s.proc.send_signal(signal.SIGTERM)
+        deadline = time.time() + 30
+        while not any("answering new ones 503" in line for line in s.lines) and time.time() < deadline:
+            time.sleep(0.05)
+        # Draining: a new request and /health are answered 503 (a load balancer reads it), not refused.
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": [5], "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["message"] == "the server is shutting down"
+        assert httpx.get(s.url + "/health").status_code == 503
+        arriving.sendall(late[-5:])
+        answer = b""
+        while chunk := arriving.recv(65536):
+            answer += chunk
+        arriving.close()
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
         rest = list(stream)  # the request in flight runs to its end
         assert (rest or [first])[-1].choices[0].finish_reason in ("stop", "length")
         assert s.proc.wait(120) == 0
         with pytest.raises(httpx.ConnectError):
             httpx.get(s.url + "/health")
-        assert any("refusing new ones" in line for line in s.lines)
         # One bucket (prompts up to 16 tokens), 1 and 2 rows at a time, greedy and sampled.
         assert any("warmed up 4 prefill groups" in line for line in s.lines), "".join(s.lines)
     finally:

@@ -3,9 +3,13 @@
 
 Every answer is JSON (or server-sent events): an error is OpenAI's ``{"error": {...}}`` with its
 status, never a traceback (an unexpected exception is logged to the server's stderr and answered
-500). A request's choices are submitted to the engine worker; tokens come back through a queue on
-the event loop. A client that disconnects (mid-stream, or while waiting for a whole response) has
-its requests cancelled, which frees their engine slots. One log line per request.
+500). A request's body is read, checked and tokenized by the admission (``olmax.serve.admission``:
+off the event loop, under a deadline); its choices are then submitted to the engine worker from a
+thread and tokens come back through a queue on the event loop; a whole response is rendered in a
+thread. So no request's size holds the event loop: ``/health`` and the streams in progress keep
+their pace. A client that disconnects (mid-stream, or while waiting for a whole response) has its
+requests cancelled, which frees their engine slots. One log line per request, client text in it
+escaped. While draining (``State.draining``, after SIGTERM) new requests are answered 503.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import anyio
 from anyio import to_thread
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -32,6 +37,8 @@ from starlette.routing import Route
 
 from olmax.chat.codec import TextCodec
 from olmax.infer.run import first_stop, stop_condition, unsafe_tail
+from olmax.serve import DEFAULT_ADMISSION_TIMEOUT as DEFAULT_TIMEOUT
+from olmax.serve.admission import InThread
 from olmax.serve.protocol import (
     APIError,
     Choice,
@@ -41,9 +48,8 @@ from olmax.serve.protocol import (
     chunk,
     chunk_choice,
     completion_logprobs,
-    parse_chat,
-    parse_completion,
     response,
+    shown,
     usage,
 )
 from olmax.serve.worker import Completion, EngineWorker, Request
@@ -59,6 +65,14 @@ class State:
     log: Callable[[str], None] = field(default=lambda s: print(s, file=sys.stderr, flush=True))
     draining: bool = False
     requests: int = 0
+    # ``await admission(kind, body, deadline) -> Job`` (``olmax.serve.admission``); the seconds a request has.
+    admission: Any = None
+    admission_timeout: float = DEFAULT_TIMEOUT
+    admitting: int = 0   # requests accepted and not yet in the engine (reading, parsing, submitting)
+
+    def drained(self) -> bool:
+        """Draining, and nothing accepted is left to finish: the server may stop."""
+        return self.draining and self.admitting == 0 and self.worker.in_flight() == 0
 
 
 class TextStream:
@@ -162,16 +176,22 @@ class Run:
         for kind, c, payload in out:
             if kind == "finish":
                 self.finished[c] = payload[0]
+                if payload[0].error is not None:  # non-finite logits: no answer from a broken model
+                    served = self.state.served
+                    raise APIError(500, f"checkpoint {served.checkpoint or served.name}: {payload[0].error}; its "
+                                        "weights, or their forward, are broken", type="server_error",
+                                   code="non_finite_logits")
             elif kind == "error":
                 raise APIError(500, "the generation engine failed; see the server's log", type="server_error")
         return out
 
 
-def _error(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+def _error(e: APIError) -> Response:
+    # ASCII JSON: a message quoting client text can never fail to encode.
+    return Response(json.dumps(e.body()), status_code=e.status, media_type="application/json")
 
 
-async def _read_json(request: HTTPRequest) -> Any:
+async def _read_body(request: HTTPRequest) -> bytes:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY:
         raise APIError(413, f"the request body is larger than {MAX_BODY} bytes")
@@ -181,11 +201,7 @@ async def _read_json(request: HTTPRequest) -> Any:
         if size > MAX_BODY:
             raise APIError(413, f"the request body is larger than {MAX_BODY} bytes")
         parts.append(part)
-    try:
-        return json.loads(b"".join(parts))
-    except (ValueError, RecursionError) as e:
-        raise APIError(400, f"We could not parse the JSON body of your request ({type(e).__name__}: "
-                            f"{str(e)[:80]})") from None
+    return b"".join(parts)
 
 
 def _authorised(state: State, request: HTTPRequest) -> None:
@@ -202,17 +218,18 @@ def endpoint(fn: Callable) -> Callable:
     """Authorisation, OpenAI-shaped errors, and a 500 without a traceback for anything unexpected."""
     async def wrapped(request: HTTPRequest) -> Response:
         state: State = request.app.state.olmax
+        where = f"{request.method} {shown(request.url.path, 200)}"
         try:
             _authorised(state, request)
             return await fn(request, state)
         except APIError as e:
-            state.log(f"serve: {request.method} {request.url.path} {e.status} {e.message}")
+            state.log(f"serve: {where} {e.status} {shown(e.message, 1000)}")
             return _error(e)
         except ClientDisconnect:  # gone before its request was read: nobody to answer
-            state.log(f"serve: {request.method} {request.url.path} client disconnected before sending its request")
+            state.log(f"serve: {where} client disconnected before sending its request")
             return Response(status_code=499)
         except Exception:  # noqa: BLE001 - a bug: logged in full, answered without details
-            state.log(f"serve: {request.method} {request.url.path} 500\n{traceback.format_exc().rstrip()}")
+            state.log(f"serve: {where} 500\n{traceback.format_exc().rstrip()}")
             return _error(APIError(500, "internal server error (logged by the server)", type="server_error"))
     return wrapped
 
@@ -245,26 +262,51 @@ async def model(request: HTTPRequest, state: State) -> Response:
 
 @endpoint
 async def chat_completions(request: HTTPRequest, state: State) -> Response:
-    return await _complete(request, state, parse_chat, "chatcmpl")
+    return await _complete(request, state, "chat", "chatcmpl")
 
 
 @endpoint
 async def completions(request: HTTPRequest, state: State) -> Response:
-    return await _complete(request, state, parse_completion, "cmpl")
+    return await _complete(request, state, "completion", "cmpl")
 
 
-async def _complete(request: HTTPRequest, state: State, parse: Callable[[Any, ServedModel], Job],
-                    prefix: str) -> Response:
+async def _admit(request: HTTPRequest, state: State, kind: str) -> tuple[Job, Run]:
+    """Read, check and tokenize the request and submit its choices to the engine, within the
+    admission deadline (408 past it); the work that grows with the request is off the event loop."""
+    timeout = state.admission_timeout
+    deadline = time.monotonic() + timeout
+    raw = b""
+    with anyio.move_on_after(timeout) as scope:
+        raw = await _read_body(request)
+    if scope.cancelled_caught:  # a client that sends its body too slowly holds nothing for long
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="request_timeout")
+    try:
+        job = await state.admission(kind, raw, deadline)
+    except TimeoutError:
+        raise APIError(408, f"the request was not ready for the engine within {timeout:g} s of arriving (reading "
+                            "its body, checking it and tokenizing its prompt): send a shorter prompt",
+                       code="request_timeout") from None
+    run = Run(job, state)
+    try:
+        # Submitting checks every prompt token again (the engine's own checks): a thread, for the largest requests.
+        await to_thread.run_sync(run.start)
+    except BaseException:  # the client went away meanwhile (or the engine refused): nothing left decoding
+        run.cancel()
+        raise
+    return job, run
+
+
+async def _complete(request: HTTPRequest, state: State, kind: str, prefix: str) -> Response:
     t0 = time.perf_counter()
     if state.draining:
         raise APIError(503, "the server is shutting down", type="server_error")
-    body = await _read_json(request)
-    # Rendering and tokenising a long prompt take a while: off the event loop, which streams the others.
-    job = await to_thread.run_sync(parse, body, state.served)
+    state.admitting += 1
+    try:
+        job, run = await _admit(request, state, kind)
+    finally:
+        state.admitting -= 1
     rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
     state.requests += 1
-    run = Run(job, state)
-    run.start()
     if job.stream:
         return StreamingResponse(_stream(run, rid, t0), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -280,9 +322,20 @@ async def _complete(request: HTTPRequest, state: State, parse: Callable[[Any, Se
             _log_run(state, rid, job, run, t0, "client disconnected")
     if not collect.done():
         return Response(status_code=499)
-    choices = collect.result()  # raises the engine's failure as an APIError
+    try:
+        choices = collect.result()  # raises the engine's failure as an APIError
+    except APIError:
+        run.cancel()  # the other choices of a request that failed
+        raise
     _log_run(state, rid, job, run, t0)
-    return JSONResponse(response(job, rid, state.served, choices))
+    # Logprobs of many long choices make a large answer: built and encoded off the event loop.
+    body = await to_thread.run_sync(_render, job, rid, state.served, choices)
+    return Response(body, media_type="application/json")
+
+
+def _render(job: Job, rid: str, served: ServedModel, choices: list[Choice]) -> bytes:
+    return json.dumps(response(job, rid, served, choices), ensure_ascii=False, allow_nan=False,
+                      separators=(",", ":")).encode("utf-8")
 
 
 async def _disconnected(request: HTTPRequest) -> None:
@@ -346,14 +399,16 @@ async def _stream(run: Run, rid: str, t0: float) -> AsyncIterator[str]:
                 text = texts[c].ready()
                 if comp is not None:
                     text += texts[c].finish(final_text(served.codec, comp.token_ids, job.stops))
-                elif not (text or per_chunk):
+                elif not (text or per_chunk or (ids and served.codec is None)):
                     continue
-                choice = chunk_choice(job, served, c, text, ids if per_chunk else [], ls,
-                                      comp.finish_reason if comp is not None else None)
+                choice = chunk_choice(job, served, c, text, ids, ls, comp.finish_reason if comp is not None else None,
+                                      logprobs=per_chunk)
                 if comp is not None and job.logprobs and job.top_logprobs:
                     tops = comp.top_logprobs
                     make = chat_logprobs if job.chat else completion_logprobs
-                    choice["logprobs"] = make(served.codec, comp.token_ids, comp.logprobs, tops)
+                    # A whole completion's top logprobs: built off the event loop.
+                    choice["logprobs"] = await to_thread.run_sync(make, served.codec, comp.token_ids, comp.logprobs,
+                                                                  tops)
                 out.append(choice)
             if out:
                 yield _sse(chunk(job, rid, served, created, out))
@@ -383,7 +438,10 @@ async def _internal(request: HTTPRequest, exc: Exception) -> Response:
 
 
 def create_app(served: ServedModel, worker: EngineWorker, api_key: str | None = None,
-               log: Callable[[str], None] | None = None) -> Starlette:
+               log: Callable[[str], None] | None = None, admission: Any = None,
+               admission_timeout: float = DEFAULT_TIMEOUT) -> Starlette:
+    """``admission``: what turns a body into engine work (``olmax.serve.admission``; default
+    ``InThread``, in this process: ``olmax serve`` passes ``Workers``)."""
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
@@ -392,5 +450,6 @@ def create_app(served: ServedModel, worker: EngineWorker, api_key: str | None = 
         Route("/v1/completions", completions, methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: _not_found, Exception: _internal})
-    app.state.olmax = State(served, worker, api_key, **({"log": log} if log else {}))
+    app.state.olmax = State(served, worker, api_key, **({"log": log} if log else {}),
+                            admission=admission or InThread(served), admission_timeout=admission_timeout)
     return app

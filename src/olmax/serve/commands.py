@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from olmax.argtypes import int_in, nonneg_int, positive_int
+from olmax.argtypes import int_in, nonneg_int, positive_float, positive_int
+from olmax.serve import DEFAULT_ADMISSION_TIMEOUT as DEFAULT_TIMEOUT
 from olmax.serve import DEFAULT_MAX_LENGTH
 
 DEFAULT_PORT = 8000
@@ -28,7 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int_in(0, 65535), default=DEFAULT_PORT,
                    help=f"port (default {DEFAULT_PORT}; 0: a free one, printed on the startup line)")
     p.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' (default: $OLMAX_API_KEY if set, else no key)")
+                   help="require 'Authorization: Bearer KEY' (default: $OLMAX_API_KEY if set, else no key; an "
+                        "empty key is an error, not 'no key')")
     p.add_argument("--max-concurrency", type=positive_int, default=DEFAULT_SLOTS, metavar="N",
                    help=f"requests decoded together: the engine's slots (default {DEFAULT_SLOTS}); more wait")
     p.add_argument("--max-length", type=positive_int, default=None, metavar="L",
@@ -44,4 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "that no request waits for a compile")
     p.add_argument("--model-name", default=None, metavar="NAME",
                    help="the model id clients name (default: --checkpoint as given)")
+    p.add_argument("--admission-timeout", type=positive_float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                   help=f"the most a request may take from arriving to reaching the engine's queue (reading its "
+                        f"body, checking it, tokenizing its prompt); past it: 408 (default {DEFAULT_TIMEOUT:g})")
     p.set_defaults(func=_serve)

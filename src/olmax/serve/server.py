@@ -1,6 +1,7 @@
-"""``olmax serve``: load a checkpoint as ``olmax generate`` does, start the engine worker and
-serve the app with uvicorn. SIGTERM (or Ctrl-C) stops accepting connections, lets the requests
-in flight finish, and exits 0."""
+"""``olmax serve``: load a checkpoint as ``olmax generate`` does, start the engine worker and the
+admission's parse workers, and serve the app with uvicorn. SIGTERM (or Ctrl-C) drains: new
+requests are answered 503 (``/health`` too, for a load balancer) while the requests already
+accepted finish, then the server stops accepting connections and exits 0."""
 
 from __future__ import annotations
 
@@ -30,17 +31,33 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def api_key(flag: str | None) -> str | None:
+    """``--api-key``, else ``$OLMAX_API_KEY``, else None (no key). An empty key, or one with
+    whitespace at an end (which an Authorization header cannot carry), is refused: it would turn
+    authentication off, or lock every client out."""
+    key, where = (flag, "--api-key") if flag is not None else (os.environ.get("OLMAX_API_KEY"), "OLMAX_API_KEY")
+    if key is None:
+        return None
+    if not key:
+        raise ConfigError(f"{where} is empty: give a key, or leave it unset to serve without one")
+    if key != key.strip() or not key.isprintable():
+        raise ConfigError(f"{where} has whitespace at an end or a control character, which a client's "
+                          "'Authorization: Bearer KEY' header cannot carry")
+    return key
+
+
 def cmd_serve(args: Any) -> int:
     require("serve")
     import uvicorn
 
     from olmax.infer.run import Model
+    from olmax.serve.admission import Workers
     from olmax.serve.app import create_app
     from olmax.serve.protocol import ServedModel
     from olmax.serve.worker import EngineWorker, build_engine, warm_up
 
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
-    api_key = args.api_key if args.api_key is not None else os.environ.get("OLMAX_API_KEY") or None
+    key = api_key(args.api_key)
     sock = _bind(args.host, args.port)  # before the weights load: a busy port fails fast
     model = Model(args.checkpoint, args.tokenizer, args.dtype)
     positions = model.cfg.model.max_position_embeddings
@@ -52,20 +69,27 @@ def cmd_serve(args: Any) -> int:
     engine = build_engine(model, args.max_concurrency, max_length, prefill_tokens=args.prefill_tokens)
     if args.warmup is not None:
         warm_up(engine, model.cfg.model, args.warmup or max_length - 1, log)
+    admission = Workers(served)
     worker = EngineWorker(engine, log).start()
-    app = create_app(served, worker, api_key, log)
+    app = create_app(served, worker, key, log, admission=admission, admission_timeout=args.admission_timeout)
     state = app.state.olmax
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            # Not uvicorn's own: it re-raises the signal after shutting down, so that the process
-            # dies of it; a drained server exits 0. A second Ctrl-C stops at once.
-            if state.draining and sig == signal.SIGINT:
-                self.force_exit = True
+            # Not uvicorn's own: it stops accepting connections at once (a new request then meets
+            # a refused connection, not the 503 a load balancer reads) and re-raises the signal
+            # after shutting down, so that the process dies of it; a drained server exits 0. A
+            # second Ctrl-C stops at once.
+            if state.draining:
+                if sig == signal.SIGINT:
+                    self.should_exit = self.force_exit = True
                 return
-            log(f"olmax serve: signal {sig}: finishing {worker.in_flight()} request(s) in flight, refusing new ones")
+            log(f"olmax serve: signal {sig}: finishing {worker.in_flight() + state.admitting} request(s) in "
+                "flight, answering new ones 503")
             state.draining = True
-            self.should_exit = True
+
+        async def on_tick(self, counter: int) -> bool:
+            return state.drained() or await super().on_tick(counter)
 
         async def startup(self, sockets: list | None = None) -> None:
             await super().startup(sockets)
@@ -74,13 +98,16 @@ def cmd_serve(args: Any) -> int:
                 url_host = f"[{host}]" if ":" in host else host
                 log(f"olmax serve: {served.name} at http://{url_host}:{port}/v1 (slots {args.max_concurrency}, "
                     f"max length {max_length}, chat template: "
-                    f"{model.codec.template_source if model.codec else 'none (no tokenizer)'}"
-                    f"{', API key required' if api_key else ''})")
+                    f"{model.codec.template_source if model.codec else 'none (no tokenizer: token ids only)'}"
+                    f"{', API key required' if key else ''})")
 
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=None)
     t0 = time.perf_counter()
-    Server(config).run(sockets=[sock])
+    try:
+        Server(config).run(sockets=[sock])
+    finally:
+        admission.close()
     worker.close()
     log(f"olmax serve: stopped after {time.perf_counter() - t0:.0f} s, {state.requests} request(s)")
     return 0
