@@ -4,7 +4,7 @@ client; the same greedy completions as ``olmax generate --chat`` / ``--prompt-id
 sampled request gives the same completion alone and among 8 concurrent others, streamed or not; a
 probe of malformed requests (strings that are not text, empty stops) and abrupt disconnects leaves
 it answering /health with error JSON and no traceback in any body or log line; a 15 MB body and a
-body of millions of small JSON values never hold /health past 100 ms; SIGTERM answers new requests
+body of millions of small JSON values never stall /health (under 100 ms measured, 0.5 s asserted); SIGTERM answers new requests
 503 while the request in flight finishes, then exits 0; a checkpoint whose forward overflows ends
 ``olmax generate`` and the served request naming the checkpoint and step, and without a tokenizer
 answers token ids."""
@@ -299,8 +299,11 @@ def test_no_body_stalls_health_or_a_stream(server: ServeProcess, client) -> None
     assert (rest or [first])[-1].choices[0].finish_reason in ("stop", "length")
     print(f"15 MB body: 400 in {big_s:.3f} s; 5 MB dense body: 400 in {dense_s:.3f} s; /health slowest "
           f"{watch.slowest * 1000:.1f} ms of {len(watch.times)}")
+    # The claim is that no body stalls the event loop (before: /health held 58-72 s, the 400 after
+    # about 70 s). The bounds leave room for a loaded 2-core CI host; the figures measured here
+    # (0.11-0.27 s and at most 47 ms on 2026-12-07) are printed above.
     assert big_s < 2.0, big_s
-    assert watch.slowest < 0.1, sorted(watch.times)[-5:]
+    assert watch.slowest < 0.5, sorted(watch.times)[-5:]
 
 
 @pytest.fixture(scope="module")
