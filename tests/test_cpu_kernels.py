@@ -23,6 +23,7 @@ from olmax.kernels import cpu as cpu_kernels
 from olmax.model.decode import layout_of
 from olmax.model.dispatch import decode_layout
 from olmax.model.params import init_params
+from trainlib import normal
 
 TINY = ModelConfig(vocab_size=100, padded_vocab_size=128, d_model=64, n_layers=5, n_heads=4, n_kv_heads=2,
                    head_dim=16, mlp_hidden=96, norm_eps=1e-6, rope_theta=10000.0, sliding_window=8,
@@ -255,9 +256,9 @@ def test_cache_attention_equals_the_reference(b: int, kv: int, g: int, s: int, e
     from olmax.model.layers import position_mask
 
     keys = jax.random.split(jax.random.key(b * 100 + s), 4)
-    q = jax.random.normal(keys[0], (b, kv, g, e), jnp.float32)
-    k = jax.random.normal(keys[1], (b, kv, s, e), jnp.float32)
-    v = jax.random.normal(keys[2], (b, kv, s, e), jnp.float32)
+    q = normal(keys[0], (b, kv, g, e), jnp.float32)
+    k = normal(keys[1], (b, kv, s, e), jnp.float32)
+    v = normal(keys[2], (b, kv, s, e), jnp.float32)
     rng = np.random.default_rng(s)
     k_pos = np.stack([rng.permutation(s) - rng.integers(0, 4) for _ in range(b)]).astype(np.int32)  # some -1..-3: empty
     k_pos[k_pos < 0] = -1

@@ -24,6 +24,7 @@ from olmax.engine.sampling import knobs
 from olmax.model.decode import cache_bytes, prefill, prepare
 from olmax.model.params import init_params
 from olmax.recipes.olmo3 import olmo3_7b_model
+from trainlib import normal
 
 TINY = ModelConfig(vocab_size=100, padded_vocab_size=128, d_model=64, n_layers=5, n_heads=4, n_kv_heads=2,
                    head_dim=16, mlp_hidden=96, norm_eps=1e-6, rope_theta=10000.0, sliding_window=8,
@@ -313,7 +314,7 @@ def test_streamed_weights_equal_the_plain_matmul(rows: int) -> None:
     few rows (multiply-and-reduce) and many (contraction of the last axes), to fp32 rounding."""
     from olmax.model.olmo3 import OutIn
     kx, kw = jax.random.split(jax.random.key(rows))
-    x = jax.random.normal(kx, (rows, 1, 96))
+    x = normal(kx, (rows, 1, 96))
     w = jax.random.normal(kw, (96, 40))
     got = jax.jit(lambda x, t: OutIn(t).apply(x))(x, w.T)
     assert got.shape == (rows, 1, 40) and got.dtype == x.dtype

@@ -26,6 +26,7 @@ from olmax.model.layers import position_mask
 from olmax.model.loss import token_logps
 from olmax.model.params import init_params
 from olmax.rl import grpo
+from trainlib import normal
 
 # olmax's C++ CPU kernels: skipped where JAX's backend is not the CPU (tests/conftest.py).
 pytestmark = pytest.mark.cpu_only
@@ -137,9 +138,9 @@ def test_sequence_attention_is_each_decode_steps(t: int, h: int, kv: int, e: int
     whole length) holding the keys up to that query: the order of the sums is the decode cache's."""
     b = 2
     ks = jax.random.split(jax.random.key(t * 10 + e), 3)
-    q = jax.random.normal(ks[0], (b, t, h, e), jnp.float32)
-    k = jax.random.normal(ks[1], (b, t, kv, e), jnp.float32)
-    v = jax.random.normal(ks[2], (b, t, kv, e), jnp.float32)
+    q = normal(ks[0], (b, t, h, e), jnp.float32)
+    k = normal(ks[1], (b, t, kv, e), jnp.float32)
+    v = normal(ks[2], (b, t, kv, e), jnp.float32)
     got = np.asarray(jax.jit(lambda q, k, v: cpu_kernels.sequence_attention(q, k, v, window))(q, k, v))
     ref = np.asarray(reference_attention(q, k, v, window))
     np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6)

@@ -29,6 +29,7 @@ from olmax.model.olmo3 import REMAT_NAMES, layer_groups
 from olmax.model.params import init_params
 from olmax.objectives.lm import make_lm_step
 from olmax.recipes import get_recipe
+from trainlib import normal
 
 RTOL = 1e-6
 
@@ -37,20 +38,22 @@ INTEGRATION = pytest.mark.integration  # the larger cases: `make test-integratio
 
 def _qkv(b, t, h, kv, e, seed=0):
     ks = jax.random.split(jax.random.key(seed), 3)
-    return (jax.random.normal(ks[0], (b, t, h, e)), jax.random.normal(ks[1], (b, t, kv, e)),
-            jax.random.normal(ks[2], (b, t, kv, e)))
+    return (normal(ks[0], (b, t, h, e)), normal(ks[1], (b, t, kv, e)),
+            normal(ks[2], (b, t, kv, e)))
 
 
 def _assert_matches_reference(kernel, q, k, v, window):
     """``kernel(q, k, v)`` against ``reference_attention``: output and the gradients of a
     nonlinear function of it, within 1e-5 of the largest magnitude (fp32)."""
-    out, ref = kernel(q, k, v), reference_attention(q, k, v, window)
+    ref_fn = lambda q, k, v: reference_attention(q, k, v, window)
+    # Compiled whole: run op by op, each of the ~100 operations compiles on its own.
+    out, ref = jax.jit(kernel)(q, k, v), jax.jit(ref_fn)(q, k, v)
     assert float(jnp.abs(out - ref).max()) <= 1e-5 * max(1.0, float(jnp.abs(ref).max()))
 
     def loss(fn):
         return lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v)))
     g = jax.jit(jax.grad(loss(kernel), argnums=(0, 1, 2)))(q, k, v)
-    g_ref = jax.grad(loss(lambda q, k, v: reference_attention(q, k, v, window)), argnums=(0, 1, 2))(q, k, v)
+    g_ref = jax.jit(jax.grad(loss(ref_fn), argnums=(0, 1, 2)))(q, k, v)
     for name, a, b in zip("qkv", g, g_ref):
         assert float(jnp.abs(a - b).max()) <= 1e-5 * max(1.0, float(jnp.abs(b).max())), f"d{name}"
 
@@ -83,23 +86,23 @@ def test_head_major_copy_is_exact(corner):
     values (the one is built from the first element): every bit of the transpose, infs, NaNs and
     signed zeros included, and the gradient is the transposed cotangent bit for bit. Subnormals
     read as zero, as in every arithmetic operation of XLA CPU (the attention's matmuls too)."""
-    x = jax.random.normal(jax.random.key(5), (2, 6, 4, 8)).at[0, 0, 0, 0].set(corner)
+    x = normal(jax.random.key(5), (2, 6, 4, 8)).at[0, 0, 0, 0].set(corner)
     x = x.at[1, 2, 3].set(jnp.array([jnp.inf, -jnp.inf, jnp.nan, -0.0, 0.0, 3e-45, 3e38, -1.0]))
     want = np.asarray(x).reshape(2, 6, 2, 2, 8).transpose(0, 2, 3, 1, 4).copy()
     want[(np.abs(want) < np.finfo(np.float32).tiny) & (want != 0)] = 0.0
     got = np.asarray(jax.jit(_head_major, static_argnums=1)(x, 2))
     assert got.tobytes() == want.tobytes()
-    w = jax.random.normal(jax.random.key(6), want.shape)
+    w = normal(jax.random.key(6), want.shape)
     grad = jax.jit(jax.grad(lambda x: jnp.sum(_head_major(x, 2) * w)))(x)
     assert np.asarray(grad).tobytes() == np.asarray(w).transpose(0, 3, 1, 2, 4).reshape(x.shape).tobytes()
 
 
 def test_swiglu_backward_equals_autodiff():
-    gu = jax.random.normal(jax.random.key(4), (2, 16, 2 * 24)) * 3
+    gu = normal(jax.random.key(4), (2, 16, 2 * 24)) * 3
     plain = lambda gu: jnp.sum(jnp.cos(jax.nn.silu(gu[..., :24]) * gu[..., 24:]))
     assert float(jnp.abs(layers.swiglu(gu) - jax.nn.silu(gu[..., :24]) * gu[..., 24:]).max()) == 0.0
-    got = jax.grad(lambda gu: jnp.sum(jnp.cos(layers.swiglu(gu))))(gu)
-    want = jax.grad(plain)(gu)
+    got = jax.jit(jax.grad(lambda gu: jnp.sum(jnp.cos(layers.swiglu(gu)))))(gu)
+    want = jax.jit(jax.grad(plain))(gu)
     assert float(jnp.abs(got - want).max()) <= 1e-5 * float(jnp.abs(want).max())
 
 
@@ -205,11 +208,14 @@ def test_head_loss_gradient_equals_autodiff_of_the_loss(chunk, z_loss):
     ids, mask = _batch(cfg, b=2)
     batch = {"input_ids": ids, "label_mask": mask}
     zm = z_loss or 0.0
-    plain = jax.value_and_grad(lambda p: (lambda ce, z: (ce + zm * z) / 300.0)(*loss_sums(p, batch, cfg)))
-    fused = jax.value_and_grad(lambda p: head_loss(p, batch, cfg)[0] / 300.0)
-    (l_p, g_p), (l_f, g_f) = plain(params), fused(params)
+    # Each compiled whole, as training and evaluation run them (op by op, ~100 operations compile
+    # one by one): head_loss's sums as the train step's gradient computes them, loss_sums's as eval's.
+    plain = jax.jit(jax.value_and_grad(lambda p: (lambda ce, z: (ce + zm * z) / 300.0)(*loss_sums(p, batch, cfg))))
+    fused = jax.jit(jax.value_and_grad(lambda p: (lambda loss, sums: (loss / 300.0, sums))(*head_loss(p, batch, cfg)),
+                                       has_aux=True))
+    (l_p, g_p), ((l_f, sums_f), g_f) = plain(params), fused(params)
     assert abs(float(l_p) - float(l_f)) <= RTOL * abs(float(l_p))
-    assert [float(x) for x in head_loss(params, batch, cfg)[1]] == [float(x) for x in loss_sums(params, batch, cfg)]
+    assert [float(x) for x in sums_f] == [float(x) for x in jax.jit(lambda p: loss_sums(p, batch, cfg))(params)]
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_f), jax.tree.leaves(g_p)):
         assert float(jnp.abs(a - b).max()) <= 1e-5 * float(jnp.abs(b).max() + 1e-30), jax.tree_util.keystr(path)
 
