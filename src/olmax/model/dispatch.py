@@ -319,15 +319,18 @@ def qk_norm_rope(q: jax.Array, k: jax.Array, wq: jax.Array, wk: jax.Array, cos: 
 
 def resolve_attention(requested: str, dtype: Any = None, platform: str | None = None,
                       training_kernels: bool = False) -> str:
-    """``model.attention_impl`` -> an implementation. "auto": splash on TPU; on GPU cuDNN when the
-    compute dtype is bf16/fp16 (cuDNN has no fp32 kernel), XLA's fused path otherwise; on CPU the
-    XLA ``blocked`` one, or with ``training_kernels`` (``model.cpu_training_kernels``) olmax's
-    kernel in fp32 where it is built."""
+    """``model.attention_impl`` -> an implementation. "auto": on TPU splash, but the XLA ``blocked``
+    one when the compute dtype is fp32 (splash's backward kernels multiply fp32 at Mosaic's default
+    precision: on a v5e, 2026-12-07, its fp32 dq/dk/dv missed the reference by up to 5.6e-3 of
+    their largest value while its forward held 1.1e-6; ``blocked`` runs under exact fp32 products);
+    on GPU cuDNN when the compute dtype is bf16/fp16 (cuDNN has no fp32 kernel), XLA's fused path
+    otherwise; on CPU the XLA ``blocked`` one, or with ``training_kernels``
+    (``model.cpu_training_kernels``) olmax's kernel in fp32 where it is built."""
     platform = platform or target_platform()
     if requested != "auto":
         return requested
     if platform == "tpu":
-        return "splash"
+        return "blocked" if dtype is not None and jnp.dtype(dtype) == jnp.float32 else "splash"
     if platform == "gpu":
         return "cudnn" if dtype is None or jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
     if training_kernels and dtype is not None and jnp.dtype(dtype) == jnp.float32 and cpu.available():
