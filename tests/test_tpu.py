@@ -134,9 +134,26 @@ def test_splash_attention_matches_the_reference(dtype: str, window: int | None, 
     reference = lambda q, k, v: reference_attention(q, k, v, window, seg_cpu)
     want, want_grads = _out_and_grads(reference, q, k, v)
     if dt == jnp.float32:
+        # splash's fp32 forward is exact; its backward kernels multiply at Mosaic's default precision
+        # (a v5e, 2026-12-07: dq/dk/dv 2.8e-3 to 5.6e-3 off), which is why "auto" attention takes the
+        # blocked kernel in fp32 on a TPU: its output and gradients, through the dispatch as the model
+        # calls it, are held to the same 1e-5.
         errors = {"out": _rel(out, want), **{f"d{n}": _rel(a, b) for n, a, b in zip("qkv", grads, want_grads)}}
         print(f"measured: fp32 splash vs the reference on {jax.default_backend()}: {errors}")
-        assert all(err <= 1e-5 for err in errors.values()), f"fp32 splash vs the reference (bound 1e-5): {errors}"
+        assert errors["out"] <= 1e-5, f"fp32 splash forward vs the reference (bound 1e-5): {errors}"
+        auto = tier_model(attention_impl="auto")
+        assert attention_impl(auto, q, k, platform=_platform()) == "blocked"
+
+        def model_attention(q, k, v):
+            with fp32_products(q.dtype):
+                return attend(q, k, v, window, auto, seg)
+
+        q, k, v = jax.device_put((q, k, v), jax.devices()[0])
+        out, grads = _out_and_grads(model_attention, q, k, v)
+        errors = {"out": _rel(out, want), **{f"d{n}": _rel(a, b) for n, a, b in zip("qkv", grads, want_grads)}}
+        print(f"measured: fp32 auto ({attention_impl(auto, q, k)}) vs the reference on {jax.default_backend()}: "
+              f"{errors}")
+        assert all(err <= 1e-5 for err in errors.values()), f"fp32 attention vs the reference (bound 1e-5): {errors}"
         return
     truth, truth_grads = _out_and_grads(reference, *(x.astype(jnp.float32) for x in (q, k, v)))
     ours = {"out": _rel(out, truth), **{f"d{n}": _rel(a, b) for n, a, b in zip("qkv", grads, truth_grads)}}
