@@ -595,10 +595,13 @@ class Check:
             by_thread[thread] = by_thread.get(thread, 0.0) + s
             ops = by_op.setdefault(thread, {})
             ops[e["name"]] = ops.get(e["name"], 0.0) + s
-            sample.setdefault(thread, e.get("args"))
+            args = e.get("args") or {}
+            keys = ("tf_op", "source", "hlo_category", "long_name")
+            sample.setdefault(e["name"], {k: str(args[k])[:300] for k in keys if k in args})
         top = {t: dict(sorted(ops.items(), key=lambda kv: -kv[1])[:30]) for t, ops in by_op.items()}
+        where = {name: sample.get(name) for ops in top.values() for name in ops}  # what each top op computes
         return {"device_processes": sorted(procs[p] for p in device), "seconds_per_step_by_thread": by_thread,
-                "seconds_per_step_by_op": top, "event_args_sample": json.loads(json.dumps(sample, default=str)),
+                "seconds_per_step_by_op": top, "top_ops": where,
                 "file": os.path.relpath(files[0], d)}
 
     def decode(self) -> dict:
