@@ -53,8 +53,8 @@ def test_kernel_equals_the_float64_product(rows: int, shape: tuple[int, int]) ->
     size: within fp32 rounding of the float64 product, and as close as XLA's own fp32 matmul."""
     i, o = shape
     kx, kw = jax.random.split(jax.random.key(rows * 1000 + i))
-    x = jax.random.normal(kx, (rows, i), jnp.float32)
-    w = jax.random.normal(kw, (i, o), jnp.float32)
+    x = normal(kx, (rows, i), jnp.float32)
+    w = normal(kw, (i, o), jnp.float32)
     got = np.asarray(jax.jit(lambda x, p: cpu_kernels.skinny_matmul(x, p, o))(x, cpu_kernels.pack(w)))
     exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     assert got.shape == (rows, o) and got.dtype == np.float32
@@ -66,7 +66,7 @@ def test_kernel_equals_the_float64_product(rows: int, shape: tuple[int, int]) ->
 
 
 def test_pack_round_trips_exactly() -> None:
-    w = jax.random.normal(jax.random.key(0), (37, 40))
+    w = normal(jax.random.key(0), (37, 40))
     for p in (cpu_kernels.pack(w), cpu_kernels._pack_xla(w)):   # the kernel's (where built) and XLA's
         assert p.shape == (3, 37, 16)
         assert np.array_equal(np.asarray(cpu_kernels.unpack(p, 40)), np.asarray(w))
@@ -78,7 +78,7 @@ def test_pack_round_trips_exactly() -> None:
 def test_the_kernels_pack_is_xlas(shape: tuple[int, int]) -> None:
     """The kernel's pack (RL packs the weights again after every update) moves the same numbers
     to the same places as XLA's transpose, padding included, inside a jitted program too."""
-    w = jax.random.normal(jax.random.key(5), shape)
+    w = normal(jax.random.key(5), shape)
     want = np.asarray(cpu_kernels._pack_xla(w))
     assert np.array_equal(np.asarray(cpu_kernels.pack(w)), want)
     assert np.array_equal(np.asarray(jax.jit(cpu_kernels.pack)(w)), want)
@@ -90,8 +90,8 @@ def test_a_row_has_the_same_bits_in_any_batch() -> None:
     block, thread or kernel (one row, or blocks of up to 6 or 12 rows) computes it: a row alone,
     and in batches of 2 to 40, gives the same bits. (XLA CPU's matmul does not: rows of M = 8 or 32 differ from
     M = 1 in the last bits; README, RL.)"""
-    w = jax.random.normal(jax.random.key(1), (512, 1024))
-    x = jax.random.normal(jax.random.key(2), (40, 512))
+    w = normal(jax.random.key(1), (512, 1024))
+    x = normal(jax.random.key(2), (40, 512))
     p = cpu_kernels.pack(w)
     f = jax.jit(lambda x, p: cpu_kernels.skinny_matmul(x, p, 1024))
     alone = np.stack([np.asarray(f(x[r:r + 1], p))[0] for r in range(40)])

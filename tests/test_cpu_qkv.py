@@ -27,8 +27,8 @@ EPS = 1e-6
 def _inputs(b, t, h, kv, e, seed=0, per_row=False):
     ks = jax.random.split(jax.random.key(seed), 4)
     x = 2 * normal(ks[0], (b, t, (h + 2 * kv) * e), jnp.float32)
-    wq = 1 + 0.3 * jax.random.normal(ks[1], (h * e,), jnp.float32)
-    wk = 1 + 0.3 * jax.random.normal(ks[2], (kv * e,), jnp.float32)
+    wq = 1 + 0.3 * normal(ks[1], (h * e,), jnp.float32)
+    wk = 1 + 0.3 * normal(ks[2], (kv * e,), jnp.float32)
     pos = np.asarray(jax.random.randint(ks[3], (b, t), 0, 4 * t)) if per_row else np.arange(t)
     ang = pos[..., None].astype(np.float32) * (10000.0 ** (-np.arange(0, e, 2) / e)).astype(np.float32)
     ang = np.concatenate([ang, ang], axis=-1).astype(np.float64)

@@ -162,8 +162,8 @@ def test_the_kernels_rms_norm() -> None:
     """Within fp32 rounding of XLA's RMSNorm and float64; a row alone gives the bits it gives in
     a batch of 300; ``dispatch.rms_norm`` under the decode arithmetic is the kernel, and its gradient
     is XLA's RMSNorm's."""
-    x = jax.random.normal(jax.random.key(0), (300, 96), jnp.float32) * 3
-    w = jax.random.normal(jax.random.key(1), (96,), jnp.float32)
+    x = normal(jax.random.key(0), (300, 96), jnp.float32) * 3
+    w = normal(jax.random.key(1), (96,), jnp.float32)
     f = jax.jit(lambda x, w: cpu_kernels.rms_norm(x, w, 1e-6))
     got = np.asarray(f(x, w))
     x64 = np.asarray(x, np.float64)
@@ -173,7 +173,7 @@ def test_the_kernels_rms_norm() -> None:
     np.testing.assert_allclose(got, np.asarray(xla_norm(x, w)), rtol=2e-6, atol=2e-6)
     for r in (0, 7, 299):
         assert np.array_equal(np.asarray(f(x[r:r + 1], w))[0], got[r])
-    dy = jax.random.normal(jax.random.key(2), x.shape, jnp.float32)
+    dy = normal(jax.random.key(2), x.shape, jnp.float32)
 
     def kernel_norm(x, w):
         with reproduce_decode_bits():
@@ -190,8 +190,8 @@ def test_the_kernels_rms_norm() -> None:
 def test_the_product_at_many_rows_keeps_each_rows_bits() -> None:
     """Above a chunk of rows (120 at 512 inputs) the kernel goes chunk by chunk: every row of 250
     still has the bits it has alone, within fp32 rounding of float64."""
-    x = jax.random.normal(jax.random.key(3), (250, 512), jnp.float32)
-    w = jax.random.normal(jax.random.key(4), (512, 200), jnp.float32)
+    x = normal(jax.random.key(3), (250, 512), jnp.float32)
+    w = normal(jax.random.key(4), (512, 200), jnp.float32)
     f = jax.jit(cpu_kernels.matmul)
     got = np.asarray(f(x, w))
     for r in (0, 119, 120, 121, 249):

@@ -29,6 +29,7 @@ from olmax.objectives.lm import make_lm_step
 from olmax.optim import apply_update, init_opt_state
 from olmax.recipes import get_recipe
 from olmax.sharding import make_mesh
+from trainlib import normal
 
 V, L, B, STEPS = 64, 32, 8, 40
 # A tiny OLMo 3 (one sliding and one full layer) whose LM head is padded to 128 rows, so every
@@ -218,7 +219,7 @@ def test_kl_perturbed_matches_numpy(cfg):
     p = init_params(cfg.model, jax.random.key(3))
     # Scale the head so the distributions are peaked (a near-uniform model makes every KL tiny).
     p = dict(p, lm_head=p["lm_head"] * 40.0)
-    noise = jax.random.normal(jax.random.key(4), p["lm_head"].shape) * 0.3
+    noise = normal(jax.random.key(4), p["lm_head"].shape) * 0.3
     q = dict(p, lm_head=p["lm_head"] + noise)
     toks = np.random.default_rng(1).integers(0, V, (4, L))
     r = kl(p, cfg, q, cfg, toks)
