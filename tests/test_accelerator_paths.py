@@ -186,12 +186,14 @@ def test_accelerator_branches_match_the_cpu_path(tiny, monkeypatch):
             assert _worst(g, want_g) <= 1e-5, (impl, what, _worst(g, want_g))
 
 
-def test_accelerator_branches_trace_separate_projections(tiny, monkeypatch):
+def test_accelerator_branches_trace_separate_projections(monkeypatch):
     """The forced branch is the accelerator's: q, k, v, out, gate, up, down and the LM head as
     einsums over [b, t, i]; on the CPU's, joined qkv and gate/up, 2-D matmuls (the LM head aside)."""
-    m, _, ids, _, _ = tiny
-    m = replace(m, scan_layers=False, n_layers=1, attention_impl="reference")
-    params = init_params(m, jax.random.key(1))
+    # Traced only: the parameters as shapes, and not the ``tiny`` fixture, whose reference logits and
+    # gradients (two compiles of the model's step) only the integration tier's tests use.
+    m = replace(_model(), scan_layers=False, n_layers=1, attention_impl="reference")
+    ids = jnp.zeros((1, 128), jnp.int32)
+    params = jax.eval_shape(lambda: init_params(m, jax.random.key(1)))
 
     def dots(platform):
         monkeypatch.setattr(dispatch, "target_platform", lambda: platform)

@@ -189,8 +189,9 @@ def test_scanned_layers_equal_unrolled(n_layers):
 
 @pytest.mark.parametrize("chunk", [32, pytest.param(48, marks=INTEGRATION)])
 def test_chunked_loss_equals_whole_logits(chunk):
-    """48 does not divide the 128 positions: the padded tail carries no label."""
-    cfg = _cfg(logits_chunk=chunk)
+    """48 does not divide the 128 positions: the padded tail carries no label. One layer: the head
+    is what chunks, and every layer below only carries its gradient (a compile each of the 4)."""
+    cfg = _cfg(logits_chunk=chunk, n_layers=1)
     params = init_params(cfg.model, jax.random.key(1))
     ids, mask = _batch(cfg, b=2, seed=1)
     _assert_same(_grads(cfg, params, ids, mask),
@@ -201,8 +202,9 @@ def test_chunked_loss_equals_whole_logits(chunk):
                                           pytest.param(48, 1e-4, marks=INTEGRATION), (32, None)])
 def test_head_loss_gradient_equals_autodiff_of_the_loss(chunk, z_loss):
     """The LM-head loss computes its gradient in the forward pass; it must equal autodiff of the
-    plain loss (CE + z-loss over the valid labels), and report the same sums."""
-    cfg = _cfg(logits_chunk=chunk)
+    plain loss (CE + z-loss over the valid labels), and report the same sums. One layer under the
+    head: the layers only carry the head's gradient back (a compile each of the 4)."""
+    cfg = _cfg(logits_chunk=chunk, n_layers=1)
     cfg = replace(cfg, optim=replace(cfg.optim, z_loss=z_loss))
     params = init_params(cfg.model, jax.random.key(5))
     ids, mask = _batch(cfg, b=2)
