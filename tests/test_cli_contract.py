@@ -184,13 +184,16 @@ def _checked_flags(parser: argparse.ArgumentParser, path: tuple[str, ...]):
             yield path, a, any("--json" in b.option_strings for b in parser._actions)
 
 
-def test_every_checked_flag_refuses_nonsense_while_parsing(capsys):
+def test_every_checked_flag_refuses_nonsense_while_parsing(capsys, monkeypatch):
     """Each flag with a checking type refuses -1, NaN, inf and a word, and 0 where it must be
     positive: exit 2, one line naming the flag, strict JSON where the command has --json. The
     values are refused while parsing, before any required argument is missing or any work runs."""
     from olmax import argtypes
+    parser = cli.build_parser()
+    # cli.main builds its parser once a process; the hundreds of calls here share one (7 s of argparse).
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
     cases = 0
-    for path, a, has_json in _checked_flags(cli.build_parser(), ()):
+    for path, a, has_json in _checked_flags(parser, ()):
         flag = a.option_strings[0]
         values = ["-1", "nan", "inf", "banana", "1e999"]
         if a.type in (argtypes.positive_int, argtypes.positive_float):
