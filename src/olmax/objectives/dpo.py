@@ -340,16 +340,22 @@ def _weight_files(p: Path, hf: bool) -> list[Path]:
     return sorted(q for q in root.rglob("*") if q.is_file())
 
 
-def reference_params(cfg: Config, mesh: Mesh, pshard: Any) -> Any:
-    """The reference weights of ``dpo.reference`` (not "init"), checked to be the same model."""
-    from olmax.checkpoint.load import load_params
+def _reference_path(cfg: Config) -> str:
+    """``dpo.reference``'s weights (not "init"), checked to exist."""
     ref = cfg.dpo.reference
     path = ref[len("olmax:"):] if ref.startswith("olmax:") else ref
     if not ref.startswith("hf:") and not Path(path).exists():
         raise ConfigError(f"dpo.reference {ref}: {Path(path)} does not exist")
     if ref.startswith("hf:") and not Path(ref[3:]).is_dir():
         raise ConfigError(f"dpo.reference {ref}: {Path(ref[3:])} is not a directory")
-    params, src_cfg = load_params(path)
+    return path
+
+
+def reference_params(cfg: Config, mesh: Mesh, pshard: Any) -> Any:
+    """The reference weights of ``dpo.reference`` (not "init"), checked to be the same model."""
+    from olmax.checkpoint.load import load_params
+    ref = cfg.dpo.reference
+    params, src_cfg = load_params(_reference_path(cfg))
     diffs = model_differences(src_cfg.model, cfg.model, ignore=frozenset({"param_dtype"}))
     if diffs:
         raise ConfigError(f"dpo.reference {ref} is a different model: " + "; ".join(
@@ -504,6 +510,8 @@ class DpoData:
                                   f"{cfg.data.preference_path} has {self.fingerprint!r}); restore the data or pass "
                                   "--allow-fingerprint-mismatch")
         self.cache = ReferenceCache(run_dir, self.pairs, cfg)
+        if not self.cache.complete and cfg.dpo.reference != "init":
+            _reference_path(cfg)  # a missing reference fails here, before the model is initialised and compiled
         self.trace = None
         if cfg.train.trace_instance_ids:
             self.trace = open(Path(run_dir) / f"instance_ids.p{jax.process_index()}.jsonl", "a")
