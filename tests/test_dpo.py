@@ -56,8 +56,10 @@ def test_sequence_logps_are_the_masked_target_log_probs_of_the_logits():
     rng = np.random.default_rng(1)
     toks = rng.integers(2, cfg.model.vocab_size, (3, 2, 20)).astype(np.int32)
     mask = rng.random((3, 2, 20)) < 0.6
-    s, n = sequence_logps(params, jnp.asarray(toks), jnp.asarray(mask), cfg)
-    logits = np.asarray(forward(params, jnp.asarray(toks.reshape(6, 20)), cfg.model), np.float64)
+    # Each compiled whole (op by op, each of their ~50 operations compiles on its own).
+    s, n = jax.jit(lambda p, t, m: sequence_logps(p, t, m, cfg))(params, jnp.asarray(toks), jnp.asarray(mask))
+    logits = np.asarray(jax.jit(lambda p, t: forward(p, t, cfg.model))(params, jnp.asarray(toks.reshape(6, 20))),
+                        np.float64)
     lp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1,
                                                                                                            keepdims=True)
     flat_t, flat_m = toks.reshape(6, 20), mask.reshape(6, 20)

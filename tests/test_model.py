@@ -185,10 +185,11 @@ def test_gqa_attention_matches_hf_eager(window: int | None) -> None:
     module = types.SimpleNamespace(num_key_value_groups=h // kv, training=False)
     want, _ = hf.eager_attention_forward(module, q, k, v, mask, scaling=e ** -0.5)   # [b, t, h, e]
     qj, kj, vj = (jnp.asarray(t2n(x)).transpose(0, 2, 1, 3) for x in (q, k, v))
-    got = reference_attention(qj, kj, vj, window)
+    got = jax.jit(reference_attention, static_argnums=3)(qj, kj, vj, window)  # one compile, not one an operation
     np.testing.assert_allclose(np.asarray(got), t2n(want), rtol=0, atol=1e-5)
     # The fused path (cuDNN on GPU; XLA here) uses local_window_size=(W-1, 0): same result.
-    np.testing.assert_allclose(np.asarray(fused_attention(qj, kj, vj, window, "xla")), t2n(want), rtol=0, atol=1e-5)
+    fused = jax.jit(fused_attention, static_argnums=(3, 4))(qj, kj, vj, window, "xla")
+    np.testing.assert_allclose(np.asarray(fused), t2n(want), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("layer_idx", [0, 3])  # sliding, full
@@ -222,7 +223,8 @@ def test_decoder_layer_matches_hf(layer_idx: int) -> None:
                  "down": sd["mlp.down_proj.weight"].T},
          "mlp_norm": sd["post_feedforward_layernorm.weight"]}
     c2, s2 = rope_cos_sin(m, jnp.arange(t), full)
-    got = _layer(m, m.layer_window(layer_idx), jax.tree.map(jnp.asarray, p), jnp.asarray(t2n(x)), c2, s2)
+    layer_fn = jax.jit(lambda p, x: _layer(m, m.layer_window(layer_idx), p, x, c2, s2))  # compiled whole
+    got = layer_fn(jax.tree.map(jnp.asarray, p), jnp.asarray(t2n(x)))
     np.testing.assert_allclose(np.asarray(got), t2n(want), rtol=0, atol=5e-5)
 
 
