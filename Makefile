@@ -23,8 +23,12 @@ demo: $(STAMP)
 # Test tiers (markers in pyproject.toml): the unit tier by default; `integration` for the references
 # run at full length, several processes, whole runs end to end and fault injection; `slow` for a
 # benchmark machine. PYTEST_ARGS adds flags (CI: --junitxml to list the slowest tests).
+# The unit tier runs on TEST_WORKERS processes (pytest-xdist), a test file to each, so a module's
+# fixtures are built once: compiling, most of the tier's time, keeps one core busy, and CI's machine
+# has two. TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-integration: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m 'integration and not slow' $(PYTEST_ARGS)

@@ -10,6 +10,11 @@ import pytest
 
 # Tests run on the CPU, whatever the machine has.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests compile for TPU slices ahead of time (libtpu, no chip), in `make test`'s two workers at once
+# and beside other test runs; libtpu's one-process lockfile would refuse all but the first. Only on
+# the CPU: on a chip that lock keeps a second process off the TPU.
+if os.environ["JAX_PLATFORMS"].split(",")[0].strip() == "cpu":
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 # Compilation is most of the suite's time, and many tests (and the olmax processes they start, which
 # inherit this environment) compile the same small programs. JAX's persistent cache keeps every
