@@ -4,7 +4,8 @@ client; the same greedy completions as ``olmax generate --chat`` / ``--prompt-id
 sampled request gives the same completion alone and among 8 concurrent others, streamed or not; a
 probe of malformed requests (strings that are not text, empty stops) and abrupt disconnects leaves
 it answering /health with error JSON and no traceback in any body or log line; a 15 MB body and a
-body of millions of small JSON values never stall /health (under 100 ms measured, 0.5 s asserted); SIGTERM answers new requests
+body of millions of small JSON values never stall /health (under 100 ms measured, 0.5 s asserted);
+SIGTERM answers new requests
 503 while the request in flight finishes, then exits 0; a checkpoint whose forward overflows ends
 ``olmax generate`` and the served request naming the checkpoint and step, and without a tokenizer
 answers token ids."""
