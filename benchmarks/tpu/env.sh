@@ -14,10 +14,11 @@ t0=$SECONDS
 pip=(env PIP_CONFIG_FILE=/dev/null python3 -m pip install -q --disable-pip-version-check --no-warn-script-location
      --index-url "$index" --find-links "$wheels" --only-binary=:all: -r benchmarks/tpu/requirements.txt)
 extra=""
-if ! "${pip[@]}" --user >&2 2>/tmp/olmax-tpu-pip.log; then
-  echo "tpu/env.sh: the user site was refused ($(tail -1 /tmp/olmax-tpu-pip.log)); installing into /tmp/olmax-site" >&2
-  "${pip[@]}" --target /tmp/olmax-site >&2
-  extra=":/tmp/olmax-site"
+tmp="${TMPDIR:-/tmp}"
+if ! "${pip[@]}" --user >&2 2>"$tmp/olmax-tpu-pip.log"; then
+  echo "tpu/env.sh: the user site was refused ($(tail -1 "$tmp/olmax-tpu-pip.log")); installing into $tmp/olmax-site" >&2
+  "${pip[@]}" --target "$tmp/olmax-site" >&2
+  extra=":$tmp/olmax-site"
 fi
 path="$PWD/src${PYTHONPATH:+:$PYTHONPATH}$extra"
 PYTHONPATH="$path" python3 - >&2 <<'PY'
