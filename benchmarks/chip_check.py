@@ -74,6 +74,8 @@ import numpy as np
 
 import olmax  # noqa: F401  (first: keeps JAX off a TPU runtime that has no TPU)
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # paths in the JSON are relative to it
+
 # Each platform's datasheet bf16 rate where the device's own kind is not in olmax's table
 # (``olmax.metrics.flops``), and a rehearsal's stand-in for it.
 DATASHEET_BF16_TFLOPS = {"gpu": 989.0, "tpu": 197.0}  # H100/H200 SXM dense bf16; TPU v5e
@@ -174,7 +176,7 @@ class Check:
                 "backend": jax.default_backend(), "device": d.device_kind, "device_count": jax.device_count(),
                 "packages": {p: version(p) for p in ("numpy", "optax", "orbax-checkpoint", "ml-dtypes", "torch",
                                                      "transformers", "safetensors", "tokenizers")},
-                "olmax_from": os.path.dirname(olmax.__file__),
+                "olmax_from": os.path.relpath(os.path.dirname(olmax.__file__), ROOT),  # the tree it ran from
                 "traced_for": self.platform, "datasheet_bf16_tflops": self.datasheet() / 1e12,
                 "attention": self.attention}
 
@@ -597,7 +599,7 @@ class Check:
             ops[e["name"]] = ops.get(e["name"], 0.0) + s
             args = e.get("args") or {}
             keys = ("tf_op", "source", "hlo_category", "long_name")
-            sample.setdefault(e["name"], {k: str(args[k])[:300] for k in keys if k in args})
+            sample.setdefault(e["name"], {k: str(args[k]).replace(ROOT + os.sep, "")[:300] for k in keys if k in args})
         top = {t: dict(sorted(ops.items(), key=lambda kv: -kv[1])[:30]) for t, ops in by_op.items()}
         where = {name: sample.get(name) for ops in top.values() for name in ops}  # what each top op computes
         return {"device_processes": sorted(procs[p] for p in device), "seconds_per_step_by_thread": by_thread,
