@@ -372,22 +372,14 @@ class Check:
         return {"full": {k: base.get(k) for k in ("step_seconds_median", "mfu_vs_datasheet", "compiled_gib",
                                                    "xla")}, "policies": rows}
 
-    def _train_one(self, remat: str | None, shape: dict | None = None) -> dict:
-        """The production step (fp32 master weights and Adam, bf16 compute, the attention kernel,
-        scanned layers, chunked loss) under ``remat`` (None: the recipe's): measured step time and
-        MFU beside XLA's view of the same compiled program, its memory (``memory_analysis``) and
-        its cost (``olmax.compile.train_step_cost``: FLOPs, bytes, ``optimal_seconds`` where the
-        GPU compiler gives one), so that the estimate's error is a figure of its own."""
+    @staticmethod
+    def _train_state(cfg: Any, batch: int) -> tuple:
+        """``(mesh, plan, param and optimizer shardings, params, optimizer state, a batch of random
+        tokens)`` for ``cfg``'s train step on this process's devices."""
         from olmax.checkpoint.state import abstract_train_state, shardings
-        from olmax.compile import compiled_memory, cost_summary, train_step_cost
-        from olmax.metrics.flops import device_peak_flops, flops_per_token
         from olmax.model.params import init_params
-        from olmax.objectives.lm import jit_lm_step
         from olmax.optim import init_opt_state
         from olmax.sharding import make_mesh, plan_batch
-        batch = self.shape["train_batch"] if shape is None else shape["batch"]
-        steps = self.shape["train_steps"]
-        cfg = self.config(batch, remat, shape)
         mesh = make_mesh(cfg.mesh)
         plan = plan_batch(batch, dict(mesh.shape), cfg.train.micro_batch_size, cfg.train.max_micro_batch_size)
         abstract = abstract_train_state(cfg, mesh)
@@ -398,6 +390,22 @@ class Check:
         rng = np.random.default_rng(0)
         data = {"input_ids": jnp.asarray(rng.integers(0, cfg.model.vocab_size, (batch, L)), jnp.int32),
                 "label_mask": jnp.ones((batch, L), bool)}
+        return mesh, plan, pshard, oshard, params, opt, data
+
+    def _train_one(self, remat: str | None, shape: dict | None = None) -> dict:
+        """The production step (fp32 master weights and Adam, bf16 compute, the attention kernel,
+        scanned layers, chunked loss) under ``remat`` (None: the recipe's): measured step time and
+        MFU beside XLA's view of the same compiled program, its memory (``memory_analysis``) and
+        its cost (``olmax.compile.train_step_cost``: FLOPs, bytes, ``optimal_seconds`` where the
+        GPU compiler gives one), so that the estimate's error is a figure of its own."""
+        from olmax.compile import compiled_memory, cost_summary, train_step_cost
+        from olmax.metrics.flops import device_peak_flops, flops_per_token
+        from olmax.objectives.lm import jit_lm_step
+        batch = self.shape["train_batch"] if shape is None else shape["batch"]
+        steps = self.shape["train_steps"]
+        cfg = self.config(batch, remat, shape)
+        mesh, plan, pshard, oshard, params, opt, data = self._train_state(cfg, batch)
+        L = cfg.data.sequence_length
         peak_before = memory()["memory_peak_gib"]
         t0 = time.perf_counter()
         lowered = jit_lm_step(cfg, mesh, plan, pshard, oshard).lower(params, opt, data)
@@ -460,30 +468,19 @@ class Check:
         kernel's forward and backward for every layer, the LM head with the loss (forward and
         backward), and the matmuls' share at the measured matmul rate; then a trace of a few steps
         (``jax.profiler``), summarised as the operations that took the most device time."""
-        from olmax.checkpoint.state import abstract_train_state, shardings
         from olmax.metrics.flops import flops_per_token
         from olmax.model import dispatch
         from olmax.model.loss import head_loss
-        from olmax.model.params import init_params
         from olmax.objectives.accumulate import optimizer_update
         from olmax.objectives.lm import jit_lm_step
-        from olmax.optim import init_opt_state
-        from olmax.sharding import activation_mesh, make_mesh, plan_batch
+        from olmax.sharding import activation_mesh
         shape = next(iter(self.tpu_shapes().values())) if self.args.rehearse else TPU_SHAPES["slice7b"]
         best = (self.out.get("train") or {}).get("best", {}).get("tiny" if self.args.rehearse else "slice7b", {})
         remat = policy or (best.get("remat") if best.get("remat") not in (None, "recipe") else "save_proj")
         batch, L = shape["batch"], shape["seq_len"]
         cfg = self.config(batch, remat, shape)
         m = cfg.model
-        mesh = make_mesh(cfg.mesh)
-        plan = plan_batch(batch, dict(mesh.shape), cfg.train.micro_batch_size, cfg.train.max_micro_batch_size)
-        abstract = abstract_train_state(cfg, mesh)
-        pshard, oshard = shardings(abstract["params"]), shardings(abstract["opt_state"])
-        params = jax.jit(lambda k: init_params(m, k), out_shardings=pshard)(jax.random.key(0))
-        opt = jax.jit(lambda p: init_opt_state(p, optim_cfg=cfg.optim), out_shardings=oshard)(params)
-        rng = np.random.default_rng(0)
-        data = {"input_ids": jnp.asarray(rng.integers(0, m.vocab_size, (batch, L)), jnp.int32),
-                "label_mask": jnp.ones((batch, L), bool)}
+        mesh, plan, pshard, oshard, params, opt, data = self._train_state(cfg, batch)
         reps = 3 if self.args.rehearse else 10
         res: dict[str, Any] = {"shape": {"layers": m.n_layers, "d_model": m.d_model, "vocab": m.embedding_rows,
                                          "seq_len": L, "batch": batch}, "remat": remat, "seconds": {}, "errors": {}}
