@@ -4,11 +4,14 @@ only on (prompt, sampling, index, position), as the real engine's do, and a smal
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from olmax.chat.codec import TextCodec
 from olmax.engine.sampling import nonfinite_error
@@ -174,3 +177,25 @@ def probe_parse(kind: str, raw: bytes, served: ServedModel) -> Job:
     elif raw == b"refused":
         raise APIError(400, "refused", param="prompt")
     return parse(kind, raw, served)
+
+
+@contextlib.contextmanager
+def uvicorn_on_a_port(app: Any) -> Iterator[tuple[str, int]]:
+    """``app`` served by uvicorn on a thread at a free local port (the raw-socket tests); yields
+    ``(host, port)`` once it is up, and stops the server after."""
+    import socket
+
+    import uvicorn
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.time() + 10
+        while not server.started and time.time() < deadline:
+            time.sleep(0.02)
+        yield sock.getsockname()
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -12,13 +12,12 @@ import threading
 import time
 
 import pytest
-import uvicorn
 from starlette.testclient import TestClient
 
 from olmax.serve.app import TextStream, create_app, final_text
 from olmax.serve.protocol import ServedModel
 from olmax.serve.worker import EngineWorker
-from serve_fake import EOS, IM_END, FakeEngine, served_model
+from serve_fake import EOS, IM_END, FakeEngine, served_model, uvicorn_on_a_port
 
 
 @pytest.fixture(scope="module")
@@ -347,34 +346,24 @@ def test_requests_share_the_engine(served: ServedModel) -> None:
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(served: ServedModel) -> None:
     engine = FakeEngine(chunk=1, delay=0.01, max_length=100_000)
     s = Server(ServedModel(**{**served.__dict__, "max_length": 100_000}), engine)
-    config = uvicorn.Config(s.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
     try:
-        deadline = time.time() + 10
-        while not server.started and time.time() < deadline:
-            time.sleep(0.02)
-        for stream in (True, False):
-            body = json.dumps({"prompt": [5, 6], "max_tokens": 50_000, "stream": stream}).encode()
-            c = socket.create_connection(("127.0.0.1", port))
-            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
-            while s.worker.in_flight() == 0 and time.time() < deadline:
-                time.sleep(0.01)
-            if stream:
-                assert c.recv(100).startswith(b"HTTP/1.1 200")
-            c.close()
-            while (s.worker.in_flight() or engine.busy()) and time.time() < deadline:
-                time.sleep(0.01)
-            assert s.worker.in_flight() == 0 and not engine.busy(), "the disconnected request still decodes"
-        assert sum("client disconnected" in line for line in s.logs) == 2
+        with uvicorn_on_a_port(s.app) as (_, port):
+            deadline = time.time() + 10
+            for stream in (True, False):
+                body = json.dumps({"prompt": [5, 6], "max_tokens": 50_000, "stream": stream}).encode()
+                c = socket.create_connection(("127.0.0.1", port))
+                c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n" % len(body) + body)
+                while s.worker.in_flight() == 0 and time.time() < deadline:
+                    time.sleep(0.01)
+                if stream:
+                    assert c.recv(100).startswith(b"HTTP/1.1 200")
+                c.close()
+                while (s.worker.in_flight() or engine.busy()) and time.time() < deadline:
+                    time.sleep(0.01)
+                assert s.worker.in_flight() == 0 and not engine.busy(), "the disconnected request still decodes"
+            assert sum("client disconnected" in line for line in s.logs) == 2
     finally:
-        server.should_exit = True
-        thread.join(10)
         s.close()
 
 

@@ -17,7 +17,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import uvicorn
 from test_serve import Server, assert_error, chat_body, sse
 
 from olmax.config import ConfigError
@@ -26,7 +25,7 @@ from olmax.serve.app import create_app
 from olmax.serve.protocol import APIError, ServedModel, chars_per_token
 from olmax.serve.server import api_key
 from olmax.serve.worker import EngineWorker
-from serve_fake import EOS, FakeEngine, probe_parse, served_model
+from serve_fake import EOS, FakeEngine, probe_parse, served_model, uvicorn_on_a_port
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
@@ -214,24 +213,14 @@ def test_a_body_sent_too_slowly_is_answered_408(served: ServedModel) -> None:
     worker = EngineWorker(engine).start()
     logs: list[str] = []
     app = create_app(served, worker, log=logs.append, admission_timeout=0.5)
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
     try:
-        deadline = time.time() + 10
-        while not uv.started and time.time() < deadline:
-            time.sleep(0.02)
-        with socket.create_connection(sock.getsockname(), timeout=10) as c:
+        with uvicorn_on_a_port(app) as addr, socket.create_connection(addr, timeout=10) as c:
             c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
             t0 = time.time()
             answer = c.recv(4096)
         assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer, answer
         assert time.time() - t0 < 3
     finally:
-        uv.should_exit = True
-        thread.join(10)
         worker.close(timeout=5)
 
 
