@@ -76,4 +76,4 @@ def test_gpu_check_imports_without_install_or_missing_packages(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["errors"] == {} and report["env"]["backend"] == "cpu"
-    assert Path(report["env"]["olmax_from"]) == ROOT / "src" / "olmax"
+    assert (ROOT / report["env"]["olmax_from"]).resolve() == (ROOT / "src" / "olmax").resolve()  # src/, not installed
