@@ -292,8 +292,11 @@ class RlData:
             try:
                 comps = self._generate(params, rows, _stream_seed(self.cfg.train.seed, step, rounds))
             except NonFiniteLogits as e:  # never train on rollouts of a broken policy
-                raise ValueError(f"RL step {step}: the policy's rollout of prompt {ids[e.prompt // G]}: {e.error}; "
-                                 "its weights, or their forward, are broken") from None
+                # ``step`` counts from 0; the run names its steps from 1 (``step 2, the last of this run``)
+                raise ValueError(f"RL step {step + 1}: the policy's rollout of prompt {ids[e.prompt // G]}: "
+                                 f"{e.error}; its weights, or their forward, are broken (the updates before it "
+                                 f"diverged: a learning rate too high, optim.lr={self.cfg.optim.lr}, is the usual "
+                                 "cause)") from None
             slot_steps += self.generator.stats.slot_steps - before[0]
             decoded += self.generator.stats.decoded - before[1]
             rounds += 1
