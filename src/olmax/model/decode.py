@@ -18,6 +18,15 @@ that a query can see. The cache is in the compute dtype (fp32 where the CPU kern
 ``cache_dtype``) and sharded like the activations
 (batch over the data axes, kv heads over ``tensor``). On the CPU the stacks are head-major,
 [.., b, kv_heads, S, e] (``dispatch.head_major_cache``).
+
+A paged cache (``paged_cache``; the continuous engine's ``kv_cache="paged"``) keeps each
+full-attention layer's keys and values in a pool of fixed-size pages instead of S slots per row:
+``{"k_pages", "v_pages"}`` [G, kv_heads, P, page, e] (the layout of JAX's TPU paged-attention
+kernel), and ``cache["table"]`` [b, S / page] names the page that holds each row's positions
+``i * page .. (i + 1) * page - 1`` (page 0 is a null page no row owns: unallocated entries point
+there). A row's slot j is still position j, its positions are still ``pos["full"]``, so the mask,
+and on the CPU every bit of the attention, is the contiguous cache's. Sliding layers keep their
+ring of ``window`` slots per row (bounded by the window, not the sequence).
 """
 
 from __future__ import annotations
@@ -264,7 +273,72 @@ def blank_cache(cfg: ModelConfig, prepared: dict, batch: int, max_length: int) -
             "length": constrain(lengths, ("batch",))}
 
 
-def write_rows(cache: dict, rows: dict, source: jax.Array, dest: jax.Array) -> dict:
+PAGE_AXES = ("cache_stack", "act_kv_heads", "length", "length", "head_dim")
+NULL_PAGE = 0  # the page unallocated table entries name: never handed to a row, never read unmasked
+
+
+def is_paged(stack: dict) -> bool:
+    """Whether a layer's cache stack is a page pool (``paged_cache``) rather than slots per row."""
+    return "k_pages" in stack
+
+
+def page_bytes(cfg: ModelConfig, page_size: int, dtype: Any = None) -> int:
+    """Bytes of one page: the keys and values of ``page_size`` positions in every full-attention layer."""
+    item = jnp.dtype(dtype or cfg.compute_dtype).itemsize
+    full = sum(cfg.is_full_attention(i) for i in range(cfg.n_layers))
+    return 2 * full * page_size * cfg.n_kv_heads * cfg.head_dim * item
+
+
+def row_bytes(cfg: ModelConfig, max_length: int, dtype: Any = None) -> int:
+    """Bytes a row holds whatever its length in a paged cache: its sliding layers' rings, its
+    positions and length (``cache_bytes`` of one row less its full layers' keys and values)."""
+    full = sum(cfg.is_full_attention(i) for i in range(cfg.n_layers))
+    item = jnp.dtype(dtype or cfg.compute_dtype).itemsize
+    return cache_bytes(cfg, 1, max_length, dtype) - 2 * full * max_length * cfg.n_kv_heads * cfg.head_dim * item
+
+
+def paged_cache(cfg: ModelConfig, prepared: dict, batch: int, max_length: int, pages: int, page_size: int) -> dict:
+    """``blank_cache`` with every full-attention layer's keys and values in a pool of ``pages``
+    pages of ``page_size`` positions (page 0 the null page), every table entry the null page."""
+    if max_length % page_size:
+        raise ValueError(f"page_size {page_size} does not divide the cache's {max_length} positions")
+    cache = blank_cache(cfg, prepared, batch, max_length)
+    dt = cache_dtype(cfg, prepared)
+    period = len(prepared["layers"]["groups"])
+    groups = jax.tree.leaves(prepared["layers"]["groups"])[0].shape[0] if period else 0
+
+    def pool(stack: dict, layer: int) -> dict:
+        if not cfg.is_full_attention(layer):
+            return stack
+        count = stack["k"].shape[0]
+        shape = (count, cfg.n_kv_heads, pages, page_size, cfg.head_dim)
+        return {name: constrain(jnp.zeros(shape, dt), PAGE_AXES) for name in ("k_pages", "v_pages")}
+
+    kv = cache["kv"]
+    kv = {"groups": [pool(s, j) for j, s in enumerate(kv["groups"])],
+          "rest": [pool(s, groups * period + i) for i, s in enumerate(kv["rest"])]}
+    table = jnp.full((batch, max_length // page_size), NULL_PAGE, jnp.int32)
+    return {**cache, "kv": kv, "table": table}
+
+
+def _write_pages(stack: dict, block: dict, src: jax.Array, pages: jax.Array) -> dict:
+    """Pool ``stack`` with block row ``src`` of a prefill's full-layer ``block`` (T slots: position
+    = slot) written to ``pages`` [ceil(T / page)] (a page past the pool's writes nothing: a shared
+    prompt page already written, or one the row has not been given)."""
+    ps = stack["k_pages"].shape[3]
+    out = {}
+    for name in ("k", "v"):
+        a = jax.lax.dynamic_index_in_dim(block[name], src, 1, keepdims=False)  # [G, kv, T, e] or [G, T, kv, e]
+        if not head_major_cache():
+            a = a.transpose(0, 2, 1, 3)
+        t = jnp.arange(a.shape[2])
+        pool = stack[f"{name}_pages"]
+        out[f"{name}_pages"] = constrain(pool.at[:, :, pages[t // ps], t % ps].set(a.astype(pool.dtype), mode="drop"),
+                                         PAGE_AXES)
+    return out
+
+
+def write_rows(cache: dict, rows: dict, source: jax.Array, dest: jax.Array, pages: jax.Array | None = None) -> dict:
     """``cache`` with, in each data-parallel shard d, row ``dest[d, j]`` given row ``source[d, j]``
     of the shard's part of ``rows`` (a ``prefill`` of prompts padded to T <= the cache's
     length, ``prefill_block``), in place and within the shard (``shard_put``). Only the row's first
@@ -275,14 +349,22 @@ def write_rows(cache: dict, rows: dict, source: jax.Array, dest: jax.Array) -> d
     model's keys and values are, weigh exactly 0).
     A ``dest`` past the shard's rows writes nothing (the padding of a bucketed admission). The
     keys and values go one row per shard at a time (a loop over j): a copy of one prompt's rows
-    is the only temporary, where all n at once would be n rows of every layer beside the cache."""
+    is the only temporary, where all n at once would be n rows of every layer beside the cache.
+    A paged cache (one data-parallel shard) takes ``pages`` [1, n, ceil(T / page)]: the pages each
+    written row's prompt slots go to (its table's first entries, or past the pool for a page
+    another row of the same prompt writes: a shared prompt page is written once)."""
     slot_axis = 3 if head_major_cache() else 2  # [G, b, kv, S, e] or [G, b, S, kv, e]
+
+    def write_stack(stack: dict, block: dict, src: jax.Array, dst: jax.Array, j: jax.Array | int) -> dict:
+        if is_paged(stack):
+            return _write_pages(stack, block, src[0, 0], jax.lax.dynamic_index_in_dim(pages[0], j, 0, keepdims=False))
+        return jax.tree.map(lambda a, r: constrain(shard_put(a, dst, shard_take(r, src, 1), 1,
+                                                             (slot_axis, r.shape[slot_axis])), _axes()), stack, block)
 
     def write_kv(j: jax.Array | int, kv_cache: dict) -> dict:
         src, dst = (jax.lax.dynamic_slice_in_dim(a, j, 1, axis=1) for a in (source, dest))
-        return jax.tree.map(lambda a, r: constrain(shard_put(a, dst, shard_take(r, src, 1), 1,
-                                                             (slot_axis, r.shape[slot_axis])), _axes()),
-                            kv_cache, rows["kv"])
+        return {part: [write_stack(s, r, src, dst, j) for s, r in zip(kv_cache[part], rows["kv"][part])]
+                for part in ("groups", "rest")}
 
     n = source.shape[1]
     kv = write_kv(0, cache["kv"]) if n == 1 else jax.lax.fori_loop(0, n, write_kv, cache["kv"])
@@ -292,7 +374,7 @@ def write_rows(cache: dict, rows: dict, source: jax.Array, dest: jax.Array) -> d
         full = jnp.pad(taken, ((0, 0), (0, p.shape[1] - taken.shape[1])), constant_values=-1)
         return constrain(shard_put(p, dest, full), ("batch", "length"))
 
-    return {"kv": kv,
+    return {**cache, "kv": kv,
             "pos": {kind: pos(p, rows["pos"][kind]) for kind, p in cache["pos"].items()},
             "length": constrain(shard_put(cache["length"], dest, shard_take(rows["length"], source, 0)), ("batch",))}
 
@@ -310,6 +392,10 @@ def decode_step(prepared: dict, tokens: jax.Array, cache: dict, cfg: ModelConfig
         where[kind] = length % p.shape[1]
         pos[kind] = p.at[rows, where[kind]].set(length)
     q_pos = length[:, None]
+    cache_table = cache.get("table")
+    if cache_table is not None:  # a paged cache: the page and offset of each row's new position
+        ps = max_length // cache_table.shape[1]
+        page, offset = cache_table[rows, length // ps], length % ps
     # The packed layout means olmax's CPU kernel is in use (CPU): its attention too.
     kernel = layout_of(prepared) == "packed"
 
@@ -318,6 +404,13 @@ def decode_step(prepared: dict, tokens: jax.Array, cache: dict, cfg: ModelConfig
 
         def step(q, k, v, cache):
             stack, index = cache
+            if is_paged(stack):  # the token's keys and values into its page, attention over the row's pages
+                at = (index, slice(None), page, offset)
+                stack = {name: constrain(stack[name].at[at].set(_to_cache(a[:, 0], stack[name])), PAGE_AXES)
+                         for name, a in (("k_pages", k), ("v_pages", v))}
+                pools = [jax.lax.dynamic_index_in_dim(stack[name], index, 0, keepdims=False)
+                         for name in ("k_pages", "v_pages")]
+                return dispatch.paged_cache_attention(q, *pools, cache_table, q_pos, pos[kind], kernel), stack
             # Only the new token's b x kv_heads x e values are written, into the carried stack.
             # Row r's slot in every head: [b, kv_heads, e] written, whichever layout.
             at = (index, rows, slice(None), where[kind]) if head_major_cache() else (index, rows, where[kind])
@@ -347,4 +440,4 @@ def decode_step(prepared: dict, tokens: jax.Array, cache: dict, cfg: ModelConfig
         x, kv = run_layers(cfg, prepared["layers"], embed(prepared, tokens[:, None], cfg), tables,
                            caches=cache["kv"], cache_ops=ops)
         logits = lm_head(prepared, dispatch.rms_norm(x, prepared["final_norm"], cfg.norm_eps), cfg)[:, 0]
-    return logits, {"kv": kv, "pos": pos, "length": length + 1}
+    return logits, {**cache, "kv": kv, "pos": pos, "length": length + 1}

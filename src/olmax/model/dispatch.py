@@ -485,6 +485,64 @@ def kernel_cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, seen: jax.A
     return kernel_output(o.reshape(b, 1, h, e), q.dtype)
 
 
+def paged_attention_impl(dtype: Any, platform: str | None = None) -> str:
+    """What reads a paged KV cache in a decode step: ``pallas`` (JAX's TPU paged-attention kernel,
+    ``jax.experimental.pallas.ops.tpu.paged_attention``) on one TPU device with a bf16 cache (the
+    kernel computes in bf16: an fp32 cache keeps the exact reference), else ``gather``: each row's
+    pages gathered into the contiguous cache's layout and read by the contiguous cache's own
+    attention (olmax's CPU kernel or ``attention.cache_attention``), so the result is the
+    contiguous cache's bit for bit."""
+    platform = platform or target_platform()
+    mesh = current_mesh()
+    one_device = mesh is None or mesh.size == 1
+    if platform == "tpu" and one_device and jnp.dtype(dtype) == jnp.bfloat16:
+        return "pallas"
+    return "gather"
+
+
+def gather_pages(pages: jax.Array, table: jax.Array) -> jax.Array:
+    """A pool [kv_heads, P, page, e] read through ``table`` [b, n]: each row's n pages in order,
+    [b, kv_heads, n * page, e] where the cache is head-major (``head_major_cache``), else
+    [b, n * page, kv_heads, e]: the contiguous cache's row layout."""
+    kv, _, ps, e = pages.shape
+    b, n = table.shape
+    rows = jnp.take(pages, table, axis=1)  # [kv, b, n, ps, e]
+    if head_major_cache():
+        return rows.transpose(1, 0, 2, 3, 4).reshape(b, kv, n * ps, e)
+    return rows.transpose(1, 2, 3, 0, 4).reshape(b, n * ps, kv, e)
+
+
+def pages_per_block(pages_per_row: int, page_size: int, target: int = 512) -> int:
+    """The Pallas kernel's ``pages_per_compute_block``: the most pages, dividing a row's, that hold
+    at most ``target`` positions (at least one page)."""
+    best = 1
+    for d in range(1, pages_per_row + 1):
+        if pages_per_row % d == 0 and d * page_size <= target:
+            best = d
+    return best
+
+
+def paged_cache_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, table: jax.Array,
+                          q_pos: jax.Array, k_pos: jax.Array, kernel: bool) -> jax.Array:
+    """A full-attention layer's decode-step attention over a paged cache (``olmax.model.decode``):
+    q [b, 1, h, e] at ``q_pos`` [b, 1], the layer's pools [kv_heads, P, page, e], the rows' page
+    ``table`` [b, n] and the positions of their slots ``k_pos`` [b, n * page] -> [b, 1, h, e].
+    ``kernel``: the contiguous cache would be read by olmax's CPU kernel (the packed layout)."""
+    if paged_attention_impl(k_pages.dtype) == "pallas":
+        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+        b, _, h, e = q.shape
+        # The kernel does not scale the scores, and sees a row's first ``lengths`` positions: a
+        # full layer's row holds exactly positions 0..q_pos (slot = position).
+        qs = (q[:, 0].astype(jnp.float32) * (e ** -0.5)).astype(q.dtype)
+        o = paged_attention(qs, k_pages, v_pages, (q_pos[:, 0] + 1).astype(jnp.int32), table,
+                            pages_per_compute_block=pages_per_block(table.shape[1], k_pages.shape[2]))
+        return o[:, None].astype(q.dtype)
+    keys, values = gather_pages(k_pages, table), gather_pages(v_pages, table)
+    if kernel:
+        return kernel_cache_attention(q, keys[None], values[None], layers.position_mask(q_pos, k_pos, None)[:, 0])
+    return attention.cache_attention(q, keys, values, q_pos, k_pos, None, head_major_cache())
+
+
 # --------------------------------------------------------------------------- what a run uses
 
 
