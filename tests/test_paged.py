@@ -116,3 +116,32 @@ def test_bf16_paged_steps_equal_contiguous_ones() -> None:
     prepared = prepare(init_params(cfg, jax.random.key(0)), cfg, dispatch.decode_layout(4, cfg))
     for a, b in _decode_both(prepared, cfg, 8, steps=4):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_pallas_kernel_call_matches_the_gather(monkeypatch) -> None:
+    """JAX's TPU paged-attention kernel as olmax calls it (scaled queries, lengths, the page table),
+    run in Pallas' TPU interpret mode on the CPU with its pages read in fp32 (the kernel reads them
+    in bf16, which XLA CPU's dot does not take): the gather's attention to fp32 rounding."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+    try:
+        import jax.experimental.pallas.ops.tpu.paged_attention.paged_attention_kernel as kernel
+        load = kernel.MultiPageAsyncCopyDescriptor._maybe_dequantize
+    except (ImportError, AttributeError):
+        pytest.skip("this JAX's paged-attention kernel is laid out otherwise")
+    interpreted = type("pl", (), {k: getattr(pl, k) for k in dir(pl) if not k.startswith("__")})
+    interpreted.pallas_call = partial(pl.pallas_call, interpret=pltpu.InterpretParams())
+    monkeypatch.setattr(kernel, "pl", interpreted)
+    monkeypatch.setattr(kernel.MultiPageAsyncCopyDescriptor, "_maybe_dequantize",
+                        lambda self, x, s, dtype=None: load(self, x, s, jnp.float32))
+    b, h, kv, e, pool, ps, n = 3, 4, 2, 128, 13, 16, 4
+    r = np.random.default_rng(0)
+    q = jnp.asarray(r.normal(size=(b, 1, h, e)), jnp.float32)
+    k, v = (jnp.asarray(r.normal(size=(kv, pool, ps, e)), jnp.float32) for _ in range(2))
+    table = jnp.asarray(r.permutation(np.arange(1, pool))[:b * n].reshape(b, n), jnp.int32)
+    q_pos = jnp.asarray([[5], [33], [63]], jnp.int32)
+    k_pos = jnp.where(jnp.arange(n * ps)[None] <= q_pos, jnp.arange(n * ps)[None], -1)
+    gathered = dispatch.paged_cache_attention(q, k, v, table, q_pos, k_pos, False)
+    monkeypatch.setattr(dispatch, "paged_attention_impl", lambda *a, **kw: "pallas")
+    pallas = dispatch.paged_cache_attention(q, k, v, table, q_pos, k_pos, False)
+    np.testing.assert_allclose(np.asarray(pallas), np.asarray(gathered), atol=2e-6)
