@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from olmax.config import ModelConfig
+from olmax.config import ConfigError, ModelConfig
+from olmax.engine.paged import PagePool, check_page_size, contiguous_rows, parse_budget, plan_growth, pool_pages
 from olmax.model import dispatch
 from olmax.model.decode import blank_cache, decode_step, paged_cache, prefill, prepare, write_rows
 from olmax.model.params import init_params
@@ -145,3 +146,95 @@ def test_the_pallas_kernel_call_matches_the_gather(monkeypatch) -> None:
     monkeypatch.setattr(dispatch, "paged_attention_impl", lambda *a, **kw: "pallas")
     pallas = dispatch.paged_cache_attention(q, k, v, table, q_pos, k_pos, False)
     np.testing.assert_allclose(np.asarray(pallas), np.asarray(gathered), atol=2e-6)
+
+
+# --------------------------------------------------------------------------- the page allocator
+
+
+
+def test_a_row_takes_pages_as_it_grows_and_gives_them_back() -> None:
+    pool = PagePool(pages=1 + 8, page_size=4, slots=2, max_length=16)
+    write = pool.admit(0, [1, 2, 3, 4, 5], bucket=16)  # positions 0..5: two pages
+    assert pool.held[0] == 2 and pool.used == 2 and list(pool.table[0, :2]) == [1, 2]
+    assert list(write) == [1, 2, 9, 9]  # the bucket's other pages are not the row's: written by no one
+    assert pool.pages_to_reach(0, 9) == 1
+    pool.grow(0, 9)
+    assert pool.held[0] == 3 and pool.used == 3
+    pool.release(0)
+    assert pool.used == 0 and pool.held[0] == 0 and not pool.table[0].any()
+    assert pool.stats.pages_peak == 3
+
+
+def test_rows_of_one_prompt_share_its_whole_pages_written_once() -> None:
+    pool = PagePool(pages=1 + 12, page_size=4, slots=3, max_length=16)
+    prompt = list(range(1, 11))  # 10 tokens: 2 whole pages and a partial one
+    first = pool.admit(0, prompt, bucket=16)
+    assert pool.pages_to_admit(prompt, 16) == 1  # the partial page (positions 8..10) only
+    second = pool.admit(1, prompt, bucket=16)
+    assert list(pool.table[1, :2]) == list(pool.table[0, :2]) and pool.table[1, 2] != pool.table[0, 2]
+    assert list(first[:3]) == list(pool.table[0, :3]) and list(second[:2]) == [13, 13]  # not written again
+    assert pool.stats.shared_prompt_tokens == 8 and pool.used == 4
+    other = pool.admit(2, prompt, bucket=32)  # another bucket: another prefill, its own pages
+    assert pool.stats.shared_prompt_tokens == 8 and other[0] != 13
+    pool.release(0)
+    assert pool.used == 3 + 3  # the shared pages stay while row 1 holds them
+    pool.release(1)
+    pool.release(2)
+    assert pool.used == 0
+
+
+def test_the_prefix_cache_shares_a_common_beginning_and_evicts_the_least_recent() -> None:
+    pool = PagePool(pages=1 + 6, page_size=2, slots=2, max_length=6, prefix_cache=True)
+    system = [7, 7, 8, 8]
+    pool.admit(0, system + [1], bucket=16)  # pages: [7 7] [8 8] [1 .]
+    pool.release(0)
+    assert pool.used == 2 and pool.available() == 6  # two cached prefix pages, still available
+    pool.admit(1, system + [2, 3], bucket=32)  # shares both, writes [2 3] and one more
+    assert pool.stats.shared_prompt_tokens == 4
+    pool.release(1)
+    pool.admit(0, [9, 9, 9, 9, 9], bucket=16)  # the three free pages
+    assert pool.available() == 3
+    pool.admit(1, [5, 5, 5], bucket=16)  # two pages: evicts the two least recently used, the deepest first
+    pool.release(1)
+    before = pool.stats.shared_prompt_tokens
+    pool.admit(1, system + [1], bucket=16)
+    assert pool.stats.shared_prompt_tokens == before + 2  # [7 7] was still cached; [8 8] was evicted
+
+
+def test_preemption_takes_the_youngest_rows_and_never_the_oldest() -> None:
+    pool = PagePool(pages=1 + 6, page_size=4, slots=3, max_length=16)
+    for s in range(3):
+        pool.admit(s, [s + 1] * 6, bucket=16)  # two pages each: the pool is full
+    assert pool.available() == 0
+    assert plan_growth(pool, {0: 8, 1: 8, 2: 8}, order=[1, 0, 2]) == []
+    assert plan_growth(pool, {0: 9, 1: 9, 2: 9}, order=[1, 0, 2]) == [2]
+    assert plan_growth(pool, {0: 13, 1: 13, 2: 13}, order=[1, 0, 2]) == [2, 0]
+    assert plan_growth(pool, {0: 16, 1: 16, 2: 16}, order=[2, 1, 0]) == [0, 1]  # the oldest (2) runs on
+
+
+def test_bad_page_settings_and_budgets_are_refused_naming_them() -> None:
+    with pytest.raises(ConfigError, match="page size 24 must be a positive power of two"):
+        check_page_size(24, 64)
+    with pytest.raises(ConfigError, match="page size 128 does not divide the cache's 64 positions"):
+        check_page_size(128, 64)
+    with pytest.raises(ConfigError, match="cannot hold one row of 64 positions"):
+        PagePool(pages=4, page_size=16, slots=2, max_length=64)
+    with pytest.raises(ConfigError, match=r"kv budget of 0.0 MiB cannot hold one sequence of 64 positions"):
+        pool_pages(TINY, 4, 64, 16, budget=1000)
+    with pytest.raises(ConfigError, match="cannot hold one sequence of 64 positions"):
+        contiguous_rows(TINY, 64, 1000)
+    with pytest.raises(ConfigError, match="neither a size"):
+        parse_budget("lots")
+    with pytest.raises(ConfigError, match=r"must be in \(0, 1\]"):
+        parse_budget("1.5")
+    assert parse_budget("512MiB") == 512 * 2**20 and parse_budget("2GiB") == 2 * 2**30
+    assert parse_budget("64") == 64 * 2**20 and parse_budget("0.9") == 0.9 and parse_budget(None) is None
+
+
+def test_a_budget_buys_pages_and_contiguous_rows() -> None:
+    from olmax.model.decode import cache_bytes, page_bytes, row_bytes
+    budget = 4 * cache_bytes(TINY, 1, 64)
+    assert contiguous_rows(TINY, 64, budget) == 4
+    pages = pool_pages(TINY, 8, 64, 16, budget)
+    assert pages == (budget - 8 * row_bytes(TINY, 64)) // page_bytes(TINY, 16)
+    assert pool_pages(TINY, 8, 64, 16, None) == 1 + 8 * 4
