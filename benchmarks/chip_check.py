@@ -372,84 +372,55 @@ class Check:
         return {"full": {k: base.get(k) for k in ("step_seconds_median", "mfu_vs_datasheet", "compiled_gib",
                                                    "xla")}, "policies": rows}
 
-    @staticmethod
-    def _train_state(cfg: Any, batch: int) -> tuple:
-        """``(mesh, plan, param and optimizer shardings, params, optimizer state, a batch of random
-        tokens)`` for ``cfg``'s train step on this process's devices."""
-        from olmax.checkpoint.state import abstract_train_state, shardings
-        from olmax.model.params import init_params
-        from olmax.optim import init_opt_state
-        from olmax.sharding import make_mesh, plan_batch
-        mesh = make_mesh(cfg.mesh)
-        plan = plan_batch(batch, dict(mesh.shape), cfg.train.micro_batch_size, cfg.train.max_micro_batch_size)
-        abstract = abstract_train_state(cfg, mesh)
-        pshard, oshard = shardings(abstract["params"]), shardings(abstract["opt_state"])
-        params = jax.jit(lambda k: init_params(cfg.model, k), out_shardings=pshard)(jax.random.key(0))
-        opt = jax.jit(lambda p: init_opt_state(p, optim_cfg=cfg.optim), out_shardings=oshard)(params)
-        L = cfg.data.sequence_length
-        rng = np.random.default_rng(0)
-        data = {"input_ids": jnp.asarray(rng.integers(0, cfg.model.vocab_size, (batch, L)), jnp.int32),
-                "label_mask": jnp.ones((batch, L), bool)}
-        return mesh, plan, pshard, oshard, params, opt, data
-
     def _train_one(self, remat: str | None, shape: dict | None = None) -> dict:
         """The production step (fp32 master weights and Adam, bf16 compute, the attention kernel,
-        scanned layers, chunked loss) under ``remat`` (None: the recipe's): measured step time and
-        MFU beside XLA's view of the same compiled program, its memory (``memory_analysis``) and
-        its cost (``olmax.compile.train_step_cost``: FLOPs, bytes, ``optimal_seconds`` where the
-        GPU compiler gives one), so that the estimate's error is a figure of its own."""
-        from olmax.compile import compiled_memory, cost_summary, train_step_cost
+        scanned layers, chunked loss) under ``remat`` (None: the recipe's), built, compiled, run
+        and timed as ``olmax compile --sweep --measure`` times a candidate (``olmax.measure``):
+        measured step time and MFU beside XLA's view of the same compiled program, its memory
+        (``memory_analysis``) and its cost (``olmax.compile.step_estimate``: FLOPs, bytes,
+        ``optimal_seconds`` where the compiler gives one, else the larger of FLOPs and bytes at the
+        datasheet's rates), so that the estimate's error is a figure of its own. Out of memory (at
+        compile or at run time): a row with ``oom``."""
+        from olmax.compile import step_estimate
+        from olmax.measure import device_rates, time_step, train_state
         from olmax.metrics.flops import device_peak_flops, flops_per_token
-        from olmax.objectives.lm import jit_lm_step
         batch = self.shape["train_batch"] if shape is None else shape["batch"]
         steps = self.shape["train_steps"]
         cfg = self.config(batch, remat, shape)
-        mesh, plan, pshard, oshard, params, opt, data = self._train_state(cfg, batch)
+        state = train_state(cfg, batch)
+        plan = state.plan
         L = cfg.data.sequence_length
         peak_before = memory()["memory_peak_gib"]
-        t0 = time.perf_counter()
-        lowered = jit_lm_step(cfg, mesh, plan, pshard, oshard).lower(params, opt, data)
-        mem = compiled_memory(lowered)
-        if "oom" in mem:
-            return {"remat": cfg.model.remat, "micro_batches": plan.accum_steps, "compiled_gib": {"need": mem["need"]},
-                    "oom": mem["oom"]}
-        step = mem["compiled"]
-        params, opt, m = step(params, opt, data)
-        jax.block_until_ready(m)
-        first = time.perf_counter() - t0
-        times = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            params, opt, m = step(params, opt, data)
-            jax.block_until_ready(m)
-            times.append(time.perf_counter() - t)
-        dt = float(np.median(times))
+        run = time_step(cfg, state, steps)
+        if "oom" in run:
+            return {"remat": cfg.model.remat, "micro_batches": plan.accum_steps,
+                    "compiled_gib": {"need": run["compiled_gib"]["need"]}, "oom": run["oom"], "oom_at": run["oom_at"]}
+        dt, times = run["step_seconds_median"], run["step_seconds"]
         tps = batch * L / dt / jax.device_count()
         fl = flops_per_token(cfg.model, L)
         achieved = fl["total"] * tps
         kind = jax.devices()[0].device_kind
-        ce = float(m["ce_loss"])
-        del params, opt, m
+        ce = run["loss_last"]  # the LM objective's loss: the CE
+        state.params = state.opt = None
         peak_after = memory()["memory_peak_gib"]
         xla: dict[str, Any] = {}
         if not self.args.no_xla_cost:
-            t1 = time.perf_counter()
-            xla = cost_summary(train_step_cost(cfg, mesh, lowered, plan.accum_steps),
-                               batch * L * fl["total"] / jax.device_count(), device_peak_flops(kind))
-            xla["seconds_to_cost"] = time.perf_counter() - t1
+            if not hasattr(self, "rates"):
+                self.rates = device_rates()
+            xla = step_estimate(cfg, state, run, self.rates)
             xla["optimal_seconds_over_measured"] = xla["optimal_seconds"] / dt if xla["optimal_seconds"] else None
             # Attention runs in a fused kernel (cuDNN, splash) whose FLOPs XLA's count may not hold.
             xla["attention_share_of_model_flops"] = fl["attention"] / fl["total"]
         return {"layers": cfg.model.n_layers, "d_model": cfg.model.d_model, "vocab": cfg.model.embedding_rows,
                 "seq_len": L, "batch": batch, "micro_batches": plan.accum_steps,
                 "attention": cfg.model.attention_impl, "remat": cfg.model.remat, "steps_timed": steps,
-                "first_step_seconds": first, "step_seconds_median": dt, "step_seconds": times,
+                "first_step_seconds": run["first_step_seconds"], "step_seconds_median": dt, "step_seconds": times,
                 "tokens_per_second": tps, "flops_per_token": fl["total"], "tflops_per_second": achieved / 1e12,
                 "mfu_vs_measured_matmul": achieved / self.matmul_flops if getattr(self, "matmul_flops", None) else None,
                 "mfu_vs_datasheet": achieved / self.datasheet(),
                 "olmax_peak_tflops_for_device": (device_peak_flops(kind) or 0) / 1e12 or None,
                 "ce_loss_last": ce, "finite": bool(np.isfinite(ce)),
-                "compiled_gib": {k: mem[k] for k in ("argument", "output", "alias", "temp", "need")},
+                "compiled_gib": run["compiled_gib"],
                 # The device's peak is the process's: it is this program's only where it rose here.
                 "peak_rose_here": bool(peak_after and peak_before is not None and peak_after > peak_before),
                 "xla": xla, **memory()}
@@ -468,6 +439,7 @@ class Check:
         kernel's forward and backward for every layer, the LM head with the loss (forward and
         backward), and the matmuls' share at the measured matmul rate; then a trace of a few steps
         (``jax.profiler``), summarised as the operations that took the most device time."""
+        from olmax.measure import train_state
         from olmax.metrics.flops import flops_per_token
         from olmax.model import dispatch
         from olmax.model.loss import head_loss
@@ -480,7 +452,7 @@ class Check:
         batch, L = shape["batch"], shape["seq_len"]
         cfg = self.config(batch, remat, shape)
         m = cfg.model
-        mesh, plan, pshard, oshard, params, opt, data = self._train_state(cfg, batch)
+        mesh, plan, pshard, oshard, params, opt, data = train_state(cfg, batch)
         reps = 3 if self.args.rehearse else 10
         res: dict[str, Any] = {"shape": {"layers": m.n_layers, "d_model": m.d_model, "vocab": m.embedding_rows,
                                          "seq_len": L, "batch": batch}, "remat": remat, "seconds": {}, "errors": {}}

@@ -22,8 +22,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # engine: generation over the model's prefill and decode step, used by eval, RL and the tools.
     ("compat/checkpoint/engine", ("olmax.compat", "olmax.checkpoint", "olmax.engine")),
     ("train/eval", ("olmax.train", "olmax.objectives", "olmax.eval", "olmax.rl")),
-    ("verify/tools", ("olmax.verify", "olmax.infer", "olmax.compile", "olmax.launch", "olmax.demos",
-                      "olmax.serve")),
+    ("verify/tools", ("olmax.verify", "olmax.infer", "olmax.compile", "olmax.measure", "olmax.launch",
+                      "olmax.demos", "olmax.serve")),
     ("CLI", ("olmax.cli", "olmax.commands")),
 ]
 CLI = len(LAYERS) - 1

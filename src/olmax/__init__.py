@@ -2,8 +2,9 @@
 
 Layers, lowest first; a module imports from its own layer or below (tests/test_layers.py):
 config, io, recipes | model, sharding, optim, data, metrics | compat, checkpoint | train, eval |
-verify, compile, launch, demos | cli, commands and every ``*.commands`` module. No package imports
-a package that imports it back (train imports eval, so eval never imports train)."""
+verify, compile, measure (a step timed on this machine: compile imports it), launch, demos | cli,
+commands and every ``*.commands`` module. No package imports a package that imports it back
+(train imports eval, so eval never imports train)."""
 
 import glob as _glob
 import importlib.util as _ilu

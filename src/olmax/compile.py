@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import math
 import os
 import re
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -36,6 +38,7 @@ from olmax import jsonout
 from olmax.argtypes import fraction, positive_int
 from olmax.config import Config, ConfigError
 from olmax.extras import require
+from olmax.measure import compiled_memory
 from olmax.recipes import add_recipe_args, get_recipe
 from olmax.recipes.slices import slice_choice
 from olmax.sharding import activation_mesh, batch_sharding, data_parallel_size, make_mesh, plan_batch
@@ -155,38 +158,6 @@ def abstract_devices(topology: Topology) -> list:
     return list(desc.devices)
 
 
-_OOM = re.compile(r"(?:required for HLO temporaries|memory required)[^(]*\(([\d.]+)([KMGTP]?)\)[^(]*"
-                  r"available HBM \(([\d.]+)([KMGTP]?)\)")
-_UNITS = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40, "P": 2 ** 50}
-
-
-def _parse_oom(msg: str) -> tuple[float, float] | None:
-    m = _OOM.search(msg)
-    if not m:
-        return None
-    return float(m.group(1)) * _UNITS[m.group(2)] / GiB, float(m.group(3)) * _UNITS[m.group(4)] / GiB
-
-
-def compiled_memory(lowered: Any, compiler_options: dict | None = None) -> dict:
-    """Per-device GiB of a lowered step: XLA's memory analysis by part and in all (``need``), or,
-    where XLA runs out of memory, the need and capacity its error names (with ``oom`` set). The
-    compiled executable is under ``compiled`` when there is one, the lowered program under
-    ``lowered``."""
-    try:
-        compiled = lowered.compile(compiler_options=compiler_options)
-        ma = compiled.memory_analysis()
-    except Exception as e:  # XLA raises a plain XlaRuntimeError/JaxRuntimeError for out-of-memory
-        oom = _parse_oom(str(e))
-        if oom is None:
-            raise
-        return {"need": oom[0], "hbm": oom[1], "oom": str(e).splitlines()[0][:300], "lowered": lowered}
-    m = {"argument": ma.argument_size_in_bytes / GiB, "output": ma.output_size_in_bytes / GiB,
-         "alias": ma.alias_size_in_bytes / GiB, "temp": ma.temp_size_in_bytes / GiB,
-         "code": getattr(ma, "generated_code_size_in_bytes", 0) / GiB}
-    return {**m, "need": m["argument"] + m["output"] - m["alias"] + m["temp"] + m["code"], "compiled": compiled,
-            "lowered": lowered}
-
-
 def per_device_gib(abstract: Any) -> float:
     """GiB one device holds of a pytree of sharded ``jax.ShapeDtypeStruct``s (the largest shard
     of each leaf: uneven splits round up)."""
@@ -263,13 +234,14 @@ def program_cost(model: Any, compile_at: Callable[[Any], Any], repeats: int = 1)
     return {k: v * repeats for k, v in c.items()}
 
 
-def attention_unseen_fraction(cfg: Config) -> float:
+def attention_unseen_fraction(cfg: Config, platform: str = "tpu") -> float:
     """The share of the model's FLOPs (as the MFU metric counts them) that XLA's TPU cost estimate
     leaves out: splash attention is a Pallas kernel that declares no cost, so XLA counts none of
-    its FLOPs and times it by its operands' bytes alone; 0 where the attention runs in XLA."""
+    its FLOPs and times it by its operands' bytes alone; 0 where the attention runs in XLA (on
+    ``platform``, where the step compiles)."""
     from olmax.metrics.flops import flops_per_token
     from olmax.model.dispatch import resolve_attention
-    if resolve_attention(cfg.model.attention_impl, cfg.model.compute_dtype, "tpu") != "splash":
+    if resolve_attention(cfg.model.attention_impl, cfg.model.compute_dtype, platform) != "splash":
         return 0.0
     f = flops_per_token(cfg.model, cfg.data.sequence_length)
     return f["attention"] / f["total"]
@@ -343,13 +315,16 @@ def _abstract_step(cfg: Config, mesh: Mesh) -> tuple[Any, Any, Any, Any]:
     return jitted, abstract["params"], abstract["opt_state"], objective.abstract_batch(mesh, plan)
 
 
-def train_step_cost(cfg: Config, mesh: Mesh, lowered: Any, accum_steps: int) -> dict:
+def train_step_cost(cfg: Config, mesh: Mesh, lowered: Any, accum_steps: int, compiled: Any = None) -> dict:
     """XLA's cost (``xla_cost``'s keys, per device) of ``cfg``'s train step on ``mesh``, whose
     ``lowered`` program runs ``accum_steps`` micro-batches (``program_cost``): for a TPU topology
-    here, and for the devices a benchmark runs on (the GPU check sets it beside the measured step)."""
+    here, and for the devices a benchmark runs on (the accelerator check and ``--sweep --measure``
+    set it beside the measured step). ``compiled``: ``lowered`` as compiled to run, whose own cost
+    is read on one device, where XLA makes no windowed einsum (``COST_COMPILER_OPTIONS``), instead
+    of compiling it again."""
     def compile_at(m: Any) -> Any:
         if m == cfg.model:
-            return cost_compile(lowered, mesh)
+            return compiled if compiled is not None and mesh.size == 1 else cost_compile(lowered, mesh)
         jitted, *args = _abstract_step(dataclasses.replace(cfg, model=m), mesh)
         return cost_compile(jitted.lower(*args), mesh)
     return program_cost(cfg.model, compile_at, accum_steps)
@@ -700,24 +675,46 @@ def _cost_line(c: dict) -> str:
 
 def sweep_choices(cfg: Config, topology: Topology, remats: list[str] | None, micro_batches: list[int] | None,
                   blocks: list[int] | None) -> tuple[list[str], list[int], list[int]]:
-    """What ``--sweep`` compiles: remat policies (default: every one the target has), per-device
-    micro-batches (default: the recipe's and the whole per-device batch in one pass) and splash
-    block sizes (default: the recipe's)."""
+    """What ``--sweep`` compiles: remat policies (default: every one the target has; ``policy@n``:
+    that policy at ``n`` sequences a micro-batch only), per-device micro-batches (default: the
+    recipe's and the whole per-device batch in one pass) and splash block sizes (default: the
+    recipe's)."""
+    # Every sweep target is a TPU, whose host memory offload_proj uses.
+    return grid_choices(cfg, dict(make_mesh(cfg.mesh, abstract_devices(topology)).shape), remats, micro_batches,
+                        blocks)
+
+
+def grid_choices(cfg: Config, sizes: dict[str, int], remats: list[str] | None, micro_batches: list[int] | None,
+                 blocks: list[int] | None, host_offload: bool = True) -> tuple[list[str], list[int], list[int]]:
+    """``sweep_choices`` for a mesh of ``sizes`` (``--sweep --measure``: this machine's);
+    ``host_offload``: whether the default policies hold ``offload_proj`` (a TPU's host memory)."""
     from olmax.model.olmo3 import REMAT_NAMES
     from olmax.objectives import get_objective
     for r in remats or []:
-        if r not in REMAT_NAMES:
-            raise ConfigError(f"--remat: unknown policy {r!r} (known: {', '.join(REMAT_NAMES)})")
-    # Every sweep target is a TPU, whose host memory offload_proj uses.
-    remats = remats or list(REMAT_NAMES)
-    sizes = dict(make_mesh(cfg.mesh, abstract_devices(topology)).shape)
+        policy, _, n = r.partition("@")
+        if policy not in REMAT_NAMES:
+            raise ConfigError(f"--remat: unknown policy {policy!r} (known: {', '.join(REMAT_NAMES)})")
+        if n and not (n.isdigit() and int(n) > 0):
+            raise ConfigError(f"--remat: {r!r}: expected policy@N, N sequences a micro-batch")
+    remats = remats or [r for r in REMAT_NAMES if host_offload or r != "offload_proj"]
     plan = plan_batch(get_objective(cfg).update_batch_size(), sizes, cfg.train.micro_batch_size,
                       cfg.train.max_micro_batch_size)
-    for mb in micro_batches or []:
+    for mb in [*(micro_batches or []), *(int(r.partition("@")[2]) for r in remats if "@" in r)]:
         if plan.per_device % mb:
             raise ConfigError(f"--micro-batches: {mb} does not divide the {plan.per_device} sequences per device")
     micro = micro_batches or sorted({plan.micro_batch, plan.per_device})
     return remats, micro, blocks or [cfg.model.attention_block_q]
+
+
+def sweep_grid(remats: list[str], micro: list[int], blocks: list[int]) -> list[tuple[str, int, int]]:
+    """``(policy, micro-batch, block)`` in the order a sweep runs them: each ``--remat`` entry in
+    turn, its blocks, then its micro-batches as given (``policy@n``: ``n`` alone)."""
+    out = []
+    for r in remats:
+        policy, _, n = r.partition("@")
+        for blk in blocks:
+            out += [(policy, mb, blk) for mb in ([int(n)] if n else micro)]
+    return out
 
 
 def sweep(cfg: Config, topology: Topology, *, remats: list[str] | None = None, micro_batches: list[int] | None = None,
@@ -730,36 +727,32 @@ def sweep(cfg: Config, topology: Topology, *, remats: list[str] | None = None, m
     remats, micro, blks = sweep_choices(cfg, topology, remats, micro_batches, blocks)
     rows: list[dict] = []
     oom_at: dict[tuple[str, int], int] = {}
-    for remat in remats:
-        for blk in blks:
-            for mb in micro:
-                label = f"remat={remat} micro_batch={mb} block={blk}"
-                if mb > oom_at.get((remat, blk), 1 << 30):
-                    rows.append({"remat": remat, "micro_batch": mb, "block": blk, "skipped": True,
-                                 "verdict": f"skipped: micro-batch {oom_at[(remat, blk)]} does not fit"})
-                    continue
-                c = cfg.override([f"model.remat={remat}", f"train.micro_batch_size={mb}",
-                                  "train.max_micro_batch_size=null", f"model.attention_block_q={blk}",
-                                  f"model.attention_block_kv={blk}"])
-                if progress:
-                    print(f"sweep: {label}...", file=sys.stderr, flush=True)
-                try:
-                    r = compile_for(c, topology, eval_step=False, progress=False, generate=False)
-                except ConfigError as e:  # e.g. a block that does not tile the sequence
-                    rows.append({"remat": remat, "micro_batch": mb, "block": blk, "error": str(e)})
-                    continue
-                row = {"remat": remat, "micro_batch": mb, "block": blk, "accum_steps": r["plan"]["accum_steps"],
-                       "per_device_gib": r["per_device_gib"], "hbm_gib": r["hbm_gib"], "fits": r["fits"],
-                       "headroom": 1 - r["per_device_gib"] / r["hbm_gib"], "verdict": r["verdict"],
-                       "compile_seconds": r["compile_seconds"], "cost_seconds": r.get("cost_seconds"),
-                       **{k: r.get(k) for k in COST_KEYS + ATTENTION_KEYS}}
-                rows.append(row)
-                if progress:
-                    print(f"sweep: {label}: {row['per_device_gib']:.2f} of {row['hbm_gib']:.2f} GiB a device"
-                          f" ({'fits' if row['fits'] else 'does not fit'}), compiled in {r['compile_seconds']:.0f} s",
-                          file=sys.stderr, flush=True)
-                if not r["fits"]:
-                    oom_at[(remat, blk)] = min(mb, oom_at.get((remat, blk), 1 << 30))
+    for remat, mb, blk in sweep_grid(remats, micro, blks):
+        label = f"remat={remat} micro_batch={mb} block={blk}"
+        if mb > oom_at.get((remat, blk), 1 << 30):
+            rows.append({"remat": remat, "micro_batch": mb, "block": blk, "skipped": True,
+                         "verdict": f"skipped: micro-batch {oom_at[(remat, blk)]} does not fit"})
+            continue
+        c = candidate_config(cfg, remat, mb, blk)
+        if progress:
+            print(f"sweep: {label}...", file=sys.stderr, flush=True)
+        try:
+            r = compile_for(c, topology, eval_step=False, progress=False, generate=False)
+        except ConfigError as e:  # e.g. a block that does not tile the sequence
+            rows.append({"remat": remat, "micro_batch": mb, "block": blk, "error": str(e)})
+            continue
+        row = {"remat": remat, "micro_batch": mb, "block": blk, "accum_steps": r["plan"]["accum_steps"],
+               "per_device_gib": r["per_device_gib"], "hbm_gib": r["hbm_gib"], "fits": r["fits"],
+               "headroom": 1 - r["per_device_gib"] / r["hbm_gib"], "verdict": r["verdict"],
+               "compile_seconds": r["compile_seconds"], "cost_seconds": r.get("cost_seconds"),
+               **{k: r.get(k) for k in COST_KEYS + ATTENTION_KEYS}}
+        rows.append(row)
+        if progress:
+            print(f"sweep: {label}: {row['per_device_gib']:.2f} of {row['hbm_gib']:.2f} GiB a device"
+                  f" ({'fits' if row['fits'] else 'does not fit'}), compiled in {r['compile_seconds']:.0f} s",
+                  file=sys.stderr, flush=True)
+        if not r["fits"]:
+            oom_at[(remat, blk)] = min(mb, oom_at.get((remat, blk), 1 << 30))
     unseen = attention_unseen_fraction(cfg)
     room = [r for r in rows if r.get("fits") and r["headroom"] >= headroom]
     timed = [r for r in room if _rank(r) is not None]
@@ -779,6 +772,14 @@ def sweep(cfg: Config, topology: Topology, *, remats: list[str] | None = None, m
                     + ("; it leaves out the splash attention kernel's work (attention_unseen_fraction of the "
                        "model's FLOPs), so the estimated MFU is an upper bound; *_with_attention prices that "
                        "work at XLA's rate for a large matmul, and the best is chosen by it" if unseen else "")}
+
+
+def candidate_config(cfg: Config, remat: str, micro_batch: int, block: int) -> Config:
+    """``cfg`` as one sweep row runs it: ``remat``, ``micro_batch`` sequences per device a pass,
+    splash blocks of ``block`` for queries and keys."""
+    return cfg.override([f"model.remat={remat}", f"train.micro_batch_size={micro_batch}",
+                         "train.max_micro_batch_size=null", f"model.attention_block_q={block}",
+                         f"model.attention_block_kv={block}"])
 
 
 def _flops_rank(row: dict) -> float:
@@ -839,11 +840,213 @@ def print_sweep(s: dict) -> None:
               f"--set model.attention_block_kv={b['block']}")
 
 
+# --------------------------------------------------------------------------- --sweep --measure
+
+
+def step_estimate(cfg: Config, state: Any, run: dict, rates: dict | None) -> dict:
+    """XLA's estimate of the program ``time_step`` ran (``run``), per device, beside its measured
+    median: the cost keys of ``olmax compile`` (``COST_KEYS``; ``optimal_seconds`` None where XLA
+    gives no time), ``roofline_seconds`` (the larger of FLOPs at ``rates``' peak and bytes at its
+    bandwidth), ``estimated_seconds`` and ``estimate_by`` (``optimal_seconds``, else ``flops`` or
+    ``bytes``, whichever bound the roofline), ``estimated_seconds_with_attention`` (the splash
+    kernel's FLOPs, which XLA does not see, added at the peak; as the estimate where attention runs
+    in XLA) and each over the measured median (``estimate_over_measured``,
+    ``estimate_with_attention_over_measured``: below 1, the chip was slower than estimated)."""
+    from olmax.metrics.flops import device_peak_flops, flops_per_token
+    from olmax.model.olmo3 import remat_recomputes_attention
+    t0 = time.perf_counter()
+    mesh, plan, L = state.mesh, state.plan, cfg.data.sequence_length
+    device = mesh.devices.flat[0]
+    cost = train_step_cost(cfg, mesh, run["lowered"], plan.accum_steps, compiled=run["compiled"])
+    model_flops = plan.global_batch * L * flops_per_token(cfg.model, L)["total"] / mesh.size
+    out = cost_summary(cost, model_flops, device_peak_flops(device.device_kind))
+    if not out["optimal_seconds"]:  # no time: a CPU's cost analysis has none (read as 0.0), a v5e's is negative
+        out.update(optimal_seconds=None, estimated_mfu=None)
+    peak = (rates or {}).get("flops_per_second")
+    bw = (rates or {}).get("bytes_per_second")
+    bounds = {"flops": cost["flops"] / peak if peak else None, "bytes": cost["bytes"] / bw if bw else None}
+    known = {k: v for k, v in bounds.items() if v is not None}
+    roofline = max(known.values()) if known else None
+    if out["optimal_seconds"]:
+        est, by = out["optimal_seconds"], "optimal_seconds"
+    elif roofline is not None:
+        est, by = roofline, max(known, key=known.get)
+    else:
+        est, by = None, None
+    fraction = attention_unseen_fraction(cfg, device.platform)
+    attn = price_attention({**out, "optimal_seconds": est}, fraction, remat_recomputes_attention(cfg.model.remat),
+                           peak)
+    with_attn = attn["seconds_with_attention"] if fraction else est
+    measured = run["step_seconds_median"]
+    out.update(roofline_seconds=roofline, roofline_flops_seconds=bounds["flops"],
+               roofline_bytes_seconds=bounds["bytes"], estimated_seconds=est, estimate_by=by,
+               attention_unseen_fraction=fraction,
+               attention_kernel_flops_per_device=attn["attention_kernel_flops_per_device"],
+               estimated_seconds_with_attention=with_attn,
+               estimate_over_measured=est / measured if est else None,
+               estimate_with_attention_over_measured=with_attn / measured if with_attn else None,
+               seconds_to_cost=time.perf_counter() - t0)
+    return out
+
+
+# The keys of a measured row (``olmax compile --sweep --measure --json``; stable).
+MEASURED_KEYS = ("remat", "micro_batch", "block", "accum_steps", "fits", "per_device_gib", "memory_limit_gib",
+                 "headroom", "compile_seconds", "first_step_seconds", "step_seconds", "step_seconds_median",
+                 "tokens_per_second", "mfu", "loss_last", "rank", "rank_by_estimate")
+
+
+def measured_sweep(cfg: Config, *, remats: list[str] | None = None, micro_batches: list[int] | None = None,
+                   blocks: list[int] | None = None, steps: int = 5, headroom: float = 0.0,
+                   progress: bool = True) -> dict:
+    """Run ``cfg``'s train step on this machine's devices under each remat policy x micro-batch x
+    splash block (``olmax.compile.sweep_grid``), ``steps`` timed steps each after a compile step,
+    beside XLA's estimate of the same program (``step_estimate``). ``best``: the fastest measured
+    row that fits (and, where the runtime states its memory limit, leaves ``headroom`` of it free
+    by XLA's count). A micro-batch that runs out of memory skips the larger ones of its policy and
+    block, as in ``sweep``. The state (parameters, optimizer, batch) is made once and carried from
+    row to row (no row changes its shapes); made again after a row that failed holding it."""
+    from olmax.measure import device_rates, memory_limit_gib, plan_for, time_step, train_state
+    from olmax.metrics.flops import flops_per_token
+    from olmax.objectives import get_objective
+    if get_objective(cfg).name != "lm":
+        raise ConfigError(f"--measure runs the language-model train step (pre-training, SFT); train.objective="
+                          f"{cfg.train.objective!r} is not measured yet: drop --measure for XLA's estimate")
+    if steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {steps}")
+    mesh = make_mesh(cfg.mesh)
+    device = mesh.devices.flat[0]
+    remats, micro, blks = grid_choices(cfg, dict(mesh.shape), remats, micro_batches, blocks,
+                                       host_offload=device.platform == "tpu")
+    grid = sweep_grid(remats, micro, blks)
+    rates = device_rates(device)
+    limit = memory_limit_gib(device)
+    L = cfg.data.sequence_length
+    say: Callable[[str], None] = (lambda m: print(m, file=sys.stderr, flush=True)) if progress else (lambda m: None)
+    say(f"measure: {len(grid)} candidate(s) of {cfg.name} on {mesh.size} x {device.device_kind} "
+        f"(mesh {dict(mesh.shape)}), {cfg.train.global_batch_size} x {L} tokens a step, {steps} timed step(s) each")
+    rows: list[dict] = []
+    oom_at: dict[tuple[str, int], int] = {}
+    state: Any = None
+    for remat, mb, blk in grid:
+        label = f"remat={remat} micro_batch={mb} block={blk}"
+        base = {"remat": remat, "micro_batch": mb, "block": blk}
+        if mb > oom_at.get((remat, blk), 1 << 30):
+            rows.append({**base, "fits": False, "skipped": True,
+                         "verdict": f"skipped: micro-batch {oom_at[(remat, blk)]} does not fit"})
+            continue
+        say(f"measure: {label}...")
+        t0 = time.perf_counter()
+        try:
+            c = candidate_config(cfg, remat, mb, blk)
+            if state is None or state.deleted():
+                state = None
+                gc.collect()
+                state = train_state(c)
+            state.plan = plan_for(c, state.mesh)
+            run = time_step(c, state, steps)
+        except ConfigError as e:  # e.g. a block that does not tile the sequence
+            rows.append({**base, "error": str(e)})
+            say(f"measure: {label}: {e}")
+            continue
+        except Exception as e:  # a bug, not a verdict: the other rows still run
+            traceback.print_exc()
+            rows.append({**base, "error": f"{type(e).__name__}: {e}"[:2000]})
+            say(f"measure: {label}: failed ({type(e).__name__})")
+            continue
+        row: dict[str, Any] = {**base, "accum_steps": state.plan.accum_steps, "memory_limit_gib": limit,
+                               "per_device_gib": run["compiled_gib"]["need"]}
+        need = row["per_device_gib"]
+        row["headroom"] = 1 - need / limit if need is not None and limit else None
+        if "oom" in run:
+            row.update(fits=False, oom=run["oom"], oom_at=run["oom_at"],
+                       verdict=f"does not fit: out of memory at {run['oom_at']}")
+            rows.append(row)
+            oom_at[(remat, blk)] = min(mb, oom_at.get((remat, blk), 1 << 30))
+            say(f"measure: {label}: out of memory at {run['oom_at']} ({time.perf_counter() - t0:.0f} s)")
+            continue
+        median = run["step_seconds_median"]
+        model_flops = state.plan.global_batch * L * flops_per_token(c.model, L)["total"] / mesh.size
+        row.update({k: run[k] for k in ("compile_seconds", "first_step_seconds", "step_seconds",
+                                        "step_seconds_median", "loss_last")},
+                   fits=True, verdict="ran", tokens_per_second=state.plan.global_batch * L / median,
+                   mfu=model_flops / median / rates["flops_per_second"])
+        try:
+            row.update(step_estimate(c, state, run, rates))
+        except Exception as e:  # the measurement stands without XLA's figures
+            traceback.print_exc()
+            row["estimate_error"] = f"{type(e).__name__}: {e}"[:2000]
+        rows.append(row)
+        del run
+        gc.collect()
+        est = row.get("estimate_over_measured")
+        say(f"measure: {label}: {median:.4f} s a step (median of {steps}), {row['mfu']:.1%} MFU, "
+            f"{need:.2f} GiB compiled; est./measured "
+            + (f"{est:.2f} (by {row['estimate_by']})" if est else "-") + f" ({time.perf_counter() - t0:.0f} s)")
+    state = None
+    ran = sorted((r for r in rows if r.get("step_seconds_median")), key=lambda r: r["step_seconds_median"])
+    for i, r in enumerate(ran):
+        r["rank"] = i + 1
+    priced = sorted((r for r in ran if r.get("estimated_seconds_with_attention")),
+                    key=lambda r: r["estimated_seconds_with_attention"])
+    for i, r in enumerate(priced):
+        r["rank_by_estimate"] = i + 1
+    room = [r for r in ran if not headroom or r["headroom"] is None or r["headroom"] >= headroom]
+    best = room[0] if room else None
+    return {"recipe": cfg.name, "measured": True, "device_kind": device.device_kind, "platform": device.platform,
+            "devices": mesh.size, "mesh": dict(mesh.shape), "steps": steps, "headroom": headroom,
+            "memory_limit_gib": limit, "sequence_length": L, "global_batch": cfg.train.global_batch_size,
+            "recipe_choice": {"remat": cfg.model.remat, "micro_batch": cfg.train.micro_batch_size,
+                              "max_micro_batch": cfg.train.max_micro_batch_size,
+                              "block": cfg.model.attention_block_q},
+            "rates": rates, "rows": rows, "best": best, "best_by": "step_seconds_median" if best else None,
+            "note": "step_seconds_median is measured on this device; estimated_seconds is XLA's cost analysis of the "
+                    "same compiled program (its optimal_seconds, else the larger of its FLOPs at the peak and its "
+                    "bytes at the bandwidth in rates: estimate_by says which); estimate_over_measured below 1: "
+                    "the step took longer than estimated"}
+
+
+def print_measured(s: dict) -> None:
+    """The measured sweep as a table (stdout)."""
+    r = s["rates"]
+    print(f"recipe {s['recipe']} measured on {s['devices']} x {s['device_kind']} (mesh {s['mesh']}), global batch "
+          f"{s['global_batch']} x {s['sequence_length']} tokens, median of {s['steps']} step(s) after a compile step")
+    print(f"estimate: XLA's cost analysis of the same program; where it gives no time, the larger of FLOPs at "
+          f"{r['flops_per_second'] / 1e12:.3g} TFLOP/s ({r['flops_source']}) and bytes at "
+          f"{r['bytes_per_second'] / 1e9:.4g} GB/s ({r['bytes_source']})")
+    print(f"{'remat':20s} {'micro':>5s} {'accum':>5s} {'block':>5s} {'GiB/dev':>8s} {'step s':>8s} {'MFU':>6s} "
+          f"{'est. s':>8s} {'by':>15s} {'est/meas':>8s} {'+attn':>6s} {'rank':>4s} {'est.rank':>8s}")
+    for x in s["rows"]:
+        head = f"{x['remat']:20s} {x['micro_batch']:5d} "
+        if not x.get("step_seconds_median"):
+            why = x.get("error") or x.get("verdict") or ""
+            print(head + f"{'':5s} {x['block']:5d} {why}" + (f" ({x['oom']})" if x.get("oom") else ""))
+            continue
+
+        def col(key: str, fmt: str, width: int) -> str:
+            return f"{format(x[key], fmt):>{width}s}" if x.get(key) is not None else f"{'-':>{width}s}"
+        mark = "  <- best" if s["best"] and all(x[k] == s["best"][k] for k in ("remat", "micro_batch", "block")) else ""
+        print(head + f"{x['accum_steps']:5d} {x['block']:5d} {col('per_device_gib', '.2f', 8)} "
+              f"{x['step_seconds_median']:8.4f} {col('mfu', '.1%', 6)} {col('estimated_seconds', '.4f', 8)} "
+              f"{col('estimate_by', 's', 15)} {col('estimate_over_measured', '.2f', 8)} "
+              f"{col('estimate_with_attention_over_measured', '.2f', 6)} {x['rank']:4d} "
+              f"{col('rank_by_estimate', 'd', 8)}{mark}")
+    print("est/meas: XLA's estimate over the measured median (below 1: slower than estimated); +attn: with the "
+          "splash kernel's FLOPs, which XLA does not see, at the peak")
+    if s["best"] is None:
+        print("no candidate ran" + (f" leaving {s['headroom']:.0%} of the device's memory free" if s["headroom"]
+                                    else ""))
+    else:
+        b = s["best"]
+        print(f"fastest that fits: --set model.remat={b['remat']} --set train.micro_batch_size={b['micro_batch']} "
+              f"--set model.attention_block_q={b['block']} --set model.attention_block_kv={b['block']}")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compile", help="ahead-of-time compile the train step for a TPU slice: per-chip memory, "
                                        "fits or not (needs the libtpu wheel, not a TPU)")
     add_recipe_args(p)
-    p.add_argument("--topology", required=True, help="v5p-128, v6e-256, tpu7x-128, v5e-256 or v5p:4x4x4")
+    p.add_argument("--topology", default=None,
+                   help="v5p-128, v6e-256, tpu7x-128, v5e-256 or v5p:4x4x4 (required, except with --sweep --measure)")
     p.add_argument("--slices", type=positive_int, default=1,
                    help="number of slices (multi-slice data parallelism over DCN)")
     p.add_argument("--no-eval", action="store_true", help="compile the train step only")
@@ -868,7 +1071,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="--sweep: sequences per device per micro-batch (default: the recipe's and all in one pass)")
     p.add_argument("--attention-blocks", type=_ints, default=None, metavar="N,M",
                    help="--sweep: splash block sizes, queries and keys alike (default: the recipe's)")
-    p.add_argument("--headroom", type=fraction, default=0.10, help="--sweep: HBM fraction the best must leave free")
+    p.add_argument("--measure", action="store_true",
+                   help="--sweep: run each candidate on this machine's devices instead (no --topology): the median "
+                        "of --steps steps after a compile step, out of memory = does not fit, the fastest that fits "
+                        "wins; beside it XLA's estimate of the same program and estimate / measured")
+    p.add_argument("--steps", type=positive_int, default=None, metavar="N",
+                   help="--sweep --measure: timed steps per candidate (default 5)")
+    p.add_argument("--headroom", type=fraction, default=None,
+                   help="--sweep: HBM fraction the best must leave free (default 0.10; with --measure 0: running is "
+                        "fitting)")
     p.add_argument("--no-slice-choice", action="store_true",
                    help="compile the recipe as written, without the settings measured best for this slice "
                         "(olmax.recipes.slices; e.g. to compare like for like with another system)")
@@ -886,10 +1097,15 @@ def _remats(text: str) -> list[str]:
     from olmax.config import ModelConfig
     known = typing.get_args(typing.get_type_hints(ModelConfig)["remat"])
     names = _names(text)
-    bad = [n for n in names if n not in known]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"expected remat policies separated by commas ({', '.join(known)}), "
-                                         f"got {text!r}")
+
+    def bad(name: str) -> bool:  # policy, or policy@N: that policy at N sequences a micro-batch only
+        policy, at, n = name.partition("@")
+        return policy not in known or bool(at) and not (n.isdigit() and int(n) > 0)
+    wrong = [n for n in names if bad(n)]
+    if wrong or not names:
+        raise argparse.ArgumentTypeError(f"unknown remat policy {', '.join(map(repr, wrong or [text]))}: expected "
+                                         f"policies separated by commas ({', '.join(known)}), each optionally "
+                                         f"@N (N sequences a micro-batch), got {text!r}")
     return names
 
 
@@ -902,7 +1118,36 @@ def _ints(text: str) -> list[int]:
     return out
 
 
+def cmd_measure(args: argparse.Namespace) -> int:
+    """``--sweep --measure``: the candidates run on this machine's devices (``olmax.measure``)."""
+    wrong = [flag for flag, given in (("--topology", args.topology), ("--slices", args.slices != 1),
+                                      ("--step generate", args.step != "train"), ("--no-cost", args.no_cost),
+                                      ("--no-slice-choice", args.no_slice_choice)) if given]
+    if wrong:
+        raise ConfigError(f"--measure runs the train step on this machine's devices: drop {', '.join(wrong)}")
+    cfg = get_recipe(args.recipe, args.overrides)
+    s = measured_sweep(cfg, remats=args.remat, micro_batches=args.micro_batches, blocks=args.attention_blocks,
+                       steps=args.steps or 5, headroom=args.headroom or 0.0)
+    if args.json:
+        print(jsonout.dumps(s, indent=2))
+    else:
+        print_measured(s)
+    return 0 if s["best"] is not None else 1
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
+    if args.measure and not args.sweep:
+        raise ConfigError("--measure goes with --sweep: olmax compile --sweep --measure")
+    if args.steps is not None and not args.measure:
+        raise ConfigError("--steps goes with --sweep --measure")
+    if args.headroom is not None and not 0 <= args.headroom < 1:
+        raise ConfigError(f"--headroom must be in [0, 1), got {args.headroom}")
+    if args.measure:
+        return cmd_measure(args)
+    if args.topology is None:
+        raise ConfigError("--topology is required (e.g. v5p-128), except with --sweep --measure, which runs on this "
+                          "machine's devices")
+    args.headroom = 0.10 if args.headroom is None else args.headroom
     topology = parse_topology(args.topology, args.slices)
     quiet_libtpu(topology)
     name = None if args.no_slice_choice else topology.slice_name
@@ -912,8 +1157,6 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print(f"slice choice   {args.recipe} on {topology.slice_name}: --set {' --set '.join(choice.overrides)} "
               f"({choice.why}); your --set lines come after it", file=sys.stderr)
     chosen = None if choice is None else {"overrides": list(choice.overrides), "why": choice.why}
-    if not 0 <= args.headroom < 1:
-        raise ConfigError(f"--headroom must be in [0, 1), got {args.headroom}")
     if args.sweep:
         if args.step != "train" or args.no_cost:
             raise ConfigError("--sweep compiles the train step with its cost: drop --step generate / --no-cost")

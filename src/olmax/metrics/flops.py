@@ -19,25 +19,31 @@ class Chip:
     peak_bf16: float   # dense bf16 FLOP/s of the whole chip, from the vendor's datasheet
     devices: int       # JAX devices per chip (Ironwood: one per TensorCore)
     source: str
+    hbm_bandwidth: float | None = None  # bytes/s of the whole chip's HBM, same datasheet; None: not entered
 
 
 # Peak dense bf16 FLOP/s per chip, keyed by JAX's ``device_kind`` (or its prefix). One table:
 # the training loop's MFU and ``olmax compile``'s estimated MFU both read it. Unknown devices get
-# no MFU.
+# no MFU. The HBM bandwidth (where entered) prices a program's bytes where XLA gives no time
+# (``olmax compile --sweep --measure``).
 CHIPS: dict[str, Chip] = {
-    "NVIDIA H100 80GB HBM3": Chip(989e12, 1, "NVIDIA H100 datasheet: SXM, bf16 dense (1,979 with sparsity)"),
-    "NVIDIA H100": Chip(989e12, 1, "NVIDIA H100 datasheet: SXM, bf16 dense"),
-    "NVIDIA H200": Chip(989e12, 1, "NVIDIA H200 datasheet: SXM, bf16 dense"),
+    "NVIDIA H100 80GB HBM3": Chip(989e12, 1, "NVIDIA H100 datasheet: SXM, bf16 dense (1,979 with sparsity), 3.35 TB/s",
+                                   3.35e12),
+    "NVIDIA H100": Chip(989e12, 1, "NVIDIA H100 datasheet: SXM, bf16 dense, 3.35 TB/s", 3.35e12),
+    "NVIDIA H200": Chip(989e12, 1, "NVIDIA H200 datasheet: SXM, bf16 dense, 4.8 TB/s", 4.8e12),
     "NVIDIA A100-SXM4-80GB": Chip(312e12, 1, "NVIDIA A100 datasheet: bf16 dense"),
     "NVIDIA A100-SXM4-40GB": Chip(312e12, 1, "NVIDIA A100 datasheet: bf16 dense"),
     "NVIDIA B200": Chip(2250e12, 1, "NVIDIA DGX B200 datasheet: bf16 dense per GPU"),
-    "TPU v4": Chip(275e12, 1, "Cloud TPU docs, TPU v4: 275 TFLOP/s bf16 per chip (megacore: one device)"),
-    "TPU v5 lite": Chip(197e12, 1, "Cloud TPU docs, TPU v5e: 197 TFLOP/s bf16 per chip"),
-    "TPU v5e": Chip(197e12, 1, "Cloud TPU docs, TPU v5e: 197 TFLOP/s bf16 per chip"),
-    "TPU v5p": Chip(459e12, 1, "Cloud TPU docs, TPU v5p: 459 TFLOP/s bf16 per chip (megacore: one device)"),
-    "TPU v5": Chip(459e12, 1, "v5p's device_kind as JAX reports it; Cloud TPU docs, TPU v5p"),
-    "TPU v6 lite": Chip(918e12, 1, "Cloud TPU docs, TPU v6e (Trillium): 918 TFLOP/s bf16 per chip"),
-    "TPU v6e": Chip(918e12, 1, "Cloud TPU docs, TPU v6e (Trillium): 918 TFLOP/s bf16 per chip"),
+    "TPU v4": Chip(275e12, 1, "Cloud TPU docs, TPU v4: 275 TFLOP/s bf16 per chip (megacore: one device), 1,200 GB/s",
+                     1200e9),
+    "TPU v5 lite": Chip(197e12, 1, "Cloud TPU docs, TPU v5e: 197 TFLOP/s bf16 per chip, 819 GB/s", 819e9),
+    "TPU v5e": Chip(197e12, 1, "Cloud TPU docs, TPU v5e: 197 TFLOP/s bf16 per chip, 819 GB/s", 819e9),
+    "TPU v5p": Chip(459e12, 1, "Cloud TPU docs, TPU v5p: 459 TFLOP/s bf16 per chip (megacore: one device), "
+                               "2,765 GB/s", 2765e9),
+    "TPU v5": Chip(459e12, 1, "v5p's device_kind as JAX reports it; Cloud TPU docs, TPU v5p", 2765e9),
+    "TPU v6 lite": Chip(918e12, 1, "Cloud TPU docs, TPU v6e (Trillium): 918 TFLOP/s bf16 per chip, 1,640 GB/s",
+                          1640e9),
+    "TPU v6e": Chip(918e12, 1, "Cloud TPU docs, TPU v6e (Trillium): 918 TFLOP/s bf16 per chip, 1,640 GB/s", 1640e9),
     "TPU7x": Chip(2307e12, 2, "Cloud TPU docs, TPU7x (Ironwood): 2,307 TFLOP/s bf16 per chip, two "
                               "TensorCores, each a JAX device"),
 }
@@ -75,13 +81,21 @@ def decode_flops_per_token(cfg: ModelConfig, context: int) -> float:
     return float(dense + attn)
 
 
+def _chip(device_kind: str) -> Chip | None:
+    if device_kind in CHIPS:
+        return CHIPS[device_kind]
+    return next((c for k, c in CHIPS.items() if device_kind.startswith(k)), None)
+
+
 def device_peak_flops(device_kind: str) -> float | None:
-    if device_kind in PEAK_BF16_FLOPS:
-        return PEAK_BF16_FLOPS[device_kind]
-    for k, v in PEAK_BF16_FLOPS.items():
-        if device_kind.startswith(k):
-            return v
-    return None
+    c = _chip(device_kind)
+    return c.peak_bf16 / c.devices if c else None
+
+
+def device_hbm_bandwidth(device_kind: str) -> float | None:
+    """Bytes/s of HBM per JAX device, from the datasheet; None where the table has none."""
+    c = _chip(device_kind)
+    return c.hbm_bandwidth / c.devices if c and c.hbm_bandwidth else None
 
 
 def mfu(flops_per_tok: float, tokens_per_sec_per_device: float, peak: float | None) -> float | None:
