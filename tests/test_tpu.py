@@ -148,12 +148,25 @@ def test_splash_attention_matches_the_reference(dtype: str, window: int | None, 
             with fp32_products(q.dtype):
                 return attend(q, k, v, window, auto, seg)
 
+        def reference_here(q, k, v):  # the reference itself, computed on the chip as the model is
+            with fp32_products(q.dtype):
+                return reference_attention(q, k, v, window, seg)
+
         q, k, v = jax.device_put((q, k, v), jax.devices()[0])
         out, grads = _out_and_grads(model_attention, q, k, v)
         errors = {"out": _rel(out, want), **{f"d{n}": _rel(a, b) for n, a, b in zip("qkv", grads, want_grads)}}
+        ref_out, ref_grads = _out_and_grads(reference_here, q, k, v)
+        floor = {"out": _rel(ref_out, want), **{f"d{n}": _rel(a, b) for n, a, b in zip("qkv", ref_grads, want_grads)}}
         print(f"measured: fp32 auto ({attention_impl(auto, q, k)}) vs the reference on {jax.default_backend()}: "
-              f"{errors}")
-        assert all(err <= 1e-5 for err in errors.values()), f"fp32 attention vs the reference (bound 1e-5): {errors}"
+              f"{errors}; the reference itself there: {floor}")
+        # The chip's fp32 arithmetic (its exp, its float32-precision products, the order of its
+        # sums) is not the CPU's, and the softmax backward subtracts near-equal sums (a v5e,
+        # 2026-12-07: auto's dq 5.0e-5 off the CPU's reference). The kernel is held to 1e-5 or,
+        # where the reference itself, computed on this chip, misses its CPU result by more, to
+        # twice what the reference misses by.
+        bound = {n: max(1e-5, 2 * floor[n]) for n in errors}
+        assert all(errors[n] <= bound[n] for n in errors), \
+            f"fp32 attention vs the reference: {errors} (bounds {bound}; the reference on this chip: {floor})"
         return
     truth, truth_grads = _out_and_grads(reference, *(x.astype(jnp.float32) for x in (q, k, v)))
     ours = {"out": _rel(out, truth), **{f"d{n}": _rel(a, b) for n, a, b in zip("qkv", grads, truth_grads)}}
