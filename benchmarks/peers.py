@@ -190,7 +190,32 @@ def maxtext_env(base: dict | None = None) -> dict:
     return env
 
 
-_MT_STEP = re.compile(r"completed step: (\d+), seconds: ([\d.]+)")
+# MaxText's per-step line: "completed step: 3, seconds: 0.340, TFLOP/s/device: 82.8, Tokens/s/device:
+# 24094.1, total_weights: 8192, loss: 10.4, ..." (its metric_logger).
+_MT_STEP = re.compile(r"completed step: (\d+), seconds: ([\d.]+)(?:, TFLOP/s/device: ([\d.]+))?"
+                      r"(?:, Tokens/s/device: ([\d.]+))?(?:.*?, loss: ([\d.naif]+))?")
+
+
+def parse_maxtext_steps(lines) -> dict[int, dict]:
+    """Each "completed step" line MaxText printed: step -> its seconds and, where printed, its
+    TFLOP/s and tokens/s per device and its loss."""
+    steps = {}
+    for m in map(_MT_STEP.search, lines):
+        if m:
+            steps[int(m[1])] = {"seconds": float(m[2]), "tflops_per_device": float(m[3]) if m[3] else None,
+                                "tokens_per_device": float(m[4]) if m[4] else None,
+                                "loss": float(m[5]) if m[5] else None}
+    return steps
+
+
+def maxtext_model_args(s: dict) -> list[str]:
+    """MaxText's own OLMo 3 model (``olmo3-7b-pt``, its olmo3 decoder block) at the shape ``s``
+    (``shape``'s keys) and ``s['batch']`` sequences of ``s['seq']`` tokens per device."""
+    return ["model_name=olmo3-7b-pt", "override_model_config=true", f"base_num_decoder_layers={s['layers']}",
+            f"base_emb_dim={s['d']}", f"base_num_query_heads={s['heads']}", f"base_num_kv_heads={s['kv_heads']}",
+            f"head_dim={s['head_dim']}", f"base_mlp_dim={s['mlp']}", f"vocab_size={s['vocab']}",
+            f"sliding_window_size={s['window']}", f"max_target_length={s['seq']}",
+            f"per_device_batch_size={s['batch']}"]
 
 
 def run_maxtext(s: dict, tokens: Path, out: Path, venv: Path, env: dict) -> list[float]:
@@ -208,17 +233,15 @@ def run_maxtext(s: dict, tokens: Path, out: Path, venv: Path, env: dict) -> list
     # MaxText's olmo3 decoder block shrunk to the shape, fp32, its own grain reader of OLMo token files.
     _run([str(py), "-m", "maxtext.trainers.pre_train.train", "run_name=bench", f"base_output_directory={work / 'out'}",
           "hardware=cpu", "skip_jax_distributed_system=true", "dataset_type=olmo_grain",
-          f"olmo_index_path={index}", "olmo_apply_ngram_filter=False", "model_name=olmo3-7b-pt",
-          "override_model_config=true", f"base_num_decoder_layers={s['layers']}", f"base_emb_dim={s['d']}",
-          f"base_num_query_heads={s['heads']}", f"base_num_kv_heads={s['kv_heads']}", f"head_dim={s['head_dim']}",
-          f"base_mlp_dim={s['mlp']}", f"vocab_size={s['vocab']}", f"max_target_length={s['seq']}",
-          f"per_device_batch_size={s['batch']}", f"steps={s['steps']}", "learning_rate=3e-4", "dtype=float32",
-          "weight_dtype=float32", "remat_policy=minimal_with_context", f"sliding_window_size={s['window']}",
-          "enable_checkpointing=false", "enable_tensorboard=false"], log, env=env, cwd=work)
-    steps = {int(m[1]): float(m[2]) for m in map(_MT_STEP.search, open(log)) if m}
+          f"olmo_index_path={index}", "olmo_apply_ngram_filter=False", *maxtext_model_args(s),
+          f"steps={s['steps']}", "learning_rate=3e-4", "dtype=float32", "weight_dtype=float32",
+          "remat_policy=minimal_with_context", "enable_checkpointing=false", "enable_tensorboard=false"],
+         log, env=env, cwd=work)
+    with open(log) as f:
+        steps = parse_maxtext_steps(f)
     if not steps:
         raise PeerUnavailable(f"no 'completed step' lines in {log}")
-    return [steps[k] for k in sorted(steps)]
+    return [steps[k]["seconds"] for k in sorted(steps)]
 
 
 def _stats(tps: list[float]) -> dict:
