@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-integration test-all test-tpu test-slow test-slurm lint bench bench-peers bench-generate bench-rl bench-serve bench-tpu-aot rehearse-gpu tpu-wheels
+.PHONY: setup demo test test-integration test-all test-tpu test-slow test-slurm lint bench bench-peers bench-generate bench-rl bench-serve bench-tpu-aot rehearse-gpu tpu-wheels tpu-peer-wheels
 
 $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m venv $(VENV)
@@ -113,10 +113,24 @@ rehearse-gpu:
 # The wheels a TPU VM's own package index lacks (benchmarks/tpu/wheels.txt), for its Python 3.11,
 # into .whl-tpu/ (ignored): a device call carries that folder, and benchmarks/tpu/env.sh installs
 # them there beside the VM's index. Needs a machine with the registry (this one), not the TPU.
+TPU_WHEEL_FLAGS := --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \
+	--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any
 tpu-wheels:
 	rm -rf .whl-tpu && mkdir -p .whl-tpu
-	grep -v '^#' benchmarks/tpu/wheels.txt | grep . | xargs $(PY) -m pip download -q \
-		--no-deps --only-binary=:all: --python-version 3.11 --implementation cp --platform manylinux_2_28_x86_64 \
-		--platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-		--platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d .whl-tpu
+	grep -v '^#' benchmarks/tpu/wheels.txt | grep . | xargs $(PY) -m pip download -q $(TPU_WHEEL_FLAGS) -d .whl-tpu
 	@ls .whl-tpu | wc -l | xargs echo "tpu-wheels: wheels in .whl-tpu:"; du -sh .whl-tpu
+
+# MaxText 0.2.5 and the wheels it needs that the TPU VM's index lacks
+# (benchmarks/tpu/maxtext_wheels.txt) into .whl-maxtext/ (ignored), for the TPU check's `peers`
+# section: a device call carries it beside .whl-tpu. MaxText's wheel says Python >= 3.12; the
+# section fixes its two 3.12-only lines on the chip, hence --ignore-requires-python. Fails when
+# the two folders together pass 48 MiB (a call carries 64 MiB, the working tree included).
+tpu-peer-wheels:
+	rm -rf .whl-maxtext && mkdir -p .whl-maxtext
+	grep -v '^#' benchmarks/tpu/maxtext_wheels.txt | grep . | xargs $(PY) -m pip download -q \
+		--ignore-requires-python $(TPU_WHEEL_FLAGS) -d .whl-maxtext
+	@ls .whl-maxtext | wc -l | xargs echo "tpu-peer-wheels: wheels in .whl-maxtext:"; du -sh .whl-maxtext
+	@kib=$$(du -sck .whl-maxtext $$( [ -d .whl-tpu ] && echo .whl-tpu) | tail -1 | cut -f1); \
+	  echo "tpu-peer-wheels: .whl-maxtext and .whl-tpu together $$((kib / 1024)) MiB (a call carries 64)"; \
+	  [ $$kib -le $$((48 * 1024)) ] || { echo "tpu-peer-wheels: over 48 MiB" >&2; exit 1; }
