@@ -44,6 +44,14 @@ Sections, in order (each timed; an exception is recorded in the JSON and the exi
    transformers' ``generate`` on the same device (bf16 both; transformers' dynamic cache, and its
    static cache compiled by torch.compile while the deadline allows): decode step times, ratios.
 
+``peers`` (TPU, only with ``--only``): MaxText 0.2.5 beside olmax on the 7B-width slice, the same
+shape and tokens per step (``benchmarks/tpu/maxtext_peer.py``: MaxText installed under $TMPDIR
+from the VM's index and the carried ``.whl-maxtext/``, its trainer run once per ``--peer-remat``
+policy for a dozen steps, each in a process of its own *before* this process opens the chip; its
+printed step time and TFLOP/s), then olmax's step at ``--peer-olmax-remat`` (rows the ``train``
+section measured in this run are reused): tokens/s, TFLOP/s and MFU of each, and olmax / MaxText
+at each side's fastest policy and at full remat on both.
+
 ``--rehearse``: the same code on the CPU at tiny shapes (4 layers x d 128, sequence 256), olmax
 told it compiles for the ``--platform`` (``trace_as``): for a GPU, cuDNN replaced by the ``xla``
 implementation of the same ``jax.nn.dot_product_attention`` call; for a TPU, splash in Pallas's
@@ -150,7 +158,8 @@ class Check:
 
     def section(self, name: str, fn: Callable[[], dict]) -> None:
         t = time.perf_counter()
-        if t - self.t0 > self.args.deadline_s:  # leave the lease's time for a second try
+        # leave the lease's time for a second try (MaxText's rows, run first, have a budget of their own)
+        if t - self.t0 - self.out["seconds"].get("peers_maxtext", 0) > self.args.deadline_s:
             print(f"[chip_check] {name}: skipped, past --deadline-s {self.args.deadline_s}", flush=True)
             self.out["errors"][name] = f"skipped: {t - self.t0:.0f} s gone, past --deadline-s {self.args.deadline_s}"
             return
@@ -353,6 +362,73 @@ class Check:
                               "over_recipe": (by["recipe"]["step_seconds_median"] / ran[k]["step_seconds_median"]
                                               if by.get("recipe", {}).get("step_seconds_median") else None)}
         return {"shapes": rows, "best": best}
+
+    def peer_shape(self) -> tuple[str, dict]:
+        return ("tiny", TPU_TINY["tiny"]) if self.args.rehearse else ("slice7b", TPU_SHAPES["slice7b"])
+
+    def maxtext_first(self) -> None:
+        """``peers``, MaxText's half: its trainer at the slice's shape under each ``--peer-remat``
+        policy, each in a process of its own, run before this process opens the chip (one process
+        at a time holds it); the JSON is written after each row. A rehearsal parses canned log
+        lines instead."""
+        from jax._src import xla_bridge
+        mp = _maxtext_peer()
+        name, shape = self.peer_shape()
+        ms = mp.shape_of(self.config(shape["batch"], None, shape))
+        policies = (self.args.peer_remat or mp.REMAT).split(",")
+        peak = DATASHEET_BF16_TFLOPS["tpu"]  # the device's kind would open the chip here
+        t = time.perf_counter()
+
+        def keep(res: dict) -> None:
+            self.out["peers"] = {"shape": name, "datasheet_bf16_tflops": peak, "maxtext": res}
+            self.save()
+
+        if self.args.rehearse:
+            row = mp.summarize(mp.parse_maxtext_steps(mp.CANNED_LOG.splitlines()), ms["seq"] * ms["batch"], peak)
+            keep({"version": mp.VERSION, "shape": ms, "tokens_per_step": ms["seq"] * ms["batch"],
+                  "rehearsal": "MaxText not run: canned log lines parsed", "wheels": mp.check_wheels(),
+                  "rows": {p: {"remat": p, "args": mp.train_args(ms, p, mp.STEPS, "OUT"), **row} for p in policies}})
+        elif xla_bridge.backends_are_initialized():
+            keep({"error": "this process opened the chip before MaxText ran"})
+        else:
+            mp.run_rows(ms, policies, peak, keep, budget_s=self.args.peer_budget_s)
+        self.out["seconds"]["peers_maxtext"] = round(time.perf_counter() - t, 2)
+        self.save()
+
+    def peers(self) -> dict:
+        """``peers``, olmax's half and the ratios: olmax's step at the same shape under each
+        ``--peer-olmax-remat`` policy (``recipe``: the recipe's own, full remat), reusing the rows
+        the ``train`` section measured in this run, XLA's cost left out; olmax / MaxText tokens/s
+        at each side's fastest row and at full remat on both (``maxtext_peer.ratios``)."""
+        mp = _maxtext_peer()
+        res = dict(self.out.get("peers") or {})
+        name, shape = self.peer_shape()
+        measured = ((self.out.get("train") or {}).get("shapes") or {}).get(name, {})
+        default = "recipe" if self.args.rehearse else "recipe,minimal,none,save_proj"
+        rows = res.setdefault("olmax", {})
+        no_cost, self.args.no_xla_cost = self.args.no_xla_cost, True
+        try:
+            for remat in (self.args.peer_olmax_remat or default).split(","):
+                row = measured.get(remat) or {}
+                reused = bool(row.get("step_seconds_median"))
+                if not reused:
+                    try:
+                        row = self._train_one(None if remat == "recipe" else remat, shape)
+                    except Exception as e:  # one row's failure keeps the others'
+                        traceback.print_exc()
+                        row = {"error": f"{type(e).__name__}: {e}"[:2000]}
+                        self.out["errors"][f"peers.olmax.{remat}"] = row["error"]
+                rows[remat] = {"reused_from_train": reused, **{k: row.get(k) for k in (
+                    "remat", "micro_batches", "step_seconds_median", "tokens_per_second", "tflops_per_second",
+                    "mfu_vs_datasheet", "ce_loss_last", "finite", "oom", "error")}}
+                print(f"[chip_check] peers olmax {remat}: {json.dumps(rows[remat], default=str)}", flush=True)
+                self.out["peers"] = res
+                self.save()
+                gc.collect()
+        finally:
+            self.args.no_xla_cost = no_cost
+        res["ratios"] = mp.ratios(rows, (res.get("maxtext") or {}).get("rows") or {})
+        return res
 
     def train_remat(self) -> dict:
         """The ``--remat`` policies (default: the two the v5p-128 sweep ranked best), each against
@@ -801,6 +877,15 @@ def against(row: dict, full: dict) -> dict:
                                   if "compiled_gib" in row and "compiled_gib" in full else None)}
 
 
+def _maxtext_peer() -> Any:
+    """benchmarks/tpu/maxtext_peer.py (imported by path: no package is named after it)."""
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tpu")
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import maxtext_peer
+    return maxtext_peer
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rehearse", action="store_true",
@@ -828,7 +913,20 @@ def main() -> int:
     ap.add_argument("--shapes", default=None, help=f"TPU train: the shapes (default: all of {','.join(TPU_SHAPES)})")
     ap.add_argument("--profile-remat", default=None,
                     help="TPU profile: the policy profiled (default: the train section's fastest on slice7b)")
+    ap.add_argument("--peer-remat", default=None,
+                    help="peers: MaxText's policies (default full,minimal,minimal_with_context; in this order while "
+                         "--peer-budget-s allows)")
+    ap.add_argument("--peer-olmax-remat", default=None,
+                    help="peers: olmax's policies (default recipe,minimal,none,save_proj; recipe: full remat)")
+    ap.add_argument("--peer-budget-s", type=float, default=300,
+                    help="peers: start no MaxText run after this many seconds of its install and runs (default 300)")
     args = ap.parse_args()
+    first = None
+    if "peers" in (args.only or "").split(","):
+        if args.platform != "tpu":
+            ap.error("--only ...,peers: MaxText beside olmax on a TPU; give --platform tpu")
+        first = Check(args)
+        first.maxtext_first()  # before this process opens the chip
     backend = jax.default_backend()
     if args.platform is None:
         args.platform = "gpu" if args.rehearse or backend == "cpu" else backend
@@ -842,7 +940,7 @@ def main() -> int:
         for mod in (r"olmax(\.|$)", r"__main__$"):
             warnings.filterwarnings("error", category=DeprecationWarning, module=mod)
         trace_as(args.platform)
-    c = Check(args)
+    c = first or Check(args)
     sections = {"gpu": ["env", "matmul", "bandwidth", "parity", "train", "train_remat", "decode", "logprob_gap",
                         "generate_peer"],
                 "tpu": ["env", "matmul", "bandwidth", "parity", "train", "profile", "decode", "logprob_gap"]

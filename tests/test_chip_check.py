@@ -1,7 +1,8 @@
 """The accelerator check's TPU path (benchmarks/chip_check.py --platform tpu) rehearsed on the CPU,
 so that it cannot rot between lent machines: the TPU's program traced at tiny shapes (splash
 interpreted), every section the chip runs in one call asked for, and each must produce its
-figures with no error. On a chip: `bash benchmarks/tpu_check.sh` (docs/production.md)."""
+figures with no error (``peers``: MaxText's side from canned log lines). On a chip:
+`bash benchmarks/tpu_check.sh` (docs/production.md)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ def test_tpu_check_rehearsal_produces_every_sections_figures(tmp_path):
     out = tmp_path / "tpu_check.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT / "src")}
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "chip_check.py"), "--rehearse", "--platform", "tpu",
-                        "--only", "env,matmul,bandwidth,parity,train", "--remat", "none+model.logits_chunk=128",
-                        "--no-xla-cost", "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+                        "--only", "env,matmul,bandwidth,parity,train,peers", "--remat", "none+model.logits_chunk=128",
+                        "--peer-olmax-remat", "recipe,none+model.logits_chunk=128", "--no-xla-cost", "--out", str(out)],
+                       env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["errors"] == {} and res["platform"] == "tpu" and res["env"]["traced_for"] == "tpu"
@@ -34,3 +36,11 @@ def test_tpu_check_rehearsal_produces_every_sections_figures(tmp_path):
     for row in rows.values():
         assert row["finite"] and row["step_seconds_median"] > 0 and 0 < row["mfu_vs_datasheet"] < 1
     assert res["train"]["best"]["tiny"]["remat"] in rows
+    # peers: MaxText's rows from canned log lines (run first, before the chip is opened), olmax's
+    # rows reused from the train section (no compile of their own), and the ratios
+    peers = res["peers"]
+    assert set(peers["maxtext"]["rows"]) == {"full", "minimal", "minimal_with_context"}
+    assert peers["maxtext"]["shape"]["seq"] == 128 and peers["maxtext"]["tokens_per_step"] == 256
+    assert all(r["reused_from_train"] for r in peers["olmax"].values()) and peers["olmax"]["recipe"]["remat"] == "full"
+    assert peers["ratios"]["at_full_remat"]["olmax_remat"] == "recipe"
+    assert peers["ratios"]["at_each_best"]["olmax_over_maxtext"] > 0
