@@ -78,9 +78,11 @@ class ModelConfig:
     # against TRL 1.7e-5 vs 1.8e-6 in grad norm), so off by default. Decoding keeps its kernels
     # either way, and so does RL's training forward, which repeats the decode steps' arithmetic.
     cpu_training_kernels: bool = False
-    # Splash attention tile sizes (query block, key/value block), forward and backward.
-    attention_block_q: int = 512
-    attention_block_kv: int = 512
+    # Splash attention tile sizes (query block, key/value block), forward and backward. 1024: on a
+    # TPU v5e (2026-12-08) the 7B-width step ran 1.5% faster than with 512 at 4,096 tokens a
+    # sequence, 1.2% at the d2048 shape; 2048 does not fit the kernels' scoped VMEM there.
+    attention_block_q: int = 1024
+    attention_block_kv: int = 1024
     # Rematerialisation per layer (olmax.model.olmo3.remat_policy): none; full (keep only the
     # layer input); minimal (keep every matmul output); save_attn_out (keep the attention
     # kernel's output, recompute the rest); save_proj (keep q/k/v, attention output and the
