@@ -5,11 +5,13 @@ the next host round trip, while the other rows go on decoding.
 One round trip (``Engine.step``):
 
 1. admit waiting requests to free slots: their prompts are prefilled together (a prompt that
-   several admitted rows share, a GRPO group, once) and written into those slots' rows of the
-   cache (``decode.write_rows``), and each row's first token sampled;
+   several admitted rows share, a GRPO group, once), in blocks of one width (``prefill_ahead``'s
+   power of two), and written into those slots' rows of the cache (``decode.write_rows``), and
+   each row's first token sampled: a run compiles one prefill and one write for its admissions;
 2. run up to ``chunk`` decode steps inside one compiled loop, EOS and length decided on the device
    (a finished row stops advancing); the loop returns early when every row has finished, or when
-   enough slots are free for the requests waiting (``refill``);
+   enough slots are free for the requests waiting (``admission_size``: one where rows end rarely,
+   several admitted together where they end often, so an admission pays for itself);
 3. read the tokens, apply stop strings (tokens a row made past its stop are dropped), stream,
    finish rows, free their slots.
 
@@ -21,6 +23,7 @@ same cache length and prompt bucket: it does not depend on which other requests 
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -43,6 +46,10 @@ from olmax.model.decode import blank_cache, decode_step, layout_of, prefill, sha
 from olmax.model.dispatch import reproduce_decode_bits
 
 MAX_EOS = 8          # end-of-sequence ids a request may name (a fixed-width table on the device)
+# What one admission (a prefill, the rows' writes, the round trip it ends) costs, in decode steps
+# of the whole batch: on the CPU workload of ``benchmarks/bench_admission.py`` a prefill of a few
+# short prompts, the writes and the host's turn take about as long as 4 decode steps of 16 slots.
+ADMIT_COST = 4
 KNOBS = ("temperature", "top_k", "top_p", "greedy")
 
 
@@ -215,11 +222,16 @@ class Engine:
     prefilled at (a ``generate`` call's bucket, so its completions equal the static engine's);
     None: each prompt's own bucket (the server: a request's completion then depends on nothing
     but itself). ``refill``: return from a chunk early once this many slots are free and that
-    many requests wait (default 1: on 256 Think-shaped rows over 16 slots, slot utilisation 0.94
-    against 0.92 at 2, ``benchmarks/bench_engine.py``). ``prefill_ahead``: a prefill also takes the
-    next waiting prompts of its bucket, up to this many prompts in all (default 4: on those rows,
-    61 prefills of one prompt became 16 of four; 0: only the admitted rows' prompts, the rest of
-    a power-of-two block padded with copies). ``prefill_tokens``: the most prompt tokens one round
+    many requests wait; None (the default): a number that adapts to the rows' lengths
+    (``admission_size``): an admission costs about ``ADMIT_COST`` decode steps, so where rows end
+    often (short completions) the engine waits for several free slots and admits them together,
+    and where they end rarely it refills one slot at a time, as a fixed 1 did. ``prefill_ahead``:
+    a prefill also takes the next waiting prompts of its bucket, up to this many prompts in all
+    (default 4: on 256 Think-shaped rows, 61 prefills of one prompt became 16 of four; 0: only
+    the admitted rows' prompts, one a block). Its power of two a shard is the admission width: a
+    prefill block holds at most that many prompts a shard (the first fill of every slot is several
+    blocks), a write at least that many rows, and an adaptive admission waits for no more, so one
+    prefill and one write program serve a run. ``prefill_tokens``: the most prompt tokens one round
     trip prefills (``prefill_cost``: every row of its blocks, each shard's padding included, times
     their prompt bucket), at least one prompt whatever the bound; the requests past it wait for
     the next round trip. The slots' cache and a prefilled block are held together, so where prompts
@@ -242,6 +254,7 @@ class Engine:
             raise ValueError(f"prefill_ahead must be >= 0, got {prefill_ahead}")
         self.prefill_ahead, self.prefill_tokens = prefill_ahead, prefill_tokens
         self.stats = EngineStats()
+        self._widths: dict[tuple, set[int]] = {}  # program kind -> the widths it ran at (its compiled shapes)
         self.reset(slots=slots, max_length=max_length, chunk=chunk, prompt_len=prompt_len, refill=refill)
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -270,7 +283,8 @@ class Engine:
         if prompt_len is not None and prompt_len > max_length:
             raise ValueError(f"prompt_len {prompt_len} is longer than the cache ({max_length})")
         self.slots, self.max_length, self.chunk, self.prompt_len = slots, max_length, chunk, prompt_len
-        self.refill = 1 if refill is None else max(1, refill)
+        self.refill = None if refill is None else max(1, refill)
+        self._run_steps = self._run_ended = 0  # decode steps, and rows they ended, since this reset
         self._rows: list[_Row | None] = [None] * slots
         self._device_live = np.zeros(slots, bool)   # the device's view: still decoding
         self._state = None                          # made at the first step (after any load)
@@ -282,6 +296,7 @@ class Engine:
         # shard) -> (block, row within the shard's part), block -> arrays.
         self._prefilled: dict[tuple[tuple, int], tuple[int, int]] = {}
         self._blocks: dict[int, tuple[Any, Any]] = {}
+        self._block_rows: dict[int, tuple[int, int]] = {}  # block -> (rows a shard, prompt bucket)
         self._next_block = 0
 
     def load(self, params: Any) -> None:
@@ -341,6 +356,38 @@ class Engine:
         return [done[i] for i in ids]
 
     # -- one round trip -------------------------------------------------------------------------
+
+    def admission_size(self) -> int:
+        """How many free slots a decode chunk waits for (while that many requests wait) before it
+        returns to admit them: ``refill`` if set, else the k that costs least per admitted row.
+        Rows end at a rate of ``rate`` per decode step (measured since the last ``reset``); waiting
+        for k free slots idles about k^2 / (2 rate) slot-steps, k / (2 rate slots) decode steps per
+        row admitted, and an admission costs ``ADMIT_COST`` steps, ADMIT_COST / k per row: their sum
+        is least at k = sqrt(2 ADMIT_COST rate slots), taken at most the admission width
+        (``prefill_ahead``'s power of two) and half the slots. Geometric lengths of mean 48 on 16
+        slots: 6, so 4; Think-shaped rows of mean 14,600 on 64 slots: 1. Whatever k, a chunk still
+        returns after ``chunk`` steps, which bounds how long a free slot idles."""
+        if self.refill is not None:
+            return self.refill
+        if not self._run_steps:
+            return 1
+        k = round(math.sqrt(2 * ADMIT_COST * self._run_ended / self._run_steps * self.slots))
+        return max(1, min(k, self._admission_width() * mesh_data_parallel(self.mesh), self.slots // 2))
+
+    def _admission_width(self) -> int:
+        """The rows a shard's part of a prefill block and of a write holds at least (a power of two
+        for ``prefill_ahead`` prompts), and the most an adaptive admission waits for: one width for
+        every admission after the first fill, so a run compiles one prefill and one write for them
+        however many rows each admits."""
+        return bucket(max(1, -(-self.prefill_ahead // mesh_data_parallel(self.mesh))), lo=1)
+
+    def _compiled_width(self, kind: tuple, rows: int, pad: bool = True) -> int:
+        """``rows`` (a power of two), or with ``pad`` the narrowest width at least as wide that a
+        program of ``kind`` already ran at: padding rows cost less than compiling another program."""
+        seen = self._widths.setdefault(kind, set())
+        rows = min((w for w in seen if w >= rows), default=rows) if pad else rows
+        seen.add(rows)
+        return rows
 
     def _shard(self, slot: int) -> int:
         """The data-parallel shard that holds ``slot``'s row (slots are dp consecutive parts)."""
@@ -424,7 +471,7 @@ class Engine:
                 self.prefill_tokens - sum(prefill_cost(q, dp, T) for T, q in room.items())
             for T in sorted(room):
                 # As many more rows as ``prefill_ahead`` asks, a power of two a shard within the bound.
-                want = max(room[T], -(-self.prefill_ahead // dp))
+                want = max(room[T], self._admission_width())
                 while spare is not None and want > room[T] and \
                         prefill_cost(want, dp, T) - prefill_cost(room[T], dp, T) > spare:
                     want = max(room[T], bucket(want, lo=1) // 2)
@@ -441,8 +488,16 @@ class Engine:
                 part = min(parts, key=len)
                 if len(part) < room[key[0]]:
                     part.append(key)
-        for T, parts in sorted(fresh.items()):
-            q = bucket(max(map(len, parts)), lo=1)
+        width = self._admission_width()
+        blocks, block_rows = [], self._block_rows
+        for T, whole in sorted(fresh.items()):
+            # Blocks of at most ``width`` prompts a shard (the first fill of every slot too): one
+            # prefill program, called as often as needed, instead of one per power of two.
+            for i in range(max(-(-len(part) // width) for part in whole)):
+                blocks.append((T, [part[i * width:(i + 1) * width] for part in whole]))
+        for T, parts in blocks:
+            q = self._compiled_width(("prefill", T), bucket(max(map(len, parts)), lo=1),
+                                     pad=self.prefill_tokens is None)
             tokens = np.zeros((dp * q, T), np.int32)
             lengths = np.ones(dp * q, np.int32)
             first = next(key for part in parts for key in part)
@@ -452,6 +507,7 @@ class Engine:
             block = self._next_block
             self._next_block += 1
             self._blocks[block] = self._prefill(prepared, self.weights.put(tokens), self.weights.put(lengths))
+            block_rows[block] = (q, T)
             self.stats.prefills += sum(map(len, parts))
             self.stats.prefill_blocks += 1
             self.stats.prefilled_tokens += tokens.size
@@ -467,8 +523,11 @@ class Engine:
         put = self.weights.put
         for block, parts in by_block.items():
             # Rows written at once: a power of two per shard, the padding rows writing nothing (a
-            # slot past the shard's). Not every slot: each written row copies a prompt's cache rows.
-            n = bucket(max(map(len, parts)), lo=1)
+            # slot past the shard's), and at least the admission size's (one program for the
+            # admissions of a run, whatever each admits). Not every slot: each written row copies
+            # a prompt's cache rows.
+            n = self._compiled_width(("write", block_rows[block]), min(per, max(bucket(max(map(len, parts)), lo=1),
+                                                                          self._admission_width())))
             some = next(a for part in parts for a in part)
             rows = [(part + [(per, -1, some[2])] * (n - len(part))) for part in parts]
             reqs = [q for part in rows for _, _, q in part]
@@ -500,7 +559,7 @@ class Engine:
             del self._prefilled[kept]
         live_blocks = {b for b, _ in self._prefilled.values()}
         for block in [b for b in self._blocks if b not in live_blocks]:
-            del self._blocks[block]
+            del self._blocks[block], self._block_rows[block]
         return pending
 
     def _keep(self, slot: int, tok: int, lp: float, top: tuple | None, ok: bool = True) -> bool:
@@ -558,7 +617,7 @@ class Engine:
         if any(occupied):
             with self._lock:
                 waiting = len(self._waiting)
-            need = min(self.refill, waiting) if waiting else self.slots + 1
+            need = min(self.admission_size(), waiting) if waiting else self.slots + 1
             # A stop string is seen only here, on the host: while requests wait, rows that have one
             # come back sooner, so a stopped row's slot idles (or decodes past its stop) for fewer steps.
             host_stops = any(r is not None and r.request.stop is not None for r in self._rows)
@@ -582,14 +641,16 @@ class Engine:
             tops = (np.asarray(chunk["top_lp"])[:n], np.asarray(chunk["top_id"])[:n]) if "top_lp" in chunk else None
             self.stats.decode_steps += n
             self.stats.slot_steps += n * self.slots
+            self._run_steps += n
             for i in range(n):
                 for s in np.flatnonzero(made[i]):
                     s = int(s)
                     if self._rows[s] is None:  # finished by the host earlier in this chunk: dropped
                         continue
                     self.stats.decoded += 1
-                    self._keep(s, int(tok[i, s]), float(lp[i, s]),
-                               None if tops is None else (tops[0][i, s], tops[1][i, s]), bool(ok[i, s]))
+                    self._run_ended += self._keep(s, int(tok[i, s]), float(lp[i, s]),
+                                                  None if tops is None else (tops[0][i, s], tops[1][i, s]),
+                                                  bool(ok[i, s]))
             self._device_live = np.asarray(chunk["live"]).copy()
         self.stats.round_trips += 1
         return self._finished
