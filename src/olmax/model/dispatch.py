@@ -322,7 +322,8 @@ def resolve_attention(requested: str, dtype: Any = None, platform: str | None = 
     """``model.attention_impl`` -> an implementation. "auto": on TPU splash, but the XLA ``blocked``
     one when the compute dtype is fp32 (splash's backward kernels multiply fp32 at Mosaic's default
     precision: on a v5e, 2026-12-07, its fp32 dq/dk/dv missed the reference by up to 5.6e-3 of
-    their largest value while its forward held 1.1e-6; ``blocked`` runs under exact fp32 products);
+    their largest value while its forward held 1.1e-6; ``blocked`` runs under exact fp32 products,
+    and ``attention_impl`` takes the reference itself where its scores are small enough);
     on GPU cuDNN when the compute dtype is bf16/fp16 (cuDNN has no fp32 kernel), XLA's fused path
     otherwise; on CPU the XLA ``blocked`` one, or with ``training_kernels``
     (``model.cpu_training_kernels``) olmax's kernel in fp32 where it is built."""
@@ -338,14 +339,29 @@ def resolve_attention(requested: str, dtype: Any = None, platform: str | None = 
     return "blocked"
 
 
+# The most one sequence's fp32 attention scores [heads, t, s] may take for "auto" to run fp32
+# attention on a TPU as ``reference`` (its gradients are autodiff's): on a v5e (2026-12-08) the
+# reference's fp32 gradients there were 1.1e-6 of their largest value off the CPU's, the
+# ``blocked`` kernel's 5.0e-5 (its forward 9.6e-7, as the reference's). Longer sequences take
+# ``blocked``, whose memory grows with the sequence, not its square (64 MiB: 32 heads of 128
+# dimensions up to 724 positions, 4 heads up to 2,048).
+EXACT_SCORES_BYTES = 64 << 20
+
+
 def attention_impl(cfg: ModelConfig, q: Any, k: Any, platform: str | None = None) -> str:
     """The implementation ``attend`` runs for these queries and keys (arrays or
-    ``jax.ShapeDtypeStruct``s): ``resolve_attention``'s, where olmax's CPU kernel (``cpu``) takes
-    them (the CPU, fp32, heads a multiple of 16 wide), else the XLA ``blocked`` one in its place."""
+    ``jax.ShapeDtypeStruct``s, [b, t, heads, e] and [b, s, kv heads, e]): ``resolve_attention``'s,
+    where olmax's CPU kernel (``cpu``) takes them (the CPU, fp32, heads a multiple of 16 wide),
+    else the XLA ``blocked`` one in its place; in fp32 on a TPU "auto" is ``reference`` where a
+    sequence's scores fit ``EXACT_SCORES_BYTES``."""
     platform = platform or target_platform()
     impl = resolve_attention(cfg.attention_impl, q.dtype, platform, cfg.cpu_training_kernels)
     if impl == "cpu" and not (platform == "cpu" and cpu.flash_supported(q, k)):
         return "blocked"
+    if cfg.attention_impl == "auto" and platform == "tpu" and impl == "blocked":
+        _, t, h, _ = q.shape
+        if h * t * k.shape[1] * 4 <= EXACT_SCORES_BYTES:
+            return "reference"
     return impl
 
 
@@ -546,17 +562,18 @@ def paged_cache_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, 
 # --------------------------------------------------------------------------- what a run uses
 
 
-def describe(cfg: ModelConfig, platform: str) -> dict[str, Any]:
-    """What runs the model's operations on ``platform`` in ``cfg``'s compute dtype (a run
-    directory's ``run_info.json``): ``attention`` (``attention_impl``: reference, blocked, cpu,
-    splash, cudnn or xla), ``swiglu`` and ``qkv`` (``olmax-cpu-cc`` or ``xla``), ``decode_layout``
-    (``decode_layout`` at one row), ``reproduces_decode_bits`` (whether RL's training forward can
+def describe(cfg: ModelConfig, platform: str, length: int = 1) -> dict[str, Any]:
+    """What runs the model's operations on ``platform`` in ``cfg``'s compute dtype, for sequences
+    of ``length`` positions (a run directory's ``run_info.json``): ``attention``
+    (``attention_impl``: reference, blocked, cpu, splash, cudnn or xla), ``swiglu`` and ``qkv``
+    (``olmax-cpu-cc`` or ``xla``), ``decode_layout`` (``decode_layout`` at one row),
+    ``reproduces_decode_bits`` (whether RL's training forward can
     repeat the decode steps' arithmetic), and ``kernels``: ``olmax-cpu-cc`` where olmax's C++
     kernels are built and loaded (with their ``kernel_isa``), else ``xla`` (on a CPU with the
     reason in ``kernels_unavailable``)."""
     dt = jnp.dtype(cfg.compute_dtype)
     H, K, E = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    q, k = (jax.ShapeDtypeStruct((1, 1, n, E), dt) for n in (H, K))
+    q, k = (jax.ShapeDtypeStruct((1, length, n, E), dt) for n in (H, K))
     x = jax.ShapeDtypeStruct((1, 1, (H + 2 * K) * E), dt)
     wq, wk = jax.ShapeDtypeStruct((H * E,), dt), jax.ShapeDtypeStruct((K * E,), dt)
     cos = jax.ShapeDtypeStruct((1, E), jnp.float32)  # RoPE's tables are fp32 constants

@@ -245,7 +245,8 @@ def _fresh_state(r: _Run) -> tuple[Any, Any]:
         (r.run / "run_info.json").write_text(json.dumps({
             "git_commit": r.meta["git_commit"], "versions": r.meta["versions"], "mesh": dict(r.mesh.shape),
             "devices": jax.device_count(), "processes": jax.process_count(),
-            "implementations": describe(r.cfg.model, r.mesh.devices.flat[0].platform),  # olmax.model.dispatch
+            "implementations": describe(r.cfg.model, r.mesh.devices.flat[0].platform,  # olmax.model.dispatch
+                                        r.cfg.data.sequence_length),
             "device_kind": jax.devices()[0].device_kind, "batch_plan": dataclasses.asdict(r.plan)}, indent=2))
     return params, opt_state
 
