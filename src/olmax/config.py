@@ -392,6 +392,13 @@ class RlConfig:
     # steps per host round trip; static: each batch decodes until its longest row stops. The same
     # completions either way (olmax.engine).
     batching: str = "continuous"
+    # The continuous engine's KV cache: contiguous (every slot holds prompt + response positions) or
+    # paged (pages of page_size positions as rows grow, a group's prompt stored once; the same
+    # completions, olmax.engine.paged). kv_budget: its bytes, "512MiB" / "2GiB" / MiB, or a fraction
+    # of free device memory in (0, 1]; None = what the contiguous cache of generation_batch rows holds.
+    kv_cache: str = "contiguous"
+    page_size: int = 16
+    kv_budget: str | None = None
     # Training rows of this many tokens, each packing several completions (with their prompts) as
     # documents (open-instruct --pack_length; olmax.rl.packing); None = one completion a row, padded
     # to data.sequence_length.
@@ -545,6 +552,18 @@ def _validate_rl(cfg: Config) -> None:
             raise ConfigError(f"rl.{name} must be >= 1, got {getattr(r, name)}")
     if r.batching not in ("continuous", "static"):
         raise ConfigError(f"rl.batching must be 'continuous' or 'static', got {r.batching!r}")
+    if r.kv_cache not in ("contiguous", "paged"):
+        raise ConfigError(f"rl.kv_cache must be 'contiguous' or 'paged', got {r.kv_cache!r}")
+    if r.kv_cache == "paged" and r.batching != "continuous":
+        raise ConfigError("rl.kv_cache=paged pages the continuous engine's cache: set rl.batching=continuous")
+    if r.page_size < 1 or r.page_size & (r.page_size - 1):
+        raise ConfigError(f"rl.page_size must be a positive power of two (tokens per page), got {r.page_size}")
+    if r.kv_budget is not None:
+        from olmax.engine.paged import parse_budget
+        try:
+            parse_budget(r.kv_budget)
+        except ConfigError as e:
+            raise ConfigError(f"rl.kv_budget: {e}") from None
     if r.generation_batch is not None and r.generation_batch < 1:
         raise ConfigError(f"rl.generation_batch must be >= 1 or null, got {r.generation_batch}")
     if r.pack_length is not None and r.pack_length < r.max_prompt_length + r.max_response_length:

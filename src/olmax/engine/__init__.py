@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from olmax.config import ConfigError, ModelConfig
 from olmax.engine.continuous import Engine, EngineStats, Request
+from olmax.engine.paged import DEFAULT_PAGE_SIZE, KV_CACHES, parse_budget
 from olmax.engine.sampling import MAX_TEMPERATURE, MAX_TOP_LOGPROBS, Completion, NonFiniteLogits, Sampling
 from olmax.engine.shapes import cache_length, call_rows, prompt_bucket
 from olmax.engine.static import Generator
@@ -28,8 +29,19 @@ from olmax.engine.static import Generator
 BATCHING = ("continuous", "static")
 DEFAULT_CHUNK = 8  # decode steps per host round trip (benchmarks/bench_engine.py measures the choice)
 
-__all__ = ["BATCHING", "DEFAULT_CHUNK", "Completion", "Engine", "EngineStats", "Generator", "MAX_TEMPERATURE",
-           "MAX_TOP_LOGPROBS", "NonFiniteLogits", "Request", "Sampling", "check_prefill_bound", "decoder", "generate"]
+__all__ = ["BATCHING", "DEFAULT_CHUNK", "DEFAULT_PAGE_SIZE", "KV_CACHES", "Completion", "Engine", "EngineStats",
+           "Generator", "MAX_TEMPERATURE", "MAX_TOP_LOGPROBS", "NonFiniteLogits", "Request", "Sampling",
+           "check_kv_cache", "check_prefill_bound", "decoder", "generate", "parse_budget"]
+
+
+def check_kv_cache(batching: str, kv_cache: str) -> None:
+    """Only the continuous engine pages its cache: a paged cache asked of the static engine is
+    refused rather than ignored."""
+    if kv_cache not in KV_CACHES:
+        raise ConfigError(f"kv cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
+    if kv_cache == "paged" and batching != "continuous":
+        raise ConfigError(f"--kv-cache paged pages the continuous engine's cache, not the {batching} engine's: "
+                          f"drop --batching {batching}, or use --kv-cache contiguous")
 
 
 def check_prefill_bound(batching: str, prefill_tokens: int | None) -> None:
@@ -41,18 +53,22 @@ def check_prefill_bound(batching: str, prefill_tokens: int | None) -> None:
 
 
 def decoder(params: Any, cfg: ModelConfig, batching: str = "continuous", *, rows: int, mesh: Mesh | None = None,
-            sampling: Sampling = Sampling(), prefill_tokens: int | None = None) -> Engine | Generator:
+            sampling: Sampling = Sampling(), prefill_tokens: int | None = None, kv_cache: str = "contiguous",
+            page_size: int = DEFAULT_PAGE_SIZE, kv_budget: int | None = None) -> Engine | Generator:
     """An engine of kind ``batching`` to reuse across ``generate`` calls (its compiled programs and
     prepared weights; ``load`` new weights into it), built for batches of ``rows``.
-    ``prefill_tokens``: the continuous engine's bound on the prompt tokens a round trip prefills."""
+    ``prefill_tokens``: the continuous engine's bound on the prompt tokens a round trip prefills;
+    ``kv_cache``, ``page_size``, ``kv_budget`` (bytes): its KV cache (``Engine``)."""
     if batching not in BATCHING:
         raise ValueError(f"batching must be one of {', '.join(BATCHING)}, got {batching!r}")
     check_prefill_bound(batching, prefill_tokens)
+    check_kv_cache(batching, kv_cache)
     if batching == "static":
         return Generator(params, cfg, sampling, mesh, rows=rows)
     # Shapes are set by each ``generate`` call (``Engine.reset``); a placeholder until then.
-    return Engine(params, cfg, slots=rows, max_length=64, mesh=mesh, chunk=DEFAULT_CHUNK,
-                  prefill_tokens=prefill_tokens)
+    return Engine(params, cfg, slots=rows, max_length=max(64, page_size) if page_size >= 1 else 64, mesh=mesh,
+                  chunk=DEFAULT_CHUNK, prefill_tokens=prefill_tokens, kv_cache=kv_cache, page_size=page_size,
+                  kv_budget=kv_budget)
 
 
 def generate(params: Any, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,

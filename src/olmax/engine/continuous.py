@@ -19,6 +19,14 @@ A row samples with its own key (``fold_in(key(seed), index)``) and its own step 
 operation of a decode step is row by row, so a completion equals, token for token and log-prob for
 log-prob, what the static engine (``olmax.engine.static``) or the same request alone gives with the
 same cache length and prompt bucket: it does not depend on which other requests ran beside it.
+
+With ``kv_cache="paged"`` the full-attention layers' cache is a pool of pages (``olmax.engine.
+paged``, ``decode.paged_cache``): a request is admitted while pages last (its prompt's and a
+chunk's), a row is given pages as it grows and gives them back when it ends, the rows of one
+prompt share its whole pages, and when the pool runs dry the youngest rows are preempted and
+recomputed later from their prompts (the same tokens again: a row's tokens depend on nothing but
+itself; those already streamed are not streamed twice). The completions are the contiguous
+cache's, token for token and log-prob for log-prob (the same bits on the CPU).
 """
 
 from __future__ import annotations
@@ -38,12 +46,25 @@ import numpy as np
 from jax.sharding import Mesh
 
 from olmax.config import ModelConfig
+from olmax.engine.paged import DEFAULT_PAGE_SIZE, KV_CACHES, PagePool, contiguous_rows, plan_growth, pool_pages
 from olmax.engine.sampling import MAX_TOP_LOGPROBS, Completion, Sampling, finite_rows, nonfinite_error, row_keys, sample
 from olmax.engine.sampling import knobs as sampling_knobs
 from olmax.engine.shapes import bucket, mesh_data_parallel, prompt_bucket
 from olmax.engine.weights import DecodeWeights, on_mesh
-from olmax.model.decode import blank_cache, decode_step, layout_of, prefill, shard_put, shard_take, write_rows
-from olmax.model.dispatch import reproduce_decode_bits
+from olmax.model.decode import (
+    blank_cache,
+    cache_bytes,
+    decode_step,
+    layout_of,
+    page_bytes,
+    paged_cache,
+    prefill,
+    row_bytes,
+    shard_put,
+    shard_take,
+    write_rows,
+)
+from olmax.model.dispatch import decode_layout, reproduce_decode_bits
 
 MAX_EOS = 8          # end-of-sequence ids a request may name (a fixed-width table on the device)
 # What one admission (a prefill, the rows' writes, the round trip it ends) costs, in decode steps
@@ -85,8 +106,10 @@ class EngineStats:
     ``decoded``: tokens kept from decode steps (a row's first token comes from its prefill);
     ``prefills``: prompt rows prefilled; ``prefill_blocks``: compiled prefill calls;
     ``prefilled_tokens``: the token positions those calls ran (their padded [rows, length] blocks,
-    the figure ``prefill_tokens`` bounds per round trip); ``round_trips``. All are counters: the
-    difference of two readings is what happened between them."""
+    the figure ``prefill_tokens`` bounds per round trip); ``round_trips``; with a paged cache
+    ``shared_prompt_tokens`` (prompt positions a row found in pages another row holds) and
+    ``preemptions`` (rows preempted for pages, recomputed later).
+    All are counters: the difference of two readings is what happened between them."""
     decode_steps: int = 0
     slot_steps: int = 0
     decoded: int = 0
@@ -94,6 +117,8 @@ class EngineStats:
     prefill_blocks: int = 0
     prefilled_tokens: int = 0
     round_trips: int = 0
+    shared_prompt_tokens: int = 0
+    preemptions: int = 0
 
     @property
     def slot_utilisation(self) -> float:
@@ -102,10 +127,13 @@ class EngineStats:
         return self.decoded / self.slot_steps if self.slot_steps else 1.0
 
 
-def blank_state(prepared: dict, cfg: ModelConfig, slots: int, max_length: int) -> dict:
-    """The device state of ``slots`` empty slots."""
+def blank_state(prepared: dict, cfg: ModelConfig, slots: int, max_length: int, pages: int | None = None,
+                page_size: int | None = None) -> dict:
+    """The device state of ``slots`` empty slots; with ``pages``, a paged cache of that many pages."""
     z = jnp.zeros((slots,), jnp.int32)
-    return {"tok": z, "cache": blank_cache(cfg, prepared, slots, max_length),
+    cache = blank_cache(cfg, prepared, slots, max_length) if pages is None else \
+        paged_cache(cfg, prepared, slots, max_length, pages, page_size)
+    return {"tok": z, "cache": cache,
             "keys": row_keys(z.astype(jnp.uint32), z), "step": z, "left": z,
             "live": jnp.zeros((slots,), bool), "eos": jnp.full((slots, MAX_EOS), -1, jnp.int32),
             "knobs": {k: v for k, v in zip(KNOBS, (jnp.ones((slots,), jnp.float32), z,
@@ -119,14 +147,16 @@ def prefill_block(prepared, tokens, lengths, *, cfg):
     return prefill(prepared, tokens, lengths, cfg, tokens.shape[1])
 
 
-def admit(prepared, state, logits, rows, source, dest, seeds, indices, knobs, left, eos, *, cfg, greedy, top_n,
-          readable=lambda *a: a):
+def admit(prepared, state, logits, rows, source, dest, seeds, indices, knobs, left, eos, pages=None, *, cfg, greedy,
+          top_n, readable=lambda *a: a):
     """In each data-parallel shard d, write row ``source[d, j]`` of the shard's part of a
     prefilled block (``prefill_block``'s ``logits`` and cache ``rows``) into the shard's slot
     ``dest[d, j]`` ([dp, n] each; a ``dest`` past the shard's slots writes nothing) and sample
     that row's first token; the per-row arguments are [dp * n], shard by shard. No row crosses
     devices and the slots' cache is written in place (``decode.write_rows``). ``readable``: makes
-    the outputs the host reads readable on every process (``DecodeWeights.host_readable``)."""
+    the outputs the host reads readable on every process (``DecodeWeights.host_readable``).
+    ``pages`` [1, n, pages of the block]: where a paged cache's rows take their prompts
+    (``decode.write_rows``)."""
     keys = row_keys(seeds, indices)
     logits = shard_take(logits, source, 0)
     with reproduce_decode_bits(layout_of(prepared) == "packed"):
@@ -136,7 +166,7 @@ def admit(prepared, state, logits, rows, source, dest, seeds, indices, knobs, le
 
     def put(a, v):
         return shard_put(a, dest, v)
-    state = {"tok": put(state["tok"], tok), "cache": write_rows(state["cache"], rows, source, dest),
+    state = {"tok": put(state["tok"], tok), "cache": write_rows(state["cache"], rows, source, dest, pages),
              "keys": put(state["keys"], keys), "step": put(state["step"], jnp.ones_like(tok)),
              "left": put(state["left"], left), "live": put(state["live"], live), "eos": put(state["eos"], eos),
              "knobs": {k: put(state["knobs"][k], knobs[k]) for k in KNOBS}}
@@ -193,7 +223,8 @@ def programs(cfg: ModelConfig, mesh: Mesh | None, readable: Callable = lambda *a
     them: ``blank_state`` (static ``slots``, ``max_length``), ``prefill_block``, ``admit`` (static
     ``greedy``, ``top_n``; the state donated) and ``decode_chunk`` (static ``chunk``,
     ``max_length``, ``greedy``, ``top_n``; the state donated)."""
-    return (jax.jit(on_mesh(partial(blank_state, cfg=cfg), mesh), static_argnames=("slots", "max_length")),
+    return (jax.jit(on_mesh(partial(blank_state, cfg=cfg), mesh),
+                    static_argnames=("slots", "max_length", "pages", "page_size")),
             jax.jit(on_mesh(partial(prefill_block, cfg=cfg), mesh)),
             jax.jit(on_mesh(partial(admit, cfg=cfg, readable=readable), mesh),
                     static_argnames=("greedy", "top_n"), donate_argnums=(1,)),
@@ -236,13 +267,25 @@ class Engine:
     their prompt bucket), at least one prompt whatever the bound; the requests past it wait for
     the next round trip. The slots' cache and a prefilled block are held together, so where prompts
     are nearly as long as the cache a bound keeps the block small (v5p-8, 32 slots of 32,768
-    tokens: 118 GiB a chip unbounded). None: every admitted prompt at once. Submit and cancel
-    from any thread; ``step`` from one."""
+    tokens: 118 GiB a chip unbounded). None: every admitted prompt at once. ``kv_cache``:
+    "contiguous" (every slot holds ``max_length`` positions) or "paged" (pages of ``page_size``
+    positions, as many as ``kv_budget`` bytes hold, else the contiguous cache's bytes; one
+    data-parallel shard); ``kv_budget`` of a contiguous cache must hold its slots.
+    ``prefix_cache`` (paged): prompts that begin alike share whole pages, kept after their rows
+    end until the pool needs them. Submit and cancel from any thread; ``step`` from one."""
 
     def __init__(self, params: Any, cfg: ModelConfig, *, slots: int, max_length: int, mesh: Mesh | None = None,
                  chunk: int = 8, prompt_len: int | None = None, refill: int | None = None,
-                 weights: DecodeWeights | None = None, prefill_ahead: int = 4, prefill_tokens: int | None = None):
+                 weights: DecodeWeights | None = None, prefill_ahead: int = 4, prefill_tokens: int | None = None,
+                 kv_cache: str = "contiguous", page_size: int = DEFAULT_PAGE_SIZE, kv_budget: int | None = None,
+                 prefix_cache: bool = False):
         self.cfg, self.mesh = cfg, mesh
+        if kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
+        if kv_cache == "paged" and mesh_data_parallel(mesh) > 1:
+            raise ValueError(f"the paged KV cache runs on one data-parallel shard; this mesh has "
+                             f"{mesh_data_parallel(mesh)}: use kv_cache='contiguous'")
+        self.kv_cache, self.page_size, self.kv_budget, self.prefix_cache = kv_cache, page_size, kv_budget, prefix_cache
         self.weights = weights if weights is not None else DecodeWeights(params, cfg, mesh, rows=slots)
         self._lock = threading.Lock()
         self._waiting: deque[tuple[int, Request]] = deque()
@@ -288,6 +331,23 @@ class Engine:
         self._rows: list[_Row | None] = [None] * slots
         self._device_live = np.zeros(slots, bool)   # the device's view: still decoding
         self._state = None                          # made at the first step (after any load)
+        packed = decode_layout(slots, self.cfg) == "packed"
+        self._kv_dtype = jnp.float32 if packed else jnp.dtype(self.cfg.compute_dtype)
+        self._pager: PagePool | None = None
+        if self.kv_cache == "paged":
+            pages = pool_pages(self.cfg, slots, max_length, self.page_size, self.kv_budget, self._kv_dtype)
+            self._pager = PagePool(pages, self.page_size, slots, max_length, self.prefix_cache)
+        elif self.kv_budget is not None:
+            fit = contiguous_rows(self.cfg, max_length, self.kv_budget, self._kv_dtype)
+            if slots > fit:
+                raise ValueError(f"a kv budget of {self.kv_budget / 2**20:.1f} MiB holds {fit} contiguous rows "
+                                 f"of {max_length} positions, not {slots}: lower the batch size, or use the paged "
+                                 "cache")
+        self._order: list[int] = []                 # occupied slots, the oldest admitted first
+        self._page_bound = False                    # paged: a request waits for pages (not for a slot)
+        self._write: dict[int, np.ndarray] = {}     # paged: the pages an admitted slot's prompt goes to
+        self._emitted: dict[int, int] = {}          # a preempted request's tokens already streamed
+        self.sequences_peak = 0
         self._forget_prefills()
 
     def _forget_prefills(self) -> None:
@@ -347,6 +407,23 @@ class Engine:
     def busy(self) -> bool:
         return bool(getattr(self, "_waiting", None)) or any(r is not None for r in getattr(self, "_rows", ()))
 
+    def kv_report(self) -> dict[str, int]:
+        """The KV cache since the last ``reset``: ``kv_bytes_peak`` (used at the peak: the pages rows
+        held, with every slot's sliding rings and positions; a contiguous cache uses all it
+        reserves), ``kv_bytes_reserved``, ``kv_contiguous_bytes`` (what a contiguous cache would
+        reserve for the most rows that decoded at once), ``kv_shared_prompt_tokens``,
+        ``preemptions`` (counters of the engine's life, ``EngineStats``) and ``sequences_peak``."""
+        one = cache_bytes(self.cfg, 1, self.max_length, self._kv_dtype)
+        out = {"kv_bytes_reserved": self.slots * one, "kv_bytes_peak": self.slots * one,
+               "kv_contiguous_bytes": self.sequences_peak * one, "sequences_peak": self.sequences_peak,
+               "kv_shared_prompt_tokens": self.stats.shared_prompt_tokens, "preemptions": self.stats.preemptions}
+        if self._pager is not None:
+            rings = self.slots * row_bytes(self.cfg, self.max_length, self._kv_dtype)
+            page = page_bytes(self.cfg, self.page_size, self._kv_dtype)
+            out["kv_bytes_reserved"] = rings + self._pager.pages * page
+            out["kv_bytes_peak"] = rings + self._pager.stats.pages_peak * page
+        return out
+
     def run(self, requests: Sequence[Request]) -> list[Completion]:
         """Every request's completion, in order."""
         ids = [self.submit(r) for r in requests]
@@ -403,6 +480,13 @@ class Engine:
         dp = mesh_data_parallel(self.mesh)
         fresh: dict[int, Counter] = {}  # with a prefill bound: bucket -> prompts to prefill per shard
         out = []
+        pager = self._pager
+        self._page_bound = False
+        # Paged: pages the running rows take in the next round trip are not given to a new row.
+        # A watermark of a tenth of the pool is kept for growth: filled to the last page, every round
+        # trip that takes a row across a page boundary would preempt one (recomputed from its prompt).
+        room = None if pager is None else pager.available() - (pager.pages - 1) // 10 - sum(
+            pager.pages_to_reach(s, self._positions_ahead(s)) for s in self._order)
         with self._lock:
             while free and self._waiting:
                 rid, req = self._waiting.popleft()
@@ -427,10 +511,60 @@ class Engine:
                             self._waiting_prompts[key] += 1
                             break
                         fresh = more
+                if pager is not None:
+                    need = pager.pages_to_admit(req.prompt, key[0], ahead=self.chunk)
+                    if need > room and (self._order or out):  # no pages for it yet: it waits (an empty pool admits one)
+                        self._page_bound = True
+                        self._waiting.appendleft((rid, req))
+                        self._waiting_prompts[key] += 1
+                        break
+                    shared = pager.stats.shared_prompt_tokens
+                    self._write[slot] = pager.admit(slot, req.prompt, key[0])
+                    self.stats.shared_prompt_tokens += pager.stats.shared_prompt_tokens - shared
+                    pager.grow(slot, min(len(req.prompt) + self.chunk, self.max_length))
+                    room -= need
                 free.remove(slot)
                 held.add((key, self._shard(slot)))
                 out.append((slot, rid, req))
         return out
+
+    def _positions_ahead(self, slot: int) -> int:
+        """Positions row ``slot`` holds after the next round trip's decode steps (paged)."""
+        row = self._rows[slot]
+        req = row.request
+        length = len(req.prompt) + max(len(row.out.token_ids) - 1, 0)  # the device's: the first token has no key yet
+        return max(length + 1, min(length + self.chunk, len(req.prompt) + req.max_new_tokens - 1))
+
+    def _release(self, slot: int) -> None:
+        if slot in self._order:
+            self._order.remove(slot)
+        if self._pager is not None:
+            self._pager.release(slot)
+
+    def _grow_or_preempt(self, fresh: set[int]) -> None:
+        """Paged: give every running row the pages its next decode steps need, preempting the
+        youngest (back to the front of the queue, recomputed from its prompt) while they do not
+        fit; not the rows admitted in this round trip (``fresh``), whose pages admission set aside."""
+        pager = self._pager
+        needs = {s: self._positions_ahead(s) for s in self._order}
+        gone = plan_growth(pager, needs, [s for s in self._order if s not in fresh])
+        requeue = []
+        for s in gone:
+            row = self._rows[s]
+            self._emitted[row.rid] = max(self._emitted.get(row.rid, 0), len(row.out.token_ids))
+            self._rows[s] = None
+            self._release(s)
+            self.stats.preemptions += 1
+            pager.stats.preemptions += 1
+            requeue.append((row.rid, row.request))
+        with self._lock:
+            for rid, req in sorted(requeue, reverse=True):  # the oldest request first again
+                self._waiting.appendleft((rid, req))
+                self._waiting_prompts[self._key(req.prompt)] += 1
+        for s in self._order:
+            if pager.pages_to_reach(s, needs[s]) > pager.available():
+                raise RuntimeError(f"the page pool ran dry growing row {s}: a bug in the paged cache's admission")
+            pager.grow(s, needs[s])
 
     def _finish_unstarted(self, rid: int, req: Request) -> None:
         c = Completion(finish_reason="cancelled")
@@ -539,11 +673,21 @@ class Engine:
                 eos[i, :len(q.eos_ids)] = sorted(q.eos_ids)
             kn = sampling_knobs([q.sampling for q in reqs])
             logits, cache_rows = self._blocks[block]
+            pages = None
+            if self._pager is not None:
+                T = cache_rows["pos"]["full"].shape[1] if "full" in cache_rows["pos"] else 1
+                width = -(-T // self.page_size)
+                pages = np.full((1, len(reqs), width), self._pager.pages, np.int32)
+                for j, (slot, rid, _) in enumerate(rows[0]):
+                    if rid >= 0:
+                        pages[0, j] = self._write.pop(slot)[:width]
+                pages = put(pages)
+                self._push_table()
             self._state, out = self._insert(
                 prepared, self._state, logits, cache_rows, put(source), put(dest),
                 put(np.asarray([q.sampling.seed for q in reqs], np.uint32)),
                 put(np.asarray([q.index for q in reqs], np.int32)), {k: put(v) for k, v in kn.items()},
-                put(np.asarray([q.max_new_tokens - 1 for q in reqs], np.int32)), put(eos),
+                put(np.asarray([q.max_new_tokens - 1 for q in reqs], np.int32)), put(eos), pages,
                 greedy=all(q.sampling.greedy for q in reqs),
                 top_n=MAX_TOP_LOGPROBS if any(q.top_logprobs for q in reqs) else 0)
             written = []
@@ -551,6 +695,7 @@ class Engine:
                 for j, (slot, rid, req) in enumerate(part):
                     written.append((d * n + j, slot))
                     self._rows[slot] = _Row(rid, req, Completion(top_logprobs=[] if req.top_logprobs else None))
+                    self._order.append(slot)
             pending.append((written, out))
         with self._lock:
             needed = {k for k, n in self._waiting_prompts.items() if n > 0}
@@ -575,8 +720,8 @@ class Engine:
             c.logprobs.append(lp)
             if c.top_logprobs is not None and top is not None:
                 c.top_logprobs.append([(int(i), float(v)) for v, i in zip(*top)][:req.top_logprobs])
-            if req.on_token is not None:
-                req.on_token(tok, lp)
+            if req.on_token is not None and len(c.token_ids) > self._emitted.get(row.rid, 0):
+                req.on_token(tok, lp)  # a preempted row's recomputed tokens were streamed the first time
             if tok in req.eos_ids or (req.stop is not None and req.stop(c.token_ids)):
                 c.finish_reason = "stop"
             elif len(c.token_ids) >= req.max_new_tokens:
@@ -584,23 +729,34 @@ class Engine:
             else:
                 return False
         self._rows[slot] = None
+        self._release(slot)
+        self._emitted.pop(row.rid, None)
         self._finished.append((row.rid, c))
         if req.on_finish is not None:
             req.on_finish(c)
         return True
+
+    def _push_table(self) -> None:
+        """The page table to the device where the host changed it (paged)."""
+        if self._pager.dirty:
+            self._state["cache"]["table"] = self.weights.put(self._pager.table)
+            self._pager.dirty = False
 
     def step(self) -> list[tuple[int, Completion]]:
         """One host round trip; the (id, completion) of the requests that finished in it."""
         self._finished: list[tuple[int, Completion]] = []
         prepared = self.weights(self.slots)
         if self._state is None:
-            self._state = self._init(prepared, slots=self.slots, max_length=self.max_length)
+            paged = {} if self._pager is None else {"pages": self._pager.pages, "page_size": self.page_size}
+            self._state = self._init(prepared, slots=self.slots, max_length=self.max_length, **paged)
         with self._lock:
             cancelled, self._cancelled = self._cancelled, set()
         for s, row in enumerate(self._rows):
             if row is not None and row.rid in cancelled:
                 row.out.finish_reason = "cancelled"
                 self._rows[s] = None
+                self._release(s)
+                self._emitted.pop(row.rid, None)
                 self._finished.append((row.rid, row.out))
                 if row.request.on_finish is not None:
                     row.request.on_finish(row.out)
@@ -608,7 +764,12 @@ class Engine:
         with self._lock:
             self._cancelled |= cancelled  # those still waiting
         pending = self._dispatch_admit(prepared, self._admissions())
+        if self._pager is not None:
+            fresh = {slot for written, _ in pending for _, slot in written}
+            self._grow_or_preempt(fresh)
+            self._push_table()
         occupied = [r is not None for r in self._rows]
+        self.sequences_peak = max(self.sequences_peak, sum(occupied))
         # Rows the host finished (a stop string, a cancel) that the device still decodes.
         kill = self._device_live & ~np.asarray(occupied)
         for written, _ in pending:
@@ -618,6 +779,8 @@ class Engine:
             with self._lock:
                 waiting = len(self._waiting)
             need = min(self.admission_size(), waiting) if waiting else self.slots + 1
+            if waiting and self._page_bound:  # requests wait for pages, not slots: return once a row ends
+                need = self.slots - sum(occupied) + 1
             # A stop string is seen only here, on the host: while requests wait, rows that have one
             # come back sooner, so a stopped row's slot idles (or decodes past its stop) for fewer steps.
             host_stops = any(r is not None and r.request.stop is not None for r in self._rows)

@@ -64,7 +64,7 @@ def _read_line(stdin: TextIO) -> str | None:
 def run_chat(gen: Model, *, system: str | None = None, max_new_tokens: int = 512,
              temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
              seed: int = 0, stops: list[str] = (), stdin: TextIO | None = None, stdout: TextIO | None = None,
-             stderr: TextIO | None = None) -> int:
+             stderr: TextIO | None = None, kv: dict | None = None) -> int:
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     base = [{"role": "system", "content": system}] if system is not None else []
     messages = list(base)
@@ -102,7 +102,7 @@ def run_chat(gen: Model, *, system: str | None = None, max_new_tokens: int = 512
         turn += 1
         (reply,) = gen.generate([ids], max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 top_k=top_k, seed=(seed + turn) % 2**32, batch_size=1, stops=list(stops), chat=True,
-                                stream=stdout)
+                                stream=stdout, **(kv or {}))
         stdout.write("\n")
         stdout.flush()
         if reply["finish_reason"] == "length":
@@ -118,4 +118,5 @@ def cmd_chat(args: Any) -> int:
     if max_new is None:  # a reply may use up to half the model's positions by default
         max_new = max(1, min(DEFAULT_MAX_NEW_TOKENS, gen.cfg.model.max_position_embeddings // 2))
     return run_chat(gen, system=args.system, max_new_tokens=max_new, temperature=args.temperature,
-                    top_p=args.top_p, top_k=args.top_k, seed=args.seed, stops=list(args.stop or []))
+                    top_p=args.top_p, top_k=args.top_k, seed=args.seed, stops=list(args.stop or []),
+                    kv={"kv_cache": args.kv_cache, "page_size": args.page_size, "kv_budget": args.kv_budget})

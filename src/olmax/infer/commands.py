@@ -35,6 +35,20 @@ def _common(p: argparse.ArgumentParser, max_new_default: int) -> None:
                    help="stop when the text contains STR, a non-empty string (repeatable); the text is cut before it")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="parameters and compute in this dtype (default: as stored and configured)")
+    kv_cache_arguments(p)
+
+
+def kv_cache_arguments(p: argparse.ArgumentParser) -> None:
+    """``--kv-cache``, ``--page-size``, ``--kv-budget`` (generate, chat, serve)."""
+    p.add_argument("--kv-cache", choices=["contiguous", "paged"], default="contiguous",
+                   help="contiguous: every slot holds the whole cache length (default); paged: pages of "
+                        "--page-size positions as a row grows, admission by free pages, the rows of one prompt "
+                        "sharing its pages (the same completions)")
+    p.add_argument("--page-size", type=positive_int, default=16, metavar="N",
+                   help="positions per page of the paged cache, a power of two dividing the cache (default 16)")
+    p.add_argument("--kv-budget", default=None, metavar="SIZE",
+                   help="the KV cache's memory: 512MiB, 2GiB, a number of MiB, or a fraction of free device memory "
+                        "in (0, 1] (default: the contiguous cache of the batch's rows)")
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -128,8 +128,9 @@ class Model:
                               f"{tokenizer_places(checkpoint, cfg)}): pass --tokenizer (a tokenizer.json file or a "
                               "folder holding one)")
         self.codec = TextCodec.load(tok_path, cfg) if tok_path is not None else None
-        self._decoders: dict[str, Any] = {}  # one engine of each kind for every call (sampling is a runtime value)
+        self._decoders: dict[tuple, Any] = {}  # one engine of each kind for every call (sampling is a runtime value)
         self.last_stats: Any = None  # the engine's counters for the last ``generate`` call
+        self.last_kv: dict | None = None  # the continuous engine's KV report (``Engine.kv_report``) for that call
 
     def eos_ids(self, chat: bool) -> tuple[int, ...]:
         ids = [self.cfg.data.eos_token_id]
@@ -158,7 +159,8 @@ class Model:
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float | None = None,
                  top_p: float | None = None, top_k: int | None = None, seed: int = 0, batch_size: int = 8,
                  stops: list[str] = (), chat: bool = False, stream: TextIO | None = None,
-                 batching: str = "continuous", prefill_tokens: int | None = None) -> list[dict[str, Any]]:
+                 batching: str = "continuous", prefill_tokens: int | None = None, kv_cache: str = "contiguous",
+                 page_size: int = 16, kv_budget: str | None = None) -> list[dict[str, Any]]:
         """One dict per prompt, in prompt order: ``token_ids``, ``text`` (with a tokenizer),
         ``logprobs``, ``finish_reason`` ("stop": EOS or a stop string; "length")."""
         from olmax.engine import (
@@ -167,11 +169,17 @@ class Model:
             NonFiniteLogits,
             Sampling,
             call_rows,
+            check_kv_cache,
             check_prefill_bound,
             decoder,
             generate,
+            parse_budget,
         )
+        from olmax.engine.paged import budget_bytes
         check_prefill_bound(batching, prefill_tokens)
+        check_kv_cache(batching, kv_cache)
+        budget = parse_budget(kv_budget)
+        budget = None if budget is None else budget_bytes(budget)
         stops = [s for s in stops if s] + (self.chat_stops() if chat else [])
         if stops and self.codec is None:
             raise ConfigError("stop strings need a tokenizer: pass --tokenizer")
@@ -181,10 +189,12 @@ class Model:
 
         streamer = Streamer(codec, stops, stream) if stream is not None and codec is not None else None
         sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        if batching not in self._decoders:
-            self._decoders[batching] = decoder(self.params, self.cfg.model, batching,
-                                               rows=call_rows(len(prompts), batch_size))
-        engine = self._decoders[batching]
+        kind = (batching, kv_cache, page_size, budget)
+        if kind not in self._decoders:
+            self._decoders[kind] = decoder(self.params, self.cfg.model, batching,
+                                           rows=call_rows(len(prompts), batch_size), kv_cache=kv_cache,
+                                           page_size=page_size, kv_budget=budget)
+        engine = self._decoders[kind]
         if isinstance(engine, Engine):
             engine.prefill_tokens = prefill_tokens
         before = EngineStats(**vars(engine.stats))
@@ -196,6 +206,7 @@ class Model:
             raise ValueError(f"checkpoint {self.checkpoint}, prompt {e.prompt + 1}: {e.error}; its weights, or "
                              "their forward, are broken") from None
         self.last_stats = EngineStats(**{k: v - getattr(before, k) for k, v in vars(engine.stats).items()})
+        self.last_kv = engine.kv_report() if isinstance(engine, Engine) else None
         results = []
         for c in out:
             r: dict[str, Any] = {"token_ids": [int(t) for t in c.token_ids]}
@@ -319,7 +330,8 @@ def cmd_generate(args: Any, stdout: TextIO | None = None, stderr: TextIO | None 
     results = gen.generate(prompts, max_new_tokens=max_new, temperature=args.temperature,
                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, batch_size=args.batch_size,
                            stops=list(args.stop or []), chat=chat, stream=stdout if stream else None,
-                           batching=args.batching, prefill_tokens=args.prefill_tokens)
+                           batching=args.batching, prefill_tokens=args.prefill_tokens, kv_cache=args.kv_cache,
+                           page_size=args.page_size, kv_budget=args.kv_budget)
     dt = time.perf_counter() - t0
     if args.json:
         for r in results:
@@ -338,4 +350,11 @@ def cmd_generate(args: Any, stdout: TextIO | None = None, stderr: TextIO | None 
                  f"{', '.join(sorted({r['finish_reason'] for r in results}))}; {args.batching} batching, slot "
                  f"utilisation {gen.last_stats.slot_utilisation:.2f} ({gen.last_stats.decoded} decoded tokens / "
                  f"{gen.last_stats.decode_steps} decode steps x slots)\n")
+    if gen.last_kv is not None and args.kv_cache == "paged":
+        kv = gen.last_kv
+        stderr.write(f"generate: paged KV cache, peak {kv['kv_bytes_peak'] / 2**20:.1f} MiB used of "
+                     f"{kv['kv_bytes_reserved'] / 2**20:.1f} MiB reserved (a contiguous cache: "
+                     f"{kv['kv_contiguous_bytes'] / 2**20:.1f} MiB for the {kv['sequences_peak']} rows at once), "
+                     f"{gen.last_stats.shared_prompt_tokens} prompt tokens from shared pages, "
+                     f"{gen.last_stats.preemptions} preemptions\n")
     return 0

@@ -242,15 +242,18 @@ class RlData:
     # -- rollouts -------------------------------------------------------------------------------
 
     def _generate(self, params: Any, rows: list[list[int]], seed: int) -> list[Any]:
-        from olmax.engine import Sampling, call_rows, decoder, generate
+        from olmax.engine import Sampling, call_rows, decoder, generate, parse_budget
+        from olmax.engine.paged import budget_bytes
         r = self.cfg.rl
         sampling = Sampling(temperature=r.temperature, top_p=None if r.top_p >= 1 else r.top_p, seed=seed)
         batch = r.generation_batch or len(rows)
         if self.generator is None:
             # In the layout of the batches it runs from the start: the weights reloaded every step
             # then go through one program compiled in the first step (not a new one in the second).
+            budget = parse_budget(r.kv_budget)
             self.generator = decoder(params, self.cfg.model, r.batching, rows=call_rows(len(rows), batch, self.mesh),
-                                     mesh=self.mesh, sampling=sampling)
+                                     mesh=self.mesh, sampling=sampling, kv_cache=r.kv_cache, page_size=r.page_size,
+                                     kv_budget=None if budget is None else budget_bytes(budget))
         else:
             self.generator.load(params)
         stops = r.stop_strings
@@ -264,6 +267,18 @@ class RlData:
         return generate(None, self.cfg.model, rows, max_new_tokens=r.max_response_length, sampling=sampling,
                         eos_ids=self.eos_ids, batch_size=batch, stop=stop,
                         generator=self.generator)
+
+    def _kv_metrics(self) -> dict[str, float]:
+        """The continuous engine's KV cache over the step's last sampling round (``Engine.kv_report``):
+        peak bytes used, the prompt positions served from shared pages and the preemptions (the
+        last two counted over the run)."""
+        report = getattr(self.generator, "kv_report", None)
+        if report is None:
+            return {}
+        kv = report()
+        return {"rl/kv_bytes_peak": float(kv["kv_bytes_peak"]), "rl/kv_bytes_reserved": float(kv["kv_bytes_reserved"]),
+                "rl/kv_shared_prompt_tokens": float(kv["kv_shared_prompt_tokens"]),
+                "rl/preemptions": float(kv["preemptions"])}
 
     def _score(self, texts: list[str], golds: list[str]) -> np.ndarray:
         """Rewards of the completions; with several processes, process 0's, sent to the rest (so
@@ -333,6 +348,7 @@ class RlData:
             "rl/generation_tokens_per_sec": generated / t_gen if t_gen > 0 else 0.0,
             # Tokens made per decode step and slot: the share of the engine's slots that did useful work.
             "rl/slot_utilisation": decoded / slot_steps if slot_steps else 1.0,
+            **self._kv_metrics(),
             "rl/time_generation_s": t_gen, "rl/prompts_retired": float(len(self.retired)),
             "rl/reward_failures": float(self.reward.failures + self.reward.timeouts),
         }

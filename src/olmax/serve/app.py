@@ -244,6 +244,9 @@ async def health(request: HTTPRequest) -> Response:
     stats = getattr(state.worker.engine, "stats", None)  # olmax.engine's EngineStats
     if stats is not None:
         out["engine"] = {**vars(stats), "slot_utilisation": stats.slot_utilisation}
+        report = getattr(state.worker.engine, "kv_report", None)  # the KV cache's peak, sharing, preemptions
+        if report is not None:
+            out["engine"].update(report())
     return JSONResponse(out)
 
 

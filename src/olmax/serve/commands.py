@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from olmax.argtypes import int_in, nonneg_int, positive_float, positive_int
+from olmax.infer.commands import kv_cache_arguments
 from olmax.serve import DEFAULT_ADMISSION_TIMEOUT as DEFAULT_TIMEOUT
 from olmax.serve import DEFAULT_MAX_LENGTH
 
@@ -40,6 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="prefill at most N prompt tokens per engine round trip (at least one prompt): long prompts "
                         "arriving together are prefilled over several round trips while the others decode "
                         "(default: every free slot's prompt at once)")
+    kv_cache_arguments(p)
     p.add_argument("--warmup", type=nonneg_int, nargs="?", const=0, default=None, metavar="TOKENS",
                    help="before listening, compile the engine's prefill programs for prompts up to TOKENS long "
                         "(default: --max-length), 1 to --max-concurrency rows at a time, greedy and sampled, so "

@@ -66,7 +66,8 @@ def cmd_serve(args: Any) -> int:
         raise ConfigError(f"--max-length {max_length} is past the model's {positions} positions "
                           "(max_position_embeddings)")
     served = ServedModel.from_model(model, args.model_name or args.checkpoint, max_length)
-    engine = build_engine(model, args.max_concurrency, max_length, prefill_tokens=args.prefill_tokens)
+    engine = build_engine(model, args.max_concurrency, max_length, prefill_tokens=args.prefill_tokens,
+                          kv_cache=args.kv_cache, page_size=args.page_size, kv_budget=args.kv_budget)
     if args.warmup is not None:
         warm_up(engine, model.cfg.model, args.warmup or max_length - 1, log)
     admission = Workers(served)

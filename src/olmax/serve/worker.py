@@ -28,9 +28,18 @@ class EngineLike(Protocol):
     def busy(self) -> bool: ...
 
 
-def build_engine(model: Any, slots: int, max_length: int, prefill_tokens: int | None = None) -> Engine:
-    """The continuous-batching engine over a checkpoint loaded by ``olmax.infer.run.Model``."""
-    return Engine(model.params, model.cfg.model, slots=slots, max_length=max_length, prefill_tokens=prefill_tokens)
+def build_engine(model: Any, slots: int, max_length: int, prefill_tokens: int | None = None,
+                 kv_cache: str = "contiguous", page_size: int = 16, kv_budget: str | None = None) -> Engine:
+    """The continuous-batching engine over a checkpoint loaded by ``olmax.infer.run.Model``. A paged
+    cache keeps a prefix cache (requests that begin alike share pages, least recently used evicted)
+    where a prompt's keys and values are the same bits whatever was prefilled beside it
+    (``dispatch.can_reproduce_decode_bits``: the CPU kernels), so a reused prefix is exact."""
+    from olmax.engine.paged import budget_bytes, parse_budget
+    from olmax.model.dispatch import can_reproduce_decode_bits
+    budget = parse_budget(kv_budget)
+    return Engine(model.params, model.cfg.model, slots=slots, max_length=max_length, prefill_tokens=prefill_tokens,
+                  kv_cache=kv_cache, page_size=page_size, kv_budget=None if budget is None else budget_bytes(budget),
+                  prefix_cache=kv_cache == "paged" and can_reproduce_decode_bits(model.cfg.model))
 
 
 def warm_up(engine: Engine, cfg: Any, upto: int, log: Callable[[str], None]) -> int:
