@@ -68,6 +68,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import sys
 import time
 import traceback
@@ -614,7 +615,9 @@ class Check:
         import glob
         import gzip
         import tempfile
-        d = os.environ.get("OUT") or tempfile.mkdtemp()
+        # Beside the JSON (--out), else under $OUT: where a device call brings files back.
+        d = os.path.dirname(os.path.abspath(self.args.out)) if self.args.out else os.environ.get("OUT")
+        d = d or tempfile.mkdtemp()
         log_dir = os.path.join(d, "profile")
         jax.block_until_ready(run())
         with jax.profiler.trace(log_dir, create_perfetto_trace=True):
@@ -633,6 +636,10 @@ class Check:
         device = {pid for pid, n in procs.items() if "TPU" in n or "GPU" in n} or set(procs)  # a rehearsal: the host
         by_thread: dict[str, float] = {}
         by_op: dict[str, dict[str, float]] = {}
+        # The device's operations (XLA Ops) by HLO category and by olmax source line, leaf
+        # operations only: a loop's event holds its body's, which are counted themselves.
+        by_category: dict[str, float] = {}
+        by_source: dict[str, float] = {}
         sample: dict[str, Any] = {}
         for e in events:
             if e.get("ph") != "X" or e.get("pid") not in device or "dur" not in e:
@@ -645,11 +652,20 @@ class Check:
             args = e.get("args") or {}
             keys = ("tf_op", "source", "hlo_category", "long_name")
             sample.setdefault(e["name"], {k: str(args[k]).replace(ROOT + os.sep, "")[:300] for k in keys if k in args})
+            if thread == "XLA Ops" and not e["name"].startswith(("while", "conditional", "call")):
+                category = str(args.get("hlo_category", "?"))
+                by_category[category] = by_category.get(category, 0.0) + s
+                source = str(args.get("source", "?")).replace(ROOT + os.sep, "")
+                by_source[source] = by_source.get(source, 0.0) + s
         top = {t: dict(sorted(ops.items(), key=lambda kv: -kv[1])[:30]) for t, ops in by_op.items()}
         where = {name: sample.get(name) for ops in top.values() for name in ops}  # what each top op computes
+        kept = os.path.join(d, "trace.json.gz")  # beside the JSON: the tree jax.profiler writes is deep
+        shutil.copyfile(files[0], kept)
         return {"device_processes": sorted(procs[p] for p in device), "seconds_per_step_by_thread": by_thread,
                 "seconds_per_step_by_op": top, "top_ops": where,
-                "file": os.path.relpath(files[0], d)}
+                "seconds_per_step_by_category": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
+                "seconds_per_step_by_source": dict(sorted(by_source.items(), key=lambda kv: -kv[1])[:40]),
+                "file": os.path.relpath(kept, d)}
 
     def decode(self) -> dict:
         from olmax.engine import Generator, Sampling, cache_length

@@ -19,7 +19,8 @@ def test_tpu_check_rehearsal_produces_every_sections_figures(tmp_path):
     out = tmp_path / "tpu_check.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT / "src")}
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "chip_check.py"), "--rehearse", "--platform", "tpu",
-                        "--only", "env,matmul,bandwidth,parity,train,peers", "--remat", "none+model.logits_chunk=128",
+                        "--only", "env,matmul,bandwidth,parity,train,profile,peers",
+                        "--remat", "none+model.logits_chunk=128",
                         "--peer-olmax-remat", "recipe,none+model.logits_chunk=128", "--no-xla-cost", "--out", str(out)],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -36,6 +37,12 @@ def test_tpu_check_rehearsal_produces_every_sections_figures(tmp_path):
     for row in rows.values():
         assert row["finite"] and row["step_seconds_median"] > 0 and 0 < row["mfu_vs_datasheet"] < 1
     assert res["train"]["best"]["tiny"]["remat"] in rows
+    # profile: each part timed alone, and a trace kept beside the JSON (its device-op summaries
+    # are the chip's; the CPU's trace has no XLA Ops thread)
+    prof = res["profile"]
+    assert prof["errors"] == {} and prof["remat"] == res["train"]["best"]["tiny"]["remat"]
+    assert all(prof["seconds"][k] > 0 for k in ("step", "forward", "gradient", "optimizer_update"))
+    assert (out.parent / prof["trace"]["file"]).is_file()
     # peers: MaxText's rows from canned log lines (run first, before the chip is opened), olmax's
     # rows reused from the train section (no compile of their own), and the ratios
     peers = res["peers"]
