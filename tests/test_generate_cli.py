@@ -316,6 +316,28 @@ def test_errors_are_one_line(ids_model: Path, text_model: Path, tmp_path: Path, 
     assert rc == 2 and "ships no tokenizer" in err
 
 
+@pytest.mark.integration
+def test_paged_kv_cache_flags(ids_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--kv-cache paged``: the same token ids and log-probs as the contiguous cache (four rows of
+    two prompts, sampled), a stderr line on the cache; bad settings refused in one line."""
+    f = tmp_path / "ids.jsonl"
+    f.write_text("[5, 6, 7, 8, 9, 10, 11, 12, 13, 14]\n[40, 41]\n" * 2)
+    base = ["generate", "--checkpoint", f"hf:{ids_model}", "--prompt-ids", str(f), "--max-new-tokens", "6",
+            "--temperature", "1.0", "--seed", "4", "--json"]
+    want = jsonl(run(base, capsys)[1])
+    rc, out, err = run(base + ["--kv-cache", "paged", "--page-size", "8"], capsys)
+    assert rc == 0, err
+    assert [(r["token_ids"], r["logprobs"]) for r in jsonl(out)] == [(r["token_ids"], r["logprobs"]) for r in want]
+    assert "paged KV cache, peak" in err and "prompt tokens from shared pages" in err
+    for extra, msg in ((["--kv-cache", "paged", "--batching", "static"], "pages the continuous engine"),
+                       (["--kv-cache", "paged", "--page-size", "48"], "must be a positive power of two"),
+                       (["--kv-cache", "paged", "--kv-budget", "lots"], "neither a size"),
+                       (["--kv-cache", "paged", "--kv-budget", "1KiB"], "cannot hold one sequence"),
+                       (["--kv-budget", "1KiB"], "cannot hold one sequence")):
+        rc, out, err = run(base + extra, capsys)
+        assert rc == 2 and msg in err and err.count("\n") == 1 and "Traceback" not in err, (extra, err)
+
+
 # --------------------------------------------------------------------------- helpers
 
 

@@ -132,6 +132,61 @@ def test_continuous_and_static_rollouts_train_the_same(rl_data: Path, straight: 
     assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)))
 
 
+def _paged(rl_data: Path, *extra: str):
+    """``straight`` with rollouts on the paged KV cache in generation batches of 4, pages of 4 (these
+    prompts of 4 words hold a whole page or two, which a group's rows share) and the smallest budget
+    (the 4 rows' sliding windows and positions, one row at the cache's full 64 positions and 2 pages
+    more). Preemption is left to tests/test_engine_paged.py: a budget holds one row of the whole
+    cache, which these 16-position rows never come near."""
+    from olmax.model.decode import page_bytes, row_bytes
+    m = rl_cfg(rl_data).model
+    budget = 4 * row_bytes(m, 64, "float32") + (1 + 64 // 4 + 2) * page_bytes(m, 4, "float32")
+    return rl_cfg(rl_data, "train.steps=4", "rl.num_mini_batches=2", "rl.num_epochs=2", "rl.generation_batch=4",
+                  "rl.kv_cache=paged", "rl.page_size=4", f"rl.kv_budget={budget / 1024!r}KiB", *extra)
+
+
+@pytest.fixture(scope="module")
+def paged(rl_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("rl_paged") / "run"
+    train(_paged(rl_data), run, progress=False)
+    return run
+
+
+KV = ("rl/kv_", "rl/preemptions")
+
+
+def test_paged_rollouts_train_the_same(straight: Path, paged: Path):
+    """Rollouts on the paged KV cache (a group's prompt pages shared, under a budget): every
+    per-step figure but the timings, the slot utilisation and the KV cache's own, and the final
+    weights, equal the contiguous cache's (``straight``; in batches of 4 it trains the same:
+    ``test_continuous_and_static_rollouts_train_the_same``)."""
+    from olmax.checkpoint.load import load_params
+    a, b = rows(straight), rows(paged)
+    timing = ("time", "tokens_per_sec", "generation_share", "slot_utilisation", "throughput", "MFU", "elapsed")
+    keys = [k for k in a[0] if k.startswith(("rl/", "optim/")) and not any(t in k for t in timing)
+            and not k.startswith(KV)]
+    assert len(keys) > 15 and [[r[k] for k in keys] for r in a] == [[r[k] for k in keys] for r in b]
+    assert sum(r["rl/kv_shared_prompt_tokens"] for r in b) > 0
+    assert all(r["rl/kv_bytes_reserved"] < a_["rl/kv_bytes_reserved"] for r, a_ in zip(b, a))
+    assert all(r["rl/kv_bytes_peak"] <= r["rl/kv_bytes_reserved"] for r in b)
+    pa, pb = load_params(str(straight))[0], load_params(str(paged))[0]
+    assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)))
+
+
+def test_rl_resume_is_bitwise_with_the_paged_cache(rl_data: Path, paged: Path, tmp_path: Path):
+    from olmax.checkpoint.load import load_params
+    run = tmp_path / "run"
+    first = train(_paged(rl_data), run, max_steps_this_run=2, progress=False)
+    assert first.stopped_early and first.end_step == 2
+    train(_paged(rl_data), run, progress=False)
+    a, b = rows(paged), rows(run)
+    keys = [k for k in a[0] if k.startswith(("rl/reward", "rl/max_logprob", "optim/total", "rl/clip", "rl/response",
+                                             "rl/padding", "rl/training_rows", "rl/loss"))]
+    assert [[r[k] for k in keys] for r in a] == [[r[k] for k in keys] for r in b]
+    pa, pb = load_params(str(paged))[0], load_params(str(run))[0]
+    assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)))
+
+
 def test_rl_options_kl_active_sampling_and_retirement(rl_data: Path, tmp_path: Path):
     run = tmp_path / "run"
     train(rl_cfg(rl_data, "train.steps=2", "rl.kl_beta=0.5", "rl.num_epochs=2", "rl.active_sampling=true",
