@@ -214,6 +214,67 @@ def test_continuous_engine_equals_static_engine(params, temperature: float) -> N
     assert diff <= LOGPROB_BOUND, f"continuous vs static log-probs on {jax.default_backend()}: max |diff| {diff:.3g}"
 
 
+def test_paged_engine_equals_the_contiguous_one(params) -> None:
+    """The continuous engine over a paged KV cache (pages of 16, a budget that makes rows wait for
+    pages and preempts the youngest) against the contiguous cache, greedy, 4 prompts x a group of
+    3 sharing their prompt pages: the same tokens and finish reasons, log-probs within 1e-5. The
+    tier's model is fp32, whose pages are read through the gather (the Pallas kernel reads bf16)."""
+    from olmax.engine import Engine, generate
+    from olmax.model.decode import page_bytes, row_bytes
+    m = tier_model()
+    rows = [p for p in _prompts(4, seed=7) for _ in range(3)]
+    targets = [5 + (7 * i) % 27 for i in range(len(rows))]
+    kw = dict(max_new_tokens=32, eos_ids=[7, 11], batch_size=8, chunk=4,
+              stop=lambda i, ids: len(ids) >= targets[i])
+    contiguous = generate(params, m, rows, **kw)
+    # the call's cache: a prompt bucket of 32 and 32 new tokens
+    budget = 8 * row_bytes(m, 64, "float32") + (1 + 64 // 16 + 2) * page_bytes(m, 16, "float32")
+    engine = Engine(params, m, slots=8, max_length=64, kv_cache="paged", page_size=16, kv_budget=budget)
+    paged = generate(params, m, rows, generator=engine, **kw)
+    assert [c.token_ids for c in paged] == [c.token_ids for c in contiguous]
+    assert [c.finish_reason for c in paged] == [c.finish_reason for c in contiguous]
+    diff = _max_logprob_diff(contiguous, paged)
+    print(f"measured: paged vs contiguous log-probs on {jax.default_backend()}: max |diff| {diff:.3g}; "
+          f"preemptions {engine.stats.preemptions}, shared prompt tokens {engine.stats.shared_prompt_tokens}")
+    assert engine.stats.shared_prompt_tokens > 0
+    assert diff <= LOGPROB_BOUND, f"paged vs contiguous log-probs on {jax.default_backend()}: max |diff| {diff:.3g}"
+
+
+def test_paged_attention_kernel_on_a_bf16_cache() -> None:
+    """A decode step's attention over a bf16 paged cache through the dispatch (on one TPU: JAX's
+    Pallas paged-attention kernel; elsewhere the gather), 3 rows at different lengths, pages in
+    shuffled order, GQA 8:2, heads of 128: its error against fp32 arithmetic on the same bf16
+    numbers (relative to the largest magnitude) is at most twice the gather's in bf16 plus 2^-8.
+    The CPU rehearsal runs it in fp32 (XLA's CPU dots take no bf16 operands with an fp32 result)."""
+    from olmax.model import dispatch
+    b, h, kv, e, ps, n, pool = 3, 8, 2, 128, 16, 8, 32
+    dt = jnp.bfloat16 if _platform() == "tpu" else jnp.float32
+    ks = jax.random.split(jax.random.key(11), 3)
+    q = jax.random.normal(ks[0], (b, 1, h, e), jnp.float32).astype(dt)
+    k_pages, v_pages = (jax.random.normal(key, (kv, pool, ps, e), jnp.float32).astype(dt) for key in ks[1:])
+    table = jnp.asarray(np.random.default_rng(0).permutation(pool)[:b * n].reshape(b, n), jnp.int32)
+    q_pos = jnp.asarray([[37], [100], [n * ps - 1]], jnp.int32)
+    k_pos = jnp.broadcast_to(jnp.arange(n * ps, dtype=jnp.int32), (b, n * ps))  # a full layer: slot = position
+    impl = dispatch.paged_attention_impl(dt)
+    assert impl == ("pallas" if _platform() == "tpu" else "gather")
+    step = jax.jit(lambda q, kp, vp: dispatch.paged_cache_attention(q, kp, vp, table, q_pos, k_pos, False))
+    out = step(q, k_pages, v_pages)
+    original = dispatch.paged_attention_impl
+    try:  # the gather, in bf16 and on the same numbers in fp32
+        dispatch.paged_attention_impl = lambda *a, **kw: "gather"
+        gathered = jax.jit(lambda q, kp, vp: dispatch.paged_cache_attention(q, kp, vp, table, q_pos, k_pos,
+                                                                            False))(q, k_pages, v_pages)
+        with dispatch.fp32_products(jnp.float32):  # exact products on the chip too
+            truth = jax.jit(lambda q, kp, vp: dispatch.paged_cache_attention(
+                q, kp, vp, table, q_pos, k_pos, False))(*(x.astype(jnp.float32) for x in (q, k_pages, v_pages)))
+    finally:
+        dispatch.paged_attention_impl = original
+    ours, theirs = _rel(out, truth), _rel(gathered, truth)
+    print(f"measured: {jnp.dtype(dt).name} paged attention vs fp32 on {jax.default_backend()}: {impl} {ours:.3g}, "
+          f"gather {theirs:.3g}")
+    assert ours <= 2 * theirs + 2 ** -8, f"{impl} {ours:.3g} against the gather's {theirs:.3g}"
+
+
 def test_greedy_decoding_is_the_full_forwards_argmax(params) -> None:
     """8 prompts, 24 greedy tokens each (the KV cache's prefill and decode steps, the ring of the
     sliding layers wrapping): every token is the argmax of the full forward's logits over the
