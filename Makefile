@@ -106,8 +106,12 @@ bench-rl: $(STAMP)
 # The continuous engine against the static one on short completions of geometric length (256
 # prompts, mean 48 tokens, 16 slots): olmax generate's process wall time, each engine's best of
 # three after a run that fills a compilation cache, and that their completions are the same bits.
+# Then the paged KV cache against the contiguous one at the same KV budget (4 prompts x groups of
+# 8 on OLMo 3 Think's length profile, a 2-layer d256 model): sequences at once, decode tokens/s,
+# rollout time, shared prompt pages, preemptions, the same completions to the bit (under a minute).
 bench-engine: $(STAMP)
 	$(VENV)/bin/python benchmarks/bench_admission.py
+	$(VENV)/bin/python benchmarks/bench_paged.py
 
 # The GPU check (benchmarks/gpu_check.sh) rehearsed on the CPU in a venv built like the lent
 # H200's image (benchmarks/gpu_image_requirements.txt; olmax from src/, not installed): the venv
