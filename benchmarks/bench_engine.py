@@ -75,9 +75,10 @@ def main() -> None:
 
     from olmax.checkpoint.load import load_params
     from olmax.compat.hf import random_hf_model
-    from olmax.engine import DEFAULT_CHUNK, Sampling, decoder, generate
+    from olmax.engine import Sampling, decoder, generate
+    from olmax.model.dispatch import round_trip_steps
 
-    chunk = args.chunk or DEFAULT_CHUNK
+    chunk = args.chunk or round_trip_steps()
     tmp = Path(tempfile.mkdtemp(prefix="bench_engine_"))
     random_hf_model(tmp / "hf", seed=0, **HF)
     params, cfg = load_params(f"hf:{tmp / 'hf'}")

@@ -492,20 +492,20 @@ def compile_generate(cfg: Config, topology: Topology, batch: int, max_length: in
     program's cost as XLA estimates it (``COST_KEYS``; XLA counts a loop's body once: a chunk's
     figures are one decode step's, an admission's one written row per shard's). Allocates nothing."""
     from olmax.checkpoint.state import abstract_train_state, shardings
-    from olmax.engine import DEFAULT_CHUNK, check_prefill_bound
+    from olmax.engine import check_prefill_bound
     from olmax.engine.continuous import MAX_EOS, bounded_rows, programs
     from olmax.engine.sampling import Sampling
     from olmax.engine.sampling import knobs as sampling_knobs
     from olmax.engine.shapes import bucket
     from olmax.metrics.flops import decode_flops_per_token, device_peak_flops, forward_flops_per_token
     from olmax.model.decode import cache_bytes, decode_step, expand_rows, prefill, prepare
-    from olmax.model.dispatch import decode_layout
+    from olmax.model.dispatch import decode_layout, round_trip_steps
 
     if batching not in ("continuous", "static"):
         raise ConfigError(f"batching must be continuous or static, got {batching!r}")
     mesh = mesh if mesh is not None else make_mesh(cfg.mesh, abstract_devices(topology))
     m = cfg.model
-    chunk = chunk or DEFAULT_CHUNK
+    chunk = chunk or round_trip_steps("tpu")
     dp = data_parallel_size(dict(mesh.shape))
     if batch % dp:
         raise ConfigError(f"--batch-size {batch} does not divide over the {dp} data-parallel "

@@ -27,9 +27,8 @@ from olmax.engine.shapes import cache_length, call_rows, prompt_bucket
 from olmax.engine.static import Generator
 
 BATCHING = ("continuous", "static")
-DEFAULT_CHUNK = 8  # decode steps per host round trip (benchmarks/bench_engine.py measures the choice)
 
-__all__ = ["BATCHING", "DEFAULT_CHUNK", "DEFAULT_PAGE_SIZE", "KV_CACHES", "Completion", "Engine", "EngineStats",
+__all__ = ["BATCHING", "DEFAULT_PAGE_SIZE", "KV_CACHES", "Completion", "Engine", "EngineStats",
            "Generator", "MAX_TEMPERATURE", "MAX_TOP_LOGPROBS", "NonFiniteLogits", "Request", "Sampling",
            "check_kv_cache", "check_prefill_bound", "decoder", "generate", "parse_budget"]
 
@@ -67,7 +66,7 @@ def decoder(params: Any, cfg: ModelConfig, batching: str = "continuous", *, rows
         return Generator(params, cfg, sampling, mesh, rows=rows)
     # Shapes are set by each ``generate`` call (``Engine.reset``); a placeholder until then.
     return Engine(params, cfg, slots=rows, max_length=max(64, page_size) if page_size >= 1 else 64, mesh=mesh,
-                  chunk=DEFAULT_CHUNK, prefill_tokens=prefill_tokens, kv_cache=kv_cache, page_size=page_size,
+                  prefill_tokens=prefill_tokens, kv_cache=kv_cache, page_size=page_size,
                   kv_budget=kv_budget)
 
 
@@ -76,15 +75,16 @@ def generate(params: Any, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *,
              stop: Callable[[int, list[int]], bool] | None = None,
              on_token: Callable[[int, int], None] | None = None,
              generator: Engine | Generator | None = None, mesh: Mesh | None = None,
-             batching: str | None = None, chunk: int = DEFAULT_CHUNK) -> list[Completion]:
+             batching: str | None = None, chunk: int | None = None) -> list[Completion]:
     """Complete each prompt (a list of token ids) with up to ``max_new_tokens`` tokens, ``batch_size``
     rows at a time; results in prompt order. ``stop(prompt_index, generated_ids)`` is asked after
     each token (stop strings); ``on_token(prompt_index, token_id)`` sees each token as it is made
     (streaming). ``sampling`` defaults to greedy. Pass ``generator`` (``decoder``) to reuse its
     compiled programs and prepared weights (its mesh and kind then apply), or ``mesh`` to shard
     the run. ``batching``: "continuous" (default) or "static"; ``chunk``: decode steps per host
-    round trip of the continuous engine. ``NonFiniteLogits`` (a ValueError naming the prompt and
-    the generation step) where the model's logits for a prompt were not finite."""
+    round trip of the continuous engine (default: the platform's, ``dispatch.round_trip_steps``).
+    ``NonFiniteLogits`` (a ValueError naming the prompt and the generation step) where the model's
+    logits for a prompt were not finite."""
     prompts = [list(p) for p in prompts]
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")

@@ -64,7 +64,7 @@ from olmax.model.decode import (
     shard_take,
     write_rows,
 )
-from olmax.model.dispatch import decode_layout, reproduce_decode_bits
+from olmax.model.dispatch import decode_layout, reproduce_decode_bits, round_trip_steps
 
 MAX_EOS = 8          # end-of-sequence ids a request may name (a fixed-width table on the device)
 # What one admission (a prefill, the rows' writes, the round trip it ends) costs, in decode steps
@@ -275,7 +275,7 @@ class Engine:
     end until the pool needs them. Submit and cancel from any thread; ``step`` from one."""
 
     def __init__(self, params: Any, cfg: ModelConfig, *, slots: int, max_length: int, mesh: Mesh | None = None,
-                 chunk: int = 8, prompt_len: int | None = None, refill: int | None = None,
+                 chunk: int | None = None, prompt_len: int | None = None, refill: int | None = None,
                  weights: DecodeWeights | None = None, prefill_ahead: int = 4, prefill_tokens: int | None = None,
                  kv_cache: str = "contiguous", page_size: int = DEFAULT_PAGE_SIZE, kv_budget: int | None = None,
                  prefix_cache: bool = False):
@@ -313,14 +313,16 @@ class Engine:
             raise ValueError(f"prefill_tokens must be an int >= 1 (or None: no bound), got {value!r}")
         self._prefill_tokens = value
 
-    def reset(self, *, slots: int, max_length: int, chunk: int = 8, prompt_len: int | None = None,
+    def reset(self, *, slots: int, max_length: int, chunk: int | None = None, prompt_len: int | None = None,
               refill: int | None = None) -> None:
-        """New shapes (only while idle): the compiled programs of earlier shapes are kept."""
+        """New shapes (only while idle): the compiled programs of earlier shapes are kept. ``chunk``:
+        None, the platform's (``dispatch.round_trip_steps``)."""
         if self.busy():
             raise RuntimeError("the engine is busy: reset it only between runs")
         dp = mesh_data_parallel(self.mesh)
         if slots < 1 or slots % dp:
             raise ValueError(f"slots must be a positive multiple of the {dp} data-parallel shards, got {slots}")
+        chunk = round_trip_steps() if chunk is None else chunk
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
         if prompt_len is not None and prompt_len > max_length:
