@@ -85,6 +85,16 @@ def _quiet_background_errors() -> None:
     threading.excepthook = lambda a: None if closed_loop(a.exc_value) else threading.__excepthook__(a)
 
 
+def _cache_every_program() -> None:
+    """Where a persistent compilation cache is set (``JAX_COMPILATION_CACHE_DIR``), keep every
+    program olmax compiles in it, as the test suite does, unless the user chose a threshold: JAX
+    keeps only programs that took over a second to compile, and small ones (a decode engine's
+    prefill and blank state, the weights' preparation) would compile again in every process."""
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        import jax
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
 def main(argv: list[str] | None = None) -> int:
     # Error contract: a user error (config, data, checkpoint, full disk, a missing extra) is one line
     # on stderr (and {"error": ...} on stdout with --json), exit status 2, no traceback unless --debug
@@ -99,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not debug:
         _quiet_background_errors()
+    _cache_every_program()
     try:
         rc = args.func(args)
     except USER_ERRORS as e:
