@@ -544,6 +544,38 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
+def parse_kv_budget(text: str | float | int | None) -> float | int | None:
+    """A KV memory budget as given (``--kv-budget``): ``"512MiB"`` / ``"2GiB"`` / a plain number
+    of MiB (bytes returned, an int), or a fraction of the device's free memory in (0, 1] (a float).
+    None: no budget."""
+    if text is None or isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = text
+    else:
+        s = str(text).strip()
+        units = {"kib": 2**10, "mib": 2**20, "gib": 2**30}
+        for unit, scale in units.items():
+            if s.lower().endswith(unit):
+                try:
+                    return int(float(s[:-len(unit)]) * scale)
+                except ValueError:
+                    break
+        try:
+            value = float(s) if "." in s else int(s) * 2**20
+        except ValueError:
+            raise ConfigError(f"kv budget {text!r} is neither a size (512MiB, 2GiB, a number of MiB) nor a "
+                              "fraction of free device memory in (0, 1]") from None
+        if isinstance(value, int):
+            if value < 1:
+                raise ConfigError(f"kv budget {text!r} must be at least 1 MiB")
+            return value
+    if value is None:
+        return None
+    if isinstance(value, float) and not 0 < value <= 1:
+        raise ConfigError(f"kv budget {value} as a fraction of free device memory must be in (0, 1]")
+    return value
+
+
+
 def _validate_rl(cfg: Config) -> None:
     r = cfg.rl
     for name in ("group_size", "prompts_per_step", "max_prompt_length", "max_response_length", "max_sampling_rounds",
@@ -559,9 +591,8 @@ def _validate_rl(cfg: Config) -> None:
     if r.page_size < 1 or r.page_size & (r.page_size - 1):
         raise ConfigError(f"rl.page_size must be a positive power of two (tokens per page), got {r.page_size}")
     if r.kv_budget is not None:
-        from olmax.engine.paged import parse_budget
         try:
-            parse_budget(r.kv_budget)
+            parse_kv_budget(r.kv_budget)
         except ConfigError as e:
             raise ConfigError(f"rl.kv_budget: {e}") from None
     if r.generation_batch is not None and r.generation_batch < 1:

@@ -24,42 +24,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from olmax.config import ConfigError, ModelConfig
+from olmax.config import ConfigError, ModelConfig, parse_kv_budget
 from olmax.model.decode import NULL_PAGE, cache_bytes, page_bytes, row_bytes
 
 KV_CACHES = ("contiguous", "paged")
 DEFAULT_PAGE_SIZE = 16
-
-
-def parse_budget(text: str | float | int | None) -> float | int | None:
-    """A KV memory budget as given (``--kv-budget``): ``"512MiB"`` / ``"2GiB"`` / a plain number
-    of MiB (bytes returned, an int), or a fraction of the device's free memory in (0, 1] (a float).
-    None: no budget."""
-    if text is None or isinstance(text, (int, float)) and not isinstance(text, bool):
-        value = text
-    else:
-        s = str(text).strip()
-        units = {"kib": 2**10, "mib": 2**20, "gib": 2**30}
-        for unit, scale in units.items():
-            if s.lower().endswith(unit):
-                try:
-                    return int(float(s[:-len(unit)]) * scale)
-                except ValueError:
-                    break
-        try:
-            value = float(s) if "." in s else int(s) * 2**20
-        except ValueError:
-            raise ConfigError(f"kv budget {text!r} is neither a size (512MiB, 2GiB, a number of MiB) nor a "
-                              "fraction of free device memory in (0, 1]") from None
-        if isinstance(value, int):
-            if value < 1:
-                raise ConfigError(f"kv budget {text!r} must be at least 1 MiB")
-            return value
-    if value is None:
-        return None
-    if isinstance(value, float) and not 0 < value <= 1:
-        raise ConfigError(f"kv budget {value} as a fraction of free device memory must be in (0, 1]")
-    return value
+# A budget as given (--kv-budget, rl.kv_budget): parsed by the config layer, which checks rl.kv_budget.
+parse_budget = parse_kv_budget
 
 
 def budget_bytes(budget: float | int, devices: Sequence | None = None) -> int:
