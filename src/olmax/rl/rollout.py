@@ -211,6 +211,7 @@ class RlData:
         self.eos_ids = {int(eos)} if eos is not None else set()
         self.L = cfg.data.sequence_length
         self.generator = None
+        self._kv_counted = (0, 0)  # the engine's shared prompt positions and preemptions reported so far
         self._perm: tuple[int, np.ndarray] | None = None
         self.trace = None
         if cfg.train.trace_instance_ids:
@@ -269,16 +270,19 @@ class RlData:
                         generator=self.generator)
 
     def _kv_metrics(self) -> dict[str, float]:
-        """The continuous engine's KV cache over the step's last sampling round (``Engine.kv_report``):
-        peak bytes used, the prompt positions served from shared pages and the preemptions (the
-        last two counted over the run)."""
+        """The continuous engine's KV cache (``Engine.kv_report``): peak bytes used and reserved in
+        the step's last sampling round, and the step's prompt positions served from shared pages
+        and preemptions: the engine counts them over its life, so each step reports what it added
+        (the same figures whether or not the run resumed in between)."""
         report = getattr(self.generator, "kv_report", None)
         if report is None:
             return {}
         kv = report()
+        seen = self._kv_counted
+        self._kv_counted = (kv["kv_shared_prompt_tokens"], kv["preemptions"])
         return {"rl/kv_bytes_peak": float(kv["kv_bytes_peak"]), "rl/kv_bytes_reserved": float(kv["kv_bytes_reserved"]),
-                "rl/kv_shared_prompt_tokens": float(kv["kv_shared_prompt_tokens"]),
-                "rl/preemptions": float(kv["preemptions"])}
+                "rl/kv_shared_prompt_tokens": float(kv["kv_shared_prompt_tokens"] - seen[0]),
+                "rl/preemptions": float(kv["preemptions"] - seen[1])}
 
     def _score(self, texts: list[str], golds: list[str]) -> np.ndarray:
         """Rewards of the completions; with several processes, process 0's, sent to the rest (so
