@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_cli_contract import run as _run
 
-from olmax import cli
 from olmax import compile as oc
 from olmax.recipes import get_recipe
 
@@ -23,15 +23,6 @@ SMALL = ["model.vocab_size=256", "model.padded_vocab_size=256", "model.d_model=3
 
 def _sets(overrides: list[str]) -> list[str]:
     return [a for o in overrides for a in ("--set", o)]
-
-
-def _run(argv: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        rc = cli.main(argv)
-    except SystemExit as e:  # argparse
-        rc = e.code
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def test_measured_sweep_runs_each_candidate_and_sets_xlas_estimate_beside_it(capsys):

@@ -5,9 +5,9 @@ with preemption, with a prefix cache; streaming that never repeats a token; bad 
 from __future__ import annotations
 
 import jax
-import numpy as np
 import pytest
 from test_decode import TINY
+from test_engine import _prompts, _same
 
 from olmax.config import ConfigError
 from olmax.engine import Engine, Request, Sampling, generate
@@ -18,17 +18,6 @@ from olmax.model.params import init_params
 @pytest.fixture(scope="module")
 def params():
     return init_params(TINY, jax.random.key(0))
-
-
-def _prompts(n: int, seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [[int(t) for t in rng.integers(1, 100, size=int(rng.integers(3, 30)))] for _ in range(n)]
-
-
-def _same(a, b) -> None:
-    assert [c.token_ids for c in a] == [c.token_ids for c in b]
-    assert [c.logprobs for c in a] == [c.logprobs for c in b]   # to the bit
-    assert [c.finish_reason for c in a] == [c.finish_reason for c in b]
 
 
 def _run(params, engine: Engine, rows, sampling: Sampling, streamed=None):
